@@ -1,0 +1,184 @@
+"""Copy plans: a pull becomes a list of contiguous byte runs (src offset, dst offset, nbytes), merged where
+both sides continue, bounds-checked, split across copy threads, and executed with `np.copyto` per run.
+
+Plans are pure arithmetic on offsets (no memory touched); block plans are built with numpy, without a
+Python loop per block per tensor. `execute` holds no lock: numpy releases the GIL for each copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from shm.errors import InvalidRange
+
+__all__ = ["Run", "check_runs", "execute", "merge_runs", "plan_block_copy", "plan_tensor_copy", "split_runs"]
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Copy `nbytes` bytes from `src_offset` of the source to `dst_offset` of the destination."""
+
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+
+
+def merge_runs(runs: Iterable[Run]) -> list[Run]:
+    """The same byte mapping in as few runs as order allows: a run is merged into the one before it when
+    both its source and its destination start exactly where the previous one's end. Drops empty runs."""
+    merged: list[Run] = []
+    for run in runs:
+        if run.nbytes == 0:
+            continue
+        if merged:
+            last = merged[-1]
+            if (
+                last.src_offset + last.nbytes == run.src_offset
+                and last.dst_offset + last.nbytes == run.dst_offset
+            ):
+                merged[-1] = Run(last.src_offset, last.dst_offset, last.nbytes + run.nbytes)
+                continue
+        merged.append(run)
+    return merged
+
+
+def plan_tensor_copy(src_offsets: Sequence[int], dst_offsets: Sequence[int], nbytes: int) -> list[Run]:
+    """One run of `nbytes` per (src, dst) tensor pair, in order, merged. ValueError on unequal lengths."""
+    if len(src_offsets) != len(dst_offsets):
+        raise ValueError(f"{len(src_offsets)} source tensors but {len(dst_offsets)} destination tensors")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be non-negative, got {nbytes}")
+    return merge_runs(Run(int(s), int(d), nbytes) for s, d in zip(src_offsets, dst_offsets, strict=True))
+
+
+def plan_block_copy(
+    src_tensor_offsets: Sequence[int],
+    dst_tensor_offsets: Sequence[int],
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    src_block_nbytes: int,
+    dst_block_nbytes: int,
+    nbytes: int,
+) -> list[Run]:
+    """Runs that copy, for each tensor t and each k, `nbytes` from
+    src_tensor_offsets[t] + src_blocks[k] * src_block_nbytes to dst_tensor_offsets[t] + dst_blocks[k] *
+    dst_block_nbytes. Generated tensor by tensor, blocks in the given order, then consecutive runs merged.
+
+    ValueError on unequal list lengths, a negative block index or size, or `nbytes` larger than a block
+    (such a copy would spill into the next block, and the result would depend on the order of the runs).
+    """
+    if len(src_tensor_offsets) != len(dst_tensor_offsets):
+        raise ValueError(
+            f"{len(src_tensor_offsets)} source tensors but {len(dst_tensor_offsets)} destination tensors"
+        )
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
+    if nbytes < 0 or src_block_nbytes < 0 or dst_block_nbytes < 0:
+        raise ValueError(
+            f"negative size: nbytes={nbytes}, block nbytes {src_block_nbytes}/{dst_block_nbytes}"
+        )
+    if nbytes > src_block_nbytes or nbytes > dst_block_nbytes:
+        raise ValueError(f"nbytes={nbytes} exceeds a block ({src_block_nbytes} / {dst_block_nbytes} bytes)")
+    if nbytes == 0 or not src_tensor_offsets or not src_blocks:
+        return []
+    src_block_indices = np.asarray(src_blocks, dtype=np.int64)
+    dst_block_indices = np.asarray(dst_blocks, dtype=np.int64)
+    if src_block_indices.min() < 0 or dst_block_indices.min() < 0:
+        raise ValueError("block indices must be non-negative")
+    # Row t, column k: the run of tensor t, block k; flattening row-major keeps tensor-then-block order.
+    src_starts = (
+        np.asarray(src_tensor_offsets, dtype=np.int64)[:, None]
+        + (src_block_indices * src_block_nbytes)[None, :]
+    ).ravel()
+    dst_starts = (
+        np.asarray(dst_tensor_offsets, dtype=np.int64)[:, None]
+        + (dst_block_indices * dst_block_nbytes)[None, :]
+    ).ravel()
+    return _merge_uniform(src_starts, dst_starts, nbytes)
+
+
+def _merge_uniform(
+    src_starts: npt.NDArray[np.int64], dst_starts: npt.NDArray[np.int64], nbytes: int
+) -> list[Run]:
+    """`merge_runs` for runs of equal length, vectorised: a run continues the previous one when both of its
+    starts are exactly `nbytes` past the previous starts."""
+    continues = (src_starts[1:] == src_starts[:-1] + nbytes) & (dst_starts[1:] == dst_starts[:-1] + nbytes)
+    first_indices = np.flatnonzero(np.concatenate(([True], ~continues)))
+    counts = np.diff(np.append(first_indices, len(src_starts)))
+    return [
+        Run(src, dst, count * nbytes)
+        for src, dst, count in zip(
+            src_starts[first_indices].tolist(),
+            dst_starts[first_indices].tolist(),
+            counts.tolist(),
+            strict=True,
+        )
+    ]
+
+
+def split_runs(runs: Sequence[Run], parts: int, *, min_part_nbytes: int = 4 << 20) -> list[list[Run]]:
+    """Split a plan into at most `parts` lists of nearly equal byte counts (for parallel copy threads),
+    cutting runs where a boundary falls inside one. Every byte of the plan lands in exactly one part.
+
+    A single part (the runs as given) when `parts` is 1 or the plan holds under 2 * min_part_nbytes bytes;
+    otherwise each part holds at least `min_part_nbytes` bytes. Zero-length runs are dropped when splitting.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be at least 1, got {parts}")
+    if min_part_nbytes < 1:
+        raise ValueError(f"min_part_nbytes must be at least 1, got {min_part_nbytes}")
+    total_nbytes = sum(run.nbytes for run in runs)
+    part_count = min(parts, total_nbytes // min_part_nbytes)
+    if part_count <= 1:
+        return [list(runs)]
+    # Part i covers plan bytes [i * total // n, (i + 1) * total // n): sizes differ by at most one byte.
+    result: list[list[Run]] = []
+    current: list[Run] = []
+    part_end_nbytes = total_nbytes // part_count
+    position_nbytes = 0  # plan bytes placed so far
+    for run in runs:
+        src_offset, dst_offset, left_nbytes = run.src_offset, run.dst_offset, run.nbytes
+        while left_nbytes > 0:
+            take_nbytes = min(left_nbytes, part_end_nbytes - position_nbytes)
+            current.append(Run(src_offset, dst_offset, take_nbytes))
+            src_offset += take_nbytes
+            dst_offset += take_nbytes
+            left_nbytes -= take_nbytes
+            position_nbytes += take_nbytes
+            if position_nbytes == part_end_nbytes and len(result) < part_count - 1:
+                result.append(current)
+                current = []
+                part_end_nbytes = (len(result) + 1) * total_nbytes // part_count
+    result.append(current)
+    return result
+
+
+def check_runs(runs: Sequence[Run], src_nbytes: int, dst_nbytes: int) -> None:
+    """`InvalidRange` if any run has a negative field or reaches outside [0, src_nbytes) / [0, dst_nbytes)."""
+    for run in runs:
+        if run.src_offset < 0 or run.dst_offset < 0 or run.nbytes < 0:
+            raise InvalidRange(f"negative field in {run}")
+        if run.src_offset + run.nbytes > src_nbytes:
+            raise InvalidRange(f"{run} reads past the end of a {src_nbytes}-byte source")
+        if run.dst_offset + run.nbytes > dst_nbytes:
+            raise InvalidRange(f"{run} writes past the end of a {dst_nbytes}-byte destination")
+
+
+def execute(runs: Sequence[Run], src: npt.NDArray[np.uint8], dst: npt.NDArray[np.uint8]) -> None:
+    """Check the runs against both arrays, then copy each run with `np.copyto` (which releases the GIL).
+
+    `src` and `dst` are 1-D uint8 arrays (ValueError otherwise); runs are applied in order.
+    """
+    for label, array in (("src", src), ("dst", dst)):
+        if array.ndim != 1 or array.dtype != np.uint8:
+            raise ValueError(f"{label} must be a 1-D uint8 array, got {array.ndim}-D {array.dtype}")
+    check_runs(runs, src.nbytes, dst.nbytes)
+    for run in runs:
+        np.copyto(
+            dst[run.dst_offset : run.dst_offset + run.nbytes],
+            src[run.src_offset : run.src_offset + run.nbytes],
+        )
