@@ -1,0 +1,242 @@
+"""Sans-IO connection state machine (h11-style): bytes in -> events out, messages in -> bytes out.
+
+Owns the message order of one connection: handshake (client Hello, server Welcome or Error), then the
+messages each side may send when READY, then an orderly close (Bye, handshake Error, or EOF at a frame
+boundary). Who may send what is data (`SENDABLE`), so new message types only add entries. A connection that
+saw an invalid or out-of-order frame is FAILED for good: every later call raises again.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NoReturn
+
+from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from protocol.frames import DEFAULT_MAX_FRAME_NBYTES, FrameDecoder, encode_frame
+from protocol.messages import (
+    Ack,
+    Bye,
+    Error,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    PullDone,
+    PullGrant,
+    PullRequest,
+    Welcome,
+    decode_message,
+)
+
+__all__ = ["SENDABLE", "Closed", "ConnPhase", "ConnRole", "ConnState", "Connection"]
+
+
+class ConnRole(enum.Enum):
+    CLIENT = "client"  # connects, sends Hello (the puller)
+    SERVER = "server"  # listens, answers Welcome or Error (the owner of the caches)
+
+
+class ConnState(enum.Enum):
+    HANDSHAKE = "handshake"
+    READY = "ready"
+    CLOSED = "closed"  # a Bye or handshake Error went either way, or the peer hit EOF at a frame boundary
+    FAILED = "failed"  # the peer broke the protocol; the connection is dead
+
+
+class ConnPhase(enum.Enum):
+    """How far the handshake has got; both sides agree on it, so one table serves sending and receiving."""
+
+    AWAIT_HELLO = "await_hello"
+    AWAIT_WELCOME = "await_welcome"
+    READY = "ready"
+
+
+@dataclass(frozen=True)
+class Closed:
+    """Event: the peer closed cleanly at a frame boundary. reason is "" for a plain EOF, the Bye's reason
+    after a Bye, and the Error's message after an Error that refused the handshake."""
+
+    reason: str = ""
+
+
+_CLIENT, _SERVER = ConnRole.CLIENT, ConnRole.SERVER
+
+# Which messages a side may send in each phase. The receiver checks the peer's frames against the peer's
+# row for the same phase (the mirror image), so this is the whole ordering policy.
+SENDABLE: dict[tuple[ConnRole, ConnPhase], frozenset[type[Message]]] = {
+    (_CLIENT, ConnPhase.AWAIT_HELLO): frozenset({Hello}),
+    (_CLIENT, ConnPhase.AWAIT_WELCOME): frozenset({Bye}),
+    (_CLIENT, ConnPhase.READY): frozenset({PullRequest, PullDone, Ping, Bye}),
+    (_SERVER, ConnPhase.AWAIT_HELLO): frozenset(),
+    (_SERVER, ConnPhase.AWAIT_WELCOME): frozenset({Welcome, Error}),
+    (_SERVER, ConnPhase.READY): frozenset({PullGrant, Ack, Error, Pong, Bye}),
+}
+
+# Messages that move the phase forward.
+_ADVANCES: dict[type[Message], ConnPhase] = {Hello: ConnPhase.AWAIT_WELCOME, Welcome: ConnPhase.READY}
+
+
+def _closes(msg: Message, phase: ConnPhase) -> bool:
+    # An Error before READY refuses the handshake; once READY it only answers one request.
+    return isinstance(msg, Bye) or (isinstance(msg, Error) and phase is ConnPhase.AWAIT_WELCOME)
+
+
+def _close_reason(msg: Message) -> str:
+    if isinstance(msg, Bye):
+        return msg.reason
+    assert isinstance(msg, Error)
+    return msg.message
+
+
+class Connection:
+    """One end of a link. Feed received bytes to receive_data() (b"" at EOF) and drain next_event();
+    write whatever send() returns. It never touches a socket.
+
+    Error handling: a remote violation (bad frame, out-of-order message, EOF inside a frame) raises
+    RemoteProtocolError and leaves the connection FAILED; later next_event/receive_data raise
+    RemoteProtocolError again and send raises LocalProtocolError. A forbidden send raises LocalProtocolError
+    and changes nothing (no bytes were produced, so the stream is still intact).
+    """
+
+    def __init__(self, role: ConnRole, *, max_frame_nbytes: int = DEFAULT_MAX_FRAME_NBYTES) -> None:
+        if not isinstance(role, ConnRole):
+            raise TypeError(f"role must be a ConnRole, got {type(role).__name__}")
+        self._role = role
+        self._peer_role = _SERVER if role is _CLIENT else _CLIENT
+        self._max_frame_nbytes = max_frame_nbytes
+        self._decoder = FrameDecoder(max_frame_nbytes)
+        self._phase = ConnPhase.AWAIT_HELLO
+        self._sent_close = False
+        self._peer_closed: Closed | None = None  # set once the peer closed; its later bytes are dropped
+        self._eof = False
+        self._failure: RemoteProtocolError | None = None
+        self._peer_hello: Hello | None = None
+        self._peer_welcome: Welcome | None = None
+
+    @property
+    def role(self) -> ConnRole:
+        return self._role
+
+    @property
+    def state(self) -> ConnState:
+        if self._failure is not None:
+            return ConnState.FAILED
+        if self._sent_close or self._peer_closed is not None:
+            return ConnState.CLOSED
+        if self._phase is ConnPhase.READY:
+            return ConnState.READY
+        return ConnState.HANDSHAKE
+
+    @property
+    def phase(self) -> ConnPhase:
+        return self._phase
+
+    @property
+    def peer_hello(self) -> Hello | None:
+        """The Hello a server received (None on a client, or before it arrived)."""
+        return self._peer_hello
+
+    @property
+    def peer_welcome(self) -> Welcome | None:
+        """The Welcome a client received (None on a server, or before it arrived)."""
+        return self._peer_welcome
+
+    def send(self, msg: Message) -> bytes:
+        """Return the frame to write for msg; LocalProtocolError (state unchanged) when it is not allowed."""
+        if not isinstance(msg, Message):
+            raise TypeError(f"send() takes a protocol message, got {type(msg).__name__}")
+        state = self.state
+        if state is ConnState.FAILED:
+            raise LocalProtocolError(
+                f"cannot send {type(msg).__name__}: the connection failed: {self._failure}"
+            )
+        if state is ConnState.CLOSED:
+            raise LocalProtocolError(f"cannot send {type(msg).__name__}: the connection is closed")
+        if type(msg) not in SENDABLE[(self._role, self._phase)]:
+            raise LocalProtocolError(
+                f"{self._role.value} may not send {type(msg).__name__} in phase {self._phase.value}"
+            )
+        try:
+            frame = encode_frame(msg.to_wire(), self._max_frame_nbytes)
+        except ProtocolError as exc:
+            raise LocalProtocolError(f"cannot send {type(msg).__name__}: {exc}") from exc
+        # State moves only once the bytes exist, so a failed send leaves everything as it was.
+        if _closes(msg, self._phase):
+            self._sent_close = True
+        self._phase = _ADVANCES.get(type(msg), self._phase)
+        return frame
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Buffer bytes read from the peer; b"" means the peer closed its end (EOF), so never pass an empty
+        chunk otherwise. Bytes after the peer closed (Bye, handshake Error) are dropped."""
+        self._raise_if_failed()
+        if self._peer_closed is not None:
+            return  # the peer already said goodbye; whatever trails it is irrelevant
+        if self._eof:
+            if data:
+                raise LocalProtocolError("receive_data() got more bytes after EOF")
+            return
+        if not data:
+            self._eof = True
+            return
+        try:
+            self._decoder.feed(data)
+        except ProtocolError as exc:  # unreachable while _failure is None, kept so a dead decoder stays fatal
+            self._fail(exc)
+
+    def next_event(self) -> Message | Closed | None:
+        """The next message from the peer, Closed once it closed cleanly, or None when more bytes are needed.
+
+        A Bye is reported as Closed(reason), never as a message; an Error refusing the handshake is delivered
+        as the Error, then Closed(error.message).
+        """
+        self._raise_if_failed()
+        if self._peer_closed is not None:
+            return self._peer_closed
+        try:
+            payload = self._decoder.next_frame()
+        except ProtocolError as exc:
+            self._fail(exc)
+        if payload is None:
+            if not self._eof:
+                return None
+            left_nbytes = self._decoder.buffered_nbytes
+            if left_nbytes:
+                self._fail(RemoteProtocolError(f"EOF inside a frame ({left_nbytes} bytes of it buffered)"))
+            return self._close_by_peer("")
+        try:
+            msg = decode_message(payload)
+        except ProtocolError as exc:
+            self._fail(exc)
+        allowed = SENDABLE[(self._peer_role, self._phase)]
+        if type(msg) not in allowed:
+            self._fail(
+                RemoteProtocolError(
+                    f"{self._peer_role.value} sent {type(msg).__name__} in phase {self._phase.value}"
+                )
+            )
+        if isinstance(msg, Hello):
+            self._peer_hello = msg
+        elif isinstance(msg, Welcome):
+            self._peer_welcome = msg
+        if _closes(msg, self._phase):
+            closed = self._close_by_peer(_close_reason(msg))
+            return closed if isinstance(msg, Bye) else msg  # the Error itself first, Closed on the next call
+        self._phase = _ADVANCES.get(type(msg), self._phase)
+        return msg
+
+    def _close_by_peer(self, reason: str) -> Closed:
+        self._peer_closed = Closed(reason)
+        return self._peer_closed
+
+    def _fail(self, cause: ProtocolError) -> NoReturn:
+        if isinstance(cause, RemoteProtocolError):
+            self._failure = cause
+            raise cause
+        self._failure = RemoteProtocolError(f"{type(cause).__name__}: {cause}")
+        raise self._failure from cause
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RemoteProtocolError(f"the connection failed earlier: {self._failure}") from self._failure

@@ -1,0 +1,348 @@
+"""Message schemas: frozen dataclasses that travel as msgpack arrays `[TYPE, field1, field2, ...]`.
+
+Owns the meaning and the limits of every field. Each field's check is declared next to it
+(`Annotated[int, U32]`) and runs in `__post_init__`, so an invalid message cannot even be constructed, and
+`from_wire` is just "right shape, then construct". Every failure is `MalformedFrame`. Adding a message type is
+adding one decorated class: TYPE values and field order are the wire format and never change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, ClassVar, Self, TypeGuard, TypeVar
+
+from protocol.errors import MalformedFrame
+
+__all__ = [
+    "I64",
+    "KEY_CACHE_ID",
+    "KEY_PREFIX",
+    "KEY_REQ",
+    "MAX_SEGMENT_NAME_CHARS",
+    "MAX_TENSORS",
+    "MAX_TEXT_CHARS",
+    "MESSAGE_TYPES",
+    "PROTOCOL_VERSION",
+    "U32",
+    "U64",
+    "Ack",
+    "Bye",
+    "Error",
+    "FieldCheck",
+    "Hello",
+    "Message",
+    "Ping",
+    "Pong",
+    "PullDone",
+    "PullGrant",
+    "PullRequest",
+    "Welcome",
+    "decode_message",
+    "encode_message",
+]
+
+PROTOCOL_VERSION = 1
+
+# PullRequest.key_kind: what key_id names at the owner.
+KEY_REQ = 1  # key_id is a req_id
+KEY_PREFIX = 2  # key_id is a prefix_id
+KEY_CACHE_ID = 3  # key_id is the owner's cache_id, batch_index the slot
+
+# Hello/Welcome.role carries llm_datadist's LLMRole value: PROMPT = 1, DECODER = 2, MIX = 3.
+_ROLES = frozenset({1, 2, 3})
+_KEY_KINDS = frozenset({KEY_REQ, KEY_PREFIX, KEY_CACHE_ID})
+
+_U32_MAX = (1 << 32) - 1
+_U64_MAX = (1 << 64) - 1
+MAX_SEGMENT_NAME_CHARS = 255
+MAX_TEXT_CHARS = 4096
+MAX_TENSORS = 65536
+# fullmatch, not `$`: `$` would also accept a name that ends in a newline.
+_SEGMENT_NAME = re.compile(r"/?[A-Za-z0-9._-]+")
+
+_REPR_CHARS = 80  # error messages quote at most this much of a hostile value
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _REPR_CHARS else text[: _REPR_CHARS - 3] + "..."
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    # bool is an int subclass, but True on the wire is never a valid count or id.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class FieldCheck:
+    """Validates one field value and returns it normalized (lists become tuples); raises MalformedFrame."""
+
+    describe: str
+    check: Callable[[object], object | None]
+
+    def __call__(self, where: str, value: object) -> object:
+        normalized = self.check(value)
+        if normalized is None:
+            raise MalformedFrame(f"{where}: expected {self.describe}, got {_show(value)}")
+        return normalized
+
+
+def _int_range(low: int, high: int, describe: str) -> FieldCheck:
+    def check(value: object) -> object | None:
+        return value if _is_int(value) and low <= value <= high else None
+
+    return FieldCheck(describe, check)
+
+
+def _int_in(allowed: frozenset[int], describe: str) -> FieldCheck:
+    def check(value: object) -> object | None:
+        return value if _is_int(value) and value in allowed else None
+
+    return FieldCheck(describe, check)
+
+
+def _text(max_chars: int) -> FieldCheck:
+    def check(value: object) -> object | None:
+        return value if isinstance(value, str) and len(value) <= max_chars else None
+
+    return FieldCheck(f"str of at most {max_chars} chars", check)
+
+
+def _check_segment_name(value: object) -> object | None:
+    if isinstance(value, str) and len(value) <= MAX_SEGMENT_NAME_CHARS and _SEGMENT_NAME.fullmatch(value):
+        return value
+    return None
+
+
+def _check_offsets(value: object) -> object | None:
+    if not isinstance(value, list | tuple) or not 1 <= len(value) <= MAX_TENSORS:
+        return None
+    if all(_is_int(v) and 0 <= v <= _U64_MAX for v in value):
+        return tuple(value)
+    return None
+
+
+U32 = _int_range(0, _U32_MAX, "U32")
+U64 = _int_range(0, _U64_MAX, "U64")
+I64 = _int_range(-(1 << 63), (1 << 63) - 1, "I64")
+_U32_POSITIVE = _int_range(1, _U32_MAX, "U32 >= 1")
+_U64_POSITIVE = _int_range(1, _U64_MAX, "U64 >= 1")
+_ROLE = _int_in(_ROLES, "role in {1, 2, 3}")
+_KEY_KIND = _int_in(_KEY_KINDS, "key_kind in {1, 2, 3}")
+_BOOL = FieldCheck("bool", lambda v: v if isinstance(v, bool) else None)
+_TEXT = _text(MAX_TEXT_CHARS)
+_SEGMENT = FieldCheck(
+    f"segment name of 1..{MAX_SEGMENT_NAME_CHARS} chars matching /?[A-Za-z0-9._-]+", _check_segment_name
+)
+_OFFSETS = FieldCheck(f"array of 1..{MAX_TENSORS} U64", _check_offsets)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Base of every message. Subclasses are `@_register`-ed frozen, slotted dataclasses whose fields are all
+    `Annotated[<type>, <FieldCheck>]`; the base supplies validation and the wire form from that. The base is
+    a (field-less) dataclass too, so `dataclasses.replace`/`fields` type-check on a plain `Message`."""
+
+    TYPE: ClassVar[int]
+    _CHECKS: ClassVar[tuple[tuple[str, FieldCheck], ...]]
+
+    def __post_init__(self) -> None:
+        if type(self) not in _REGISTERED:
+            raise TypeError(f"{type(self).__name__} is not a registered message class")
+        for name, check in self._CHECKS:
+            value = getattr(self, name)
+            normalized = check(f"{type(self).__name__}.{name}", value)
+            if normalized is not value:
+                object.__setattr__(self, name, normalized)
+        self._check_fields_together()
+
+    def _check_fields_together(self) -> None:
+        """Cross-field rules; overridden where a message has any."""
+
+    def to_wire(self) -> list[object]:
+        """[TYPE, field1, field2, ...] in declaration order; tuples go out as lists, as they come back."""
+        wire: list[object] = [self.TYPE]
+        for name, _ in self._CHECKS:
+            value = getattr(self, name)
+            wire.append(list(value) if isinstance(value, tuple) else value)
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: list[object]) -> Self:
+        """Build and validate a message from its wire array; MalformedFrame on any wrong shape or field."""
+        if not isinstance(wire, list):
+            raise MalformedFrame(f"{cls.__name__}: expected a msgpack array, got {type(wire).__name__}")
+        if len(wire) != 1 + len(cls._CHECKS):
+            raise MalformedFrame(f"{cls.__name__}: expected {1 + len(cls._CHECKS)} elements, got {len(wire)}")
+        if not _is_int(wire[0]) or wire[0] != cls.TYPE:
+            raise MalformedFrame(f"{cls.__name__}: expected type {cls.TYPE}, got {_show(wire[0])}")
+        return cls(*wire[1:])
+
+
+MESSAGE_TYPES: dict[int, type[Message]] = {}
+"""TYPE -> message class, filled by @_register; decode_message dispatches on it."""
+_REGISTERED: set[type[Message]] = set()
+
+_M = TypeVar("_M", bound=Message)
+
+
+def _register(cls: type[_M]) -> type[_M]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    checks: list[tuple[str, FieldCheck]] = []
+    for field in dataclasses.fields(cls):
+        found = [m for m in getattr(hints[field.name], "__metadata__", ()) if isinstance(m, FieldCheck)]
+        assert len(found) == 1, f"{cls.__name__}.{field.name} needs exactly one FieldCheck"
+        checks.append((field.name, found[0]))
+    assert cls.TYPE not in MESSAGE_TYPES, f"message TYPE {cls.TYPE} used twice"
+    cls._CHECKS = tuple(checks)
+    MESSAGE_TYPES[cls.TYPE] = cls
+    _REGISTERED.add(cls)
+    return cls
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """Client -> server, first message. remote_cluster_id is the cluster id the client expects the server
+    to have. A different version is still delivered: checking it is the receiver's policy."""
+
+    TYPE: ClassVar[int] = 1
+    version: Annotated[int, U32]
+    cluster_id: Annotated[int, U64]
+    remote_cluster_id: Annotated[int, U64]
+    role: Annotated[int, _ROLE]
+    pid: Annotated[int, U32]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Welcome(Message):
+    """Server -> client: handshake accepted."""
+
+    TYPE: ClassVar[int] = 2
+    version: Annotated[int, U32]
+    cluster_id: Annotated[int, U64]
+    role: Annotated[int, _ROLE]
+    pid: Annotated[int, U32]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class PullRequest(Message):
+    """Client -> server: resolve a key and pin its source tensors for a one-copy pull.
+
+    whole=True means the source must have exactly tensor_count tensors (no layer range on the source side).
+    consume asks the owner to consume the key's pulled tensors when the pull ends ok (see PullDone).
+    """
+
+    TYPE: ClassVar[int] = 3
+    seq: Annotated[int, U32]
+    key_kind: Annotated[int, _KEY_KIND]
+    key_id: Annotated[int, U64]
+    model_id: Annotated[int, U64]
+    batch_index: Annotated[int, U32]
+    tensor_start: Annotated[int, U32]
+    tensor_count: Annotated[int, _U32_POSITIVE]
+    whole: Annotated[bool, _BOOL]
+    nbytes: Annotated[int, _U64_POSITIVE]
+    src_offset: Annotated[int, U64]
+    consume: Annotated[bool, _BOOL]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class PullGrant(Message):
+    """Server -> client: the source is pinned under lease_id; read nbytes at each tensor offset of the
+    segment. Every offset + nbytes must lie inside the segment: a grant pointing outside is malformed."""
+
+    TYPE: ClassVar[int] = 4
+    seq: Annotated[int, U32]
+    lease_id: Annotated[int, U64]
+    segment: Annotated[str, _SEGMENT]
+    segment_nbytes: Annotated[int, U64]
+    tensor_offsets: Annotated[tuple[int, ...], _OFFSETS]
+    nbytes: Annotated[int, _U64_POSITIVE]
+
+    def _check_fields_together(self) -> None:
+        last_offset = max(self.tensor_offsets)
+        if last_offset + self.nbytes > self.segment_nbytes:
+            raise MalformedFrame(
+                f"PullGrant: tensor_offsets entry {last_offset} + nbytes {self.nbytes} exceeds "
+                f"segment_nbytes {self.segment_nbytes}"
+            )
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class PullDone(Message):
+    """Client -> server: releases the lease; when ok and the request said consume, the owner consumes the
+    key's pulled tensors."""
+
+    TYPE: ClassVar[int] = 5
+    seq: Annotated[int, U32]
+    lease_id: Annotated[int, U64]
+    ok: Annotated[bool, _BOOL]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Ack(Message):
+    TYPE: ClassVar[int] = 6
+    seq: Annotated[int, U32]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """Server -> client: a request failed with an LLMStatusCode value; seq 0 when not a reply to a request.
+    During the handshake it refuses the Hello and closes the connection."""
+
+    TYPE: ClassVar[int] = 7
+    seq: Annotated[int, U32]
+    status_code: Annotated[int, I64]
+    message: Annotated[str, _TEXT]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Bye(Message):
+    """Either side: orderly close; nothing follows it from the sender."""
+
+    TYPE: ClassVar[int] = 8
+    reason: Annotated[str, _TEXT]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """Client -> server liveness probe (check_link_status)."""
+
+    TYPE: ClassVar[int] = 9
+    seq: Annotated[int, U32]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    TYPE: ClassVar[int] = 10
+    seq: Annotated[int, U32]
+
+
+def decode_message(obj: object) -> Message:
+    """Turn a decoded frame payload into a validated message; MalformedFrame when it is not one."""
+    if not isinstance(obj, list) or not obj:
+        raise MalformedFrame(f"a message is a non-empty msgpack array, got {type(obj).__name__}")
+    type_code = obj[0]
+    cls = MESSAGE_TYPES.get(type_code) if _is_int(type_code) else None
+    if cls is None:
+        raise MalformedFrame(f"unknown message type {_show(type_code)}")
+    return cls.from_wire(obj)
+
+
+def encode_message(msg: Message) -> object:
+    """The object to pass to encode_frame: msg.to_wire()."""
+    return msg.to_wire()

@@ -1,0 +1,322 @@
+"""Message schemas: every type round-trips; every field refuses wrong types and out-of-range values, both
+when constructed and when decoded from the wire."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.errors import MalformedFrame
+from protocol.frames import FrameDecoder, encode_frame
+from protocol.messages import (
+    KEY_CACHE_ID,
+    KEY_PREFIX,
+    KEY_REQ,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Ack,
+    Bye,
+    Error,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    PullDone,
+    PullGrant,
+    PullRequest,
+    Welcome,
+    decode_message,
+    encode_message,
+)
+
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+
+u32 = st.integers(0, U32_MAX)
+u64 = st.integers(0, U64_MAX)
+roles = st.sampled_from([1, 2, 3])
+texts = st.text(max_size=64) | st.text(min_size=4090, max_size=4096, alphabet="aé€😀")
+segment_names = st.builds(
+    lambda slash, body: slash + body,
+    st.sampled_from(["", "/"]),
+    st.text("ABCxyz0189._-", min_size=1, max_size=254),
+)
+
+
+@st.composite
+def pull_grants(draw: st.DrawFn) -> PullGrant:
+    nbytes = draw(st.integers(1, 2**40))
+    segment_nbytes = draw(st.integers(nbytes, U64_MAX))
+    offsets = draw(st.lists(st.integers(0, segment_nbytes - nbytes), min_size=1, max_size=40))
+    return PullGrant(draw(u32), draw(u64), draw(segment_names), segment_nbytes, tuple(offsets), nbytes)
+
+
+MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
+    Hello: st.builds(Hello, u32, u64, u64, roles, u32),
+    Welcome: st.builds(Welcome, u32, u64, roles, u32),
+    PullRequest: st.builds(
+        PullRequest,
+        u32,
+        st.sampled_from([KEY_REQ, KEY_PREFIX, KEY_CACHE_ID]),
+        u64,
+        u64,
+        u32,
+        u32,
+        st.integers(1, U32_MAX),
+        st.booleans(),
+        st.integers(1, U64_MAX),
+        u64,
+        st.booleans(),
+    ),
+    PullGrant: pull_grants(),
+    PullDone: st.builds(PullDone, u32, u64, st.booleans()),
+    Ack: st.builds(Ack, u32),
+    Error: st.builds(Error, u32, st.integers(I64_MIN, I64_MAX), texts),
+    Bye: st.builds(Bye, texts),
+    Ping: st.builds(Ping, u32),
+    Pong: st.builds(Pong, u32),
+}
+any_message = st.one_of(*MESSAGES.values())
+
+# One valid instance per type, with fields at odd, non-trivial values.
+VALID: list[Message] = [
+    Hello(PROTOCOL_VERSION, 3333, 4097, 1, 4242),
+    Welcome(PROTOCOL_VERSION, 4097, 3, 1),
+    PullRequest(3333, KEY_CACHE_ID, 7, 0, 4097, 1, 3333, True, 4097, 3333, False),
+    PullGrant(1, 2, "llmdd_0_3333.x", 3333 * 4097, tuple(range(0, 3333 * 4097, 4097)), 4097),
+    PullDone(3333, U64_MAX, True),
+    Ack(U32_MAX),
+    Error(0, -(2**63), "é" * 4096),
+    Bye("x" * 3333),
+    Ping(0),
+    Pong(4097),
+]
+
+
+def _through_the_wire(msg: Message) -> Message:
+    decoder = FrameDecoder()
+    decoder.feed(encode_frame(encode_message(msg)))
+    return decode_message(decoder.next_frame())
+
+
+def test_registry_is_complete() -> None:
+    assert {cls.TYPE: cls for cls in MESSAGES} == MESSAGE_TYPES
+    assert [Hello.TYPE, Welcome.TYPE, PullRequest.TYPE, PullGrant.TYPE, PullDone.TYPE] == [1, 2, 3, 4, 5]
+    assert [Ack.TYPE, Error.TYPE, Bye.TYPE, Ping.TYPE, Pong.TYPE] == [6, 7, 8, 9, 10]
+    assert {type(msg) for msg in VALID} == set(MESSAGE_TYPES.values())
+    assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 1)
+
+
+@pytest.mark.parametrize("msg", VALID, ids=lambda m: type(m).__name__)
+def test_every_type_round_trips(msg: Message) -> None:
+    assert _through_the_wire(msg) == msg
+    assert type(msg).from_wire(msg.to_wire()) == msg
+
+
+@pytest.mark.parametrize("msg", VALID, ids=lambda m: type(m).__name__)
+def test_wire_shape_is_type_then_fields_in_order(msg: Message) -> None:
+    wire = msg.to_wire()
+    names = [f.name for f in dataclasses.fields(msg)]
+    assert wire[0] == msg.TYPE
+    assert wire[1:] == [list(v) if isinstance(v, tuple) else v for v in (getattr(msg, n) for n in names)]
+
+
+@pytest.mark.parametrize("msg", VALID, ids=lambda m: type(m).__name__)
+def test_messages_are_frozen_and_slotted(msg: Message) -> None:
+    name = dataclasses.fields(msg)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(msg, name, getattr(msg, name))
+    assert not hasattr(msg, "__dict__")
+    hash(msg)
+
+
+def test_offsets_travel_as_array_and_come_back_as_tuple() -> None:
+    grant = PullGrant(1, 2, "seg", 4097, [0, 1, 2], 3333)  # type: ignore[arg-type]
+    assert grant.tensor_offsets == (0, 1, 2)
+    assert grant.to_wire()[5] == [0, 1, 2]
+    back = _through_the_wire(grant)
+    assert isinstance(back, PullGrant) and back.tensor_offsets == (0, 1, 2)
+
+
+@settings(max_examples=150, deadline=None)
+@given(msg=any_message)
+def test_random_valid_messages_round_trip(msg: Message) -> None:
+    assert _through_the_wire(msg) == msg
+
+
+def test_largest_messages_fit_the_default_frame() -> None:
+    grant = PullGrant(U32_MAX, U64_MAX, "/" + "s" * 254, U64_MAX, (U64_MAX - 1,) * 65536, 1)
+    assert _through_the_wire(grant) == grant
+    error = Error(U32_MAX, I64_MIN, "😀" * 4096)
+    assert _through_the_wire(error) == error
+
+
+# -- rejections ----------------------------------------------------------------------------------------------
+
+NOT_INTS: list[Any] = [True, False, 1.0, "1", b"\x01", None, [1]]
+BAD_U32 = [-1, 2**32, 2**64 - 1, *NOT_INTS]
+BAD_U64 = [-1, -(2**63), *NOT_INTS]  # 2**64 itself cannot be packed; it is checked at construction below
+BAD_I64 = [2**63, U64_MAX, *NOT_INTS]
+BAD_BOOL = [0, 1, None, "true", 1.0]
+BAD_TEXT = ["x" * 4097, "é" * 4097, b"bytes", None, 1, ["a"]]
+BAD_ROLE = [0, 4, -1, True, 2.0, None]
+BAD_KEY_KIND = [0, 4, True, False, None]
+BAD_SEGMENT = [
+    "",
+    "/",
+    "a" * 256,
+    "/" + "a" * 255,
+    "/a/b",
+    "a b",
+    "a\n",
+    "\n",
+    "seg\x00",
+    "段",
+    None,
+    b"seg",
+    1,
+]
+BAD_OFFSETS = [[], [-1], [True], [1.0], [None], "abc", None, 3, [0] * 65537, {"0": 0}]
+
+BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
+    Hello: {
+        "version": BAD_U32,
+        "cluster_id": BAD_U64,
+        "remote_cluster_id": BAD_U64,
+        "role": BAD_ROLE,
+        "pid": BAD_U32,
+    },
+    Welcome: {"version": BAD_U32, "cluster_id": BAD_U64, "role": BAD_ROLE, "pid": BAD_U32},
+    PullRequest: {
+        "seq": BAD_U32,
+        "key_kind": BAD_KEY_KIND,
+        "key_id": BAD_U64,
+        "model_id": BAD_U64,
+        "batch_index": BAD_U32,
+        "tensor_start": BAD_U32,
+        "tensor_count": [0, *BAD_U32],
+        "whole": BAD_BOOL,
+        "nbytes": [0, *BAD_U64],
+        "src_offset": BAD_U64,
+        "consume": BAD_BOOL,
+    },
+    PullGrant: {
+        "seq": BAD_U32,
+        "lease_id": BAD_U64,
+        "segment": BAD_SEGMENT,
+        "segment_nbytes": [*BAD_U64, 3333 * 4097 - 1],  # one byte too small for the last tensor
+        "tensor_offsets": [*BAD_OFFSETS, [3333 * 4097 - 4096], [0, U64_MAX]],
+        "nbytes": [0, 4098, *BAD_U64],
+    },
+    PullDone: {"seq": BAD_U32, "lease_id": BAD_U64, "ok": BAD_BOOL},
+    Ack: {"seq": BAD_U32},
+    Error: {"seq": BAD_U32, "status_code": BAD_I64, "message": BAD_TEXT},
+    Bye: {"reason": BAD_TEXT},
+    Ping: {"seq": BAD_U32},
+    Pong: {"seq": BAD_U32},
+}
+
+_BY_TYPE = {type(msg): msg for msg in VALID}
+# One test per field (looping over its bad values) keeps the run fast: each test pays for the leak fixtures.
+_FIELD_CASES = [
+    pytest.param(cls, name, id=f"{cls.__name__}.{name}")
+    for cls, fields in BAD_VALUES.items()
+    for name in fields
+]
+
+
+def test_every_field_has_bad_values() -> None:
+    for cls in MESSAGE_TYPES.values():
+        assert set(BAD_VALUES[cls]) == {f.name for f in dataclasses.fields(cls)}
+
+
+@pytest.mark.parametrize(("cls", "name"), _FIELD_CASES)
+def test_bad_field_refused_at_construction(cls: type[Message], name: str) -> None:
+    for bad in BAD_VALUES[cls][name]:
+        with pytest.raises(MalformedFrame, match=name):
+            dataclasses.replace(_BY_TYPE[cls], **{name: bad})
+            pytest.fail(f"{cls.__name__}.{name}={bad!r:.40} was accepted")
+
+
+@pytest.mark.parametrize(("cls", "name"), _FIELD_CASES)
+def test_bad_field_refused_off_the_wire(cls: type[Message], name: str) -> None:
+    msg = _BY_TYPE[cls]
+    index = 1 + [f.name for f in dataclasses.fields(msg)].index(name)
+    for bad in BAD_VALUES[cls][name]:
+        wire = msg.to_wire()
+        wire[index] = bad
+        decoder = FrameDecoder()
+        decoder.feed(encode_frame(wire))
+        obj = decoder.next_frame()
+        with pytest.raises(MalformedFrame):
+            decode_message(obj)
+            pytest.fail(f"{cls.__name__}.{name}={bad!r:.40} was accepted off the wire")
+        with pytest.raises(MalformedFrame):
+            cls.from_wire(obj)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "huge"), [("cluster_id", 2**64), ("pid", 2**200), ("role", -(2**70)), ("version", 10**30)]
+)
+def test_ints_beyond_msgpack_refused_at_construction(name: str, huge: int) -> None:
+    with pytest.raises(MalformedFrame):
+        dataclasses.replace(_BY_TYPE[Hello], **{name: huge})
+
+
+@pytest.mark.parametrize("nbytes", [1, 3333, 4097])
+def test_grant_may_end_exactly_at_segment_end(nbytes: int) -> None:
+    grant = PullGrant(1, 1, "/seg", 3 * nbytes, (0, nbytes, 2 * nbytes), nbytes)
+    assert _through_the_wire(grant) == grant
+    with pytest.raises(MalformedFrame):
+        PullGrant(1, 1, "/seg", 3 * nbytes - 1, (0, nbytes, 2 * nbytes), nbytes)
+
+
+def test_segment_name_edges() -> None:
+    for name in ["a", "/a", "a" * 255, "/" + "a" * 254, "..", "-._", "/llmdd_1000_4242_1a2b.kv"]:
+        assert PullGrant(1, 1, name, 1, (0,), 1).segment == name
+
+
+def test_text_edges() -> None:
+    assert Bye("").reason == ""
+    assert Bye("x" * 4096).reason == "x" * 4096
+    assert Error(0, 0, "\n\x00").message == "\n\x00"
+
+
+_BAD_SHAPES: dict[str, object] = {
+    "nil": None,
+    "int": 1,
+    "str": "hello",
+    "map": {"type": 1},
+    "empty array": [],
+    "unknown type 0": [0],
+    "unknown type 11": [11, 1],
+    "unknown type u64 max": [U64_MAX, 1],
+    "negative type": [-1, 1],
+    "bool type": [True, 1, 2, 3, 1, 4],  # True == Hello.TYPE in Python; must not pass as one
+    "str type": ["1", 1, 2, 3, 1, 4],
+    "float type": [1.0, 1, 2, 3, 1, 4],
+    "nested array type": [[1], 1],
+    "Hello missing a field": [1, 1, 2, 3, 1],
+    "Hello with an extra field": [1, 1, 2, 3, 1, 4, 5],
+    "Ack without seq": [6],
+    "Bye with two reasons": [8, "a", "b"],
+}
+
+
+@pytest.mark.parametrize("obj", list(_BAD_SHAPES.values()), ids=list(_BAD_SHAPES))
+def test_wrong_shape_is_malformed(obj: object) -> None:
+    with pytest.raises(MalformedFrame):
+        decode_message(obj)
+
+
+def test_from_wire_checks_its_own_type() -> None:
+    with pytest.raises(MalformedFrame):
+        Ping.from_wire(Pong(1).to_wire())
+    with pytest.raises(MalformedFrame):
+        Ping.from_wire((9, 1))  # type: ignore[arg-type]
+    assert Ping.from_wire([9, 1]) == Ping(1)
