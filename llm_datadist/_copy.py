@@ -1,0 +1,63 @@
+"""Executes copy plans from `shm.copyplan`, splitting large ones over a small pool of threads.
+
+Rules: numpy releases the GIL inside `copyto`, so two threads reach the memory's bandwidth on two cores;
+small plans run inline on the caller's thread (a thread hand-off costs more than it saves). The whole
+plan is bounds-checked once before any byte moves.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from shm.copyplan import Run, check_runs, execute, split_runs
+
+ENV_COPY_THREADS = "LLM_DATADIST_COPY_THREADS"
+
+
+def _default_threads() -> int:
+    configured = os.environ.get(ENV_COPY_THREADS)
+    if configured and configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+class Copier:
+    """Runs copy plans; one instance per process, shared by every pull."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads if threads is not None else _default_threads()
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def run(self, runs: Sequence[Run], src: np.ndarray, dst: np.ndarray) -> None:
+        check_runs(runs, src.nbytes, dst.nbytes)
+        parts = split_runs(runs, self.threads) if self.threads > 1 else [list(runs)]
+        if len(parts) <= 1:
+            execute(runs, src, dst)
+            return
+        executor = self._get_executor()
+        futures: list[Future[None]] = [executor.submit(execute, part, src, dst) for part in parts[1:]]
+        try:
+            execute(parts[0], src, dst)
+        finally:
+            for future in futures:
+                future.result()
+
+    def _get_executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=self.threads - 1, thread_name_prefix="llmdd-copy"
+                )
+            return self._executor
+
+    def close(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)

@@ -1,0 +1,324 @@
+"""One initialised `LLMDataDist`: its options, pool and cache table, its server and its links.
+
+Rules: `Core` owns every resource of an initialised instance and releases all of them in `close` (links
+said goodbye to, server stopped and its socket unlinked, segments unlinked). The public classes validate
+arguments and translate errors; `Core` does the work. A pull holds its link exclusively, pins its local
+destination, and copies straight from the peer's mapped segment into it: one copy, no staging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.messages import Ack, Ping, Pong, PullDone, PullGrant, PullRequest
+from shm.copyplan import plan_tensor_copy
+from shm.names import parse_segment_name
+from shm.pool import Pool
+from shm.reaper import reap
+
+from ._copy import Copier
+from ._engine import CacheRecord, CacheTable
+from ._errors import PeerGone, StatusError
+from ._runtime import ensure_runtime_dir, parse_listen_ip_info, socket_path
+from ._transport import ClientLink, Server
+from .configs import LLMRole
+from .status import LLMStatusCode, make_error
+from .utils.log import log
+
+DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
+DEFAULT_MEM_UTILIZATION = 0.95
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What `init`'s option strings mean here (v1 KvCacheManager mode)."""
+
+    role: LLMRole
+    cluster_id: int
+    device_ids: tuple[int, ...]
+    sync_kv_timeout_ms: int
+    listen: tuple[str, int] | None
+    pool_capacity_nbytes: int | None
+    enable_switch_role: bool
+    cache_manager_mode: bool
+
+
+def parse_options(role: LLMRole, cluster_id: int, options: dict[str, str]) -> Settings:
+    """Read the option keys `LLMConfig.generate_options()` emits (or a raw dict a caller wrote)."""
+    api = "init"
+    for key, value in options.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(
+                f"`options` only support [Dict[str, str]], but got {key!r}: {type(value).__name__}"
+            )
+    cache_manager_mode = options.get("llm.EnableCacheManager") == "1" or "llm.LocalCommRes" in options
+    if "llm.EnableCacheManager" in options and options["llm.EnableCacheManager"] == "0":
+        cache_manager_mode = False
+
+    pool_capacity: int | None = None
+    if "ge.flowGraphMemMaxSize" in options:
+        text = options["ge.flowGraphMemMaxSize"]
+        if not text.isdigit():
+            raise make_error(
+                api, LLMStatusCode.LLM_PARAM_INVALID, f"ge.flowGraphMemMaxSize must be digits: {text!r}"
+            )
+        utilization = DEFAULT_MEM_UTILIZATION
+        if "llm.MemoryUtilization" in options:
+            try:
+                utilization = float(options["llm.MemoryUtilization"])
+            except ValueError as exc:
+                raise make_error(
+                    api, LLMStatusCode.LLM_PARAM_INVALID, "llm.MemoryUtilization must be a float"
+                ) from exc
+            if not 0.0 < utilization <= 1.0:
+                raise make_error(
+                    api, LLMStatusCode.LLM_PARAM_INVALID, "llm.MemoryUtilization must be in (0, 1]"
+                )
+        pool_capacity = int(int(text) * utilization)
+        if pool_capacity <= 0:
+            raise make_error(
+                api, LLMStatusCode.LLM_PARAM_INVALID, "ge.flowGraphMemMaxSize leaves an empty pool"
+            )
+
+    device_text = options.get("ge.exec.deviceId")
+    if device_text is None:
+        raise make_error(
+            api, LLMStatusCode.LLM_PARAM_INVALID, "ge.exec.deviceId is required (set LLMConfig.device_id)"
+        )
+    try:
+        device_ids = tuple(int(part) for part in device_text.split(";") if part.strip())
+    except ValueError as exc:
+        raise make_error(
+            api, LLMStatusCode.LLM_PARAM_INVALID, f"invalid ge.exec.deviceId {device_text!r}"
+        ) from exc
+    if not device_ids or any(d < 0 for d in device_ids):
+        raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"invalid ge.exec.deviceId {device_text!r}")
+
+    timeout_text = options.get("llm.SyncKvCacheWaitTime", str(DEFAULT_SYNC_KV_TIMEOUT_MS))
+    if not timeout_text.isdigit() or int(timeout_text) <= 0:
+        raise make_error(
+            api, LLMStatusCode.LLM_PARAM_INVALID, f"invalid llm.SyncKvCacheWaitTime {timeout_text!r}"
+        )
+
+    listen: tuple[str, int] | None = None
+    listen_text = options.get("llm.listenIpInfo")
+    if listen_text:
+        # v1 allows one "ip:port" per device joined with ';'; one host needs only the first.
+        try:
+            listen = parse_listen_ip_info(listen_text.split(";")[0])
+        except ValueError as exc:
+            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, str(exc)) from exc
+    if role == LLMRole.PROMPT and listen is None and not cache_manager_mode:
+        raise make_error(
+            api, LLMStatusCode.LLM_PARAM_INVALID, "a PROMPT needs llm.listenIpInfo (listen_ip_info)"
+        )
+
+    return Settings(
+        role=role,
+        cluster_id=cluster_id,
+        device_ids=device_ids,
+        sync_kv_timeout_ms=int(timeout_text),
+        listen=listen,
+        pool_capacity_nbytes=pool_capacity,
+        enable_switch_role=options.get("llm.EnableSwitchRole") == "1",
+        cache_manager_mode=cache_manager_mode,
+    )
+
+
+@dataclass(frozen=True)
+class PullSpec:
+    """A validated pull, in the owner's terms (source) and ours (destination)."""
+
+    remote_cluster_id: int
+    key_kind: int
+    key_id: int
+    model_id: int
+    batch_index: int
+    src_tensor_start: int
+    tensor_count: int
+    whole: bool
+    nbytes: int
+    src_offset: int
+    consume: bool
+    dst_tensor_start: int
+    dst_base_offset: int
+
+
+class Core:
+    """All the state and resources of one initialised instance."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.role = settings.role
+        reaped = reap()
+        if reaped:
+            log.info("removed %d shared-memory segments left by dead processes", len(reaped))
+        self.pool = Pool(capacity_nbytes=settings.pool_capacity_nbytes)
+        self.table = CacheTable(self.pool, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
+        self.copier = Copier()
+        self._links: dict[int, ClientLink] = {}
+        self._links_lock = threading.Lock()
+        self.server: Server | None = None
+        try:
+            if settings.listen is not None:
+                self.start_server(settings.listen)
+        except BaseException:
+            self.table.close()
+            raise
+
+    @property
+    def sync_kv_timeout_s(self) -> float:
+        return self.settings.sync_kv_timeout_ms / 1000.0
+
+    # ------------------------------------------------------------------ server
+
+    def start_server(self, listen: tuple[str, int]) -> None:
+        ensure_runtime_dir()
+        path: Path = socket_path(*listen)
+        server = Server(path, cluster_id=self.settings.cluster_id, role=int(self.role), table=self.table)
+        try:
+            server.start()
+        except FileExistsError as exc:
+            raise make_error(
+                "init", LLMStatusCode.LLM_FAILED, f"{listen[0]}:{listen[1]} is taken: {exc}"
+            ) from exc
+        self.server = server
+
+    # ------------------------------------------------------------------ links
+
+    def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> LLMStatusCode:
+        with self._links_lock:
+            if remote_cluster_id in self._links:
+                return LLMStatusCode.LLM_ALREADY_LINK
+        try:
+            path = socket_path(ip, port)
+            link = ClientLink.connect(
+                path,
+                cluster_id=self.settings.cluster_id,
+                remote_cluster_id=remote_cluster_id,
+                role=int(self.role),
+                deadline=deadline,
+            )
+        except StatusError as exc:
+            log.error("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc.detail)
+            return exc.code
+        except Exception as exc:
+            log.error("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc)
+            return LLMStatusCode.LLM_LINK_FAILED
+        with self._links_lock:
+            if remote_cluster_id in self._links:
+                link.close(say_bye=True)
+                return LLMStatusCode.LLM_ALREADY_LINK
+            self._links[remote_cluster_id] = link
+        return LLMStatusCode.LLM_SUCCESS
+
+    def unlink(self, remote_cluster_id: int, *, force: bool) -> LLMStatusCode:
+        with self._links_lock:
+            link = self._links.get(remote_cluster_id)
+            if link is None:
+                return LLMStatusCode.LLM_NOT_YET_LINK
+            try:
+                with link.exclusive(0.0, busy_fails=True):
+                    pass
+            except StatusError as exc:
+                if exc.code == LLMStatusCode.LLM_LINK_BUSY:
+                    return exc.code
+            del self._links[remote_cluster_id]
+        link.close(say_bye=not force)
+        return LLMStatusCode.LLM_SUCCESS
+
+    def get_link(self, remote_cluster_id: int) -> ClientLink:
+        with self._links_lock:
+            link = self._links.get(remote_cluster_id)
+        if link is None:
+            raise StatusError(LLMStatusCode.LLM_NOT_YET_LINK, f"no link to cluster {remote_cluster_id}")
+        return link
+
+    def linked_clusters(self) -> list[int]:
+        with self._links_lock:
+            return list(self._links)
+
+    def check_link(self, remote_cluster_id: int) -> None:
+        link = self.get_link(remote_cluster_id)
+        deadline = time.monotonic() + self.sync_kv_timeout_s
+        with link.exclusive(deadline, busy_fails=True):
+            seq = link.next_seq()
+            reply = link.request(Ping(seq), seq, deadline)
+            if not isinstance(reply, Pong):
+                raise PeerGone(f"expected Pong, got {type(reply).__name__}")
+
+    # ------------------------------------------------------------------ transfers
+
+    def pull(self, spec: PullSpec, dst: CacheRecord) -> None:
+        """Resolve at the owner, copy from its segment into `dst`, release (consuming the key if asked)."""
+        deadline = time.monotonic() + self.sync_kv_timeout_s
+        link = self.get_link(spec.remote_cluster_id)
+        with link.exclusive(deadline):
+            seq = link.next_seq()
+            request = PullRequest(
+                seq,
+                spec.key_kind,
+                spec.key_id,
+                spec.model_id,
+                spec.batch_index,
+                spec.src_tensor_start,
+                spec.tensor_count,
+                spec.whole,
+                spec.nbytes,
+                spec.src_offset,
+                spec.consume,
+            )
+            grant = link.request(request, seq, deadline)
+            if not isinstance(grant, PullGrant):
+                raise PeerGone(f"expected PullGrant, got {type(grant).__name__}")
+            ok = False
+            try:
+                self._check_grant(link, grant, spec)
+                src = link.mappings.get(grant.segment, min_nbytes=grant.segment_nbytes)
+                dst_offsets = [
+                    dst.tensor_offset(spec.dst_tensor_start + i) + spec.dst_base_offset
+                    for i in range(spec.tensor_count)
+                ]
+                runs = plan_tensor_copy(grant.tensor_offsets, dst_offsets, spec.nbytes)
+                self.copier.run(runs, src.array, dst.block.segment.array)
+                ok = True
+            finally:
+                done_seq = link.next_seq()
+                if ok:
+                    reply = link.request(PullDone(done_seq, grant.lease_id, True), done_seq, deadline)
+                    if not isinstance(reply, Ack):
+                        raise PeerGone(f"expected Ack, got {type(reply).__name__}")
+                elif link.broken is None:
+                    # Best effort: the original error is the one to report.
+                    with contextlib.suppress(StatusError):
+                        link.request(PullDone(done_seq, grant.lease_id, False), done_seq, deadline)
+
+    @staticmethod
+    def _check_grant(link: ClientLink, grant: PullGrant, spec: PullSpec) -> None:
+        """Never trust a peer's description of memory: it must be the peer's own segment, sized as asked."""
+        owner = parse_segment_name(grant.segment)
+        if owner is None or owner.pid != link.peer.pid or owner.uid != os.getuid():
+            raise StatusError(
+                LLMStatusCode.LLM_FAILED, f"peer granted a segment it does not own: {grant.segment}"
+            )
+        if len(grant.tensor_offsets) != spec.tensor_count or grant.nbytes != spec.nbytes:
+            raise StatusError(LLMStatusCode.LLM_FAILED, "peer granted a different range than requested")
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        with self._links_lock:
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            link.close(say_bye=True)
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        self.copier.close()
+        self.table.close()

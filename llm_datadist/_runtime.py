@@ -1,0 +1,104 @@
+"""The private runtime directory where listening sides put their Unix sockets.
+
+Rules: the directory is created with mode 0700 and must be owned by us (a directory someone else owns, or
+a symlink, is refused: another user could otherwise plant or read sockets). `LLM_DATADIST_RUNTIME_DIR`
+overrides the default `$XDG_RUNTIME_DIR/llm_datadist`, falling back to `/tmp/llm_datadist-<uid>`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import stat
+from pathlib import Path
+
+ENV_RUNTIME_DIR = "LLM_DATADIST_RUNTIME_DIR"
+# sun_path is 108 bytes on Linux, including the terminating NUL.
+_MAX_SOCKET_PATH_NBYTES = 107
+
+
+class RuntimeDirError(Exception):
+    """The runtime directory is missing, unsafe or unusable."""
+
+
+def runtime_dir() -> Path:
+    """The configured runtime directory (not created)."""
+    configured = os.environ.get(ENV_RUNTIME_DIR)
+    if configured:
+        return Path(configured)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return Path(xdg) / "llm_datadist"
+    return Path(f"/tmp/llm_datadist-{os.getuid()}")
+
+
+def ensure_runtime_dir() -> Path:
+    """Create the runtime directory (mode 0700) if needed and check that it is ours and private."""
+    path = runtime_dir()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RuntimeDirError(f"cannot create runtime directory {path}: {exc}") from exc
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise RuntimeDirError(f"runtime directory {path} is not a plain directory")
+    if info.st_uid != os.getuid():
+        raise RuntimeDirError(f"runtime directory {path} belongs to uid {info.st_uid}, not to us")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        # mkdir's mode is filtered by the umask and an existing directory keeps its own: set it explicitly.
+        os.chmod(path, 0o700)
+    return path
+
+
+def socket_path(ip: str, port: int) -> Path:
+    """Where the side listening on `ip:port` serves: one socket per address, inside the runtime dir."""
+    path = runtime_dir() / f"{ip}_{port}.sock"
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH_NBYTES:
+        raise RuntimeDirError(
+            f"socket path {path} is longer than {_MAX_SOCKET_PATH_NBYTES} bytes; "
+            f"set {ENV_RUNTIME_DIR} to a shorter directory"
+        )
+    return path
+
+
+def parse_listen_ip_info(value: str) -> tuple[str, int]:
+    """Split `"ip:port"` (the `llm.listenIpInfo` option) into a dotted ip and a port."""
+    ip, sep, port_text = value.strip().rpartition(":")
+    if not sep or not ip or not port_text.isdigit():
+        raise ValueError(f"listen ip info must look like 'ip:port', got {value!r}")
+    port = int(port_text)
+    if not 0 <= port <= 0xFFFF:
+        raise ValueError(f"port {port} out of range in {value!r}")
+    try:
+        socket.inet_aton(ip)
+    except OSError as exc:
+        raise ValueError(f"invalid ip {ip!r} in {value!r}") from exc
+    return ip, port
+
+
+def remove_stale_socket(path: Path) -> None:
+    """Unlink `path` if it is a socket nobody listens on any more (its owner died without cleaning up).
+
+    Raises FileExistsError when a live process still serves there.
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise FileExistsError(f"{path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(os.fspath(path))
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return
+        raise
+    finally:
+        probe.close()
+    raise FileExistsError(f"another process is already listening on {path}")

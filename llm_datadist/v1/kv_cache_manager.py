@@ -1,0 +1,317 @@
+"""`KvCacheManager`: the v1 cache API (allocate with keys, deallocate, remove keys, pull by key).
+
+Rules: every public method validates its arguments first (the real exception types, nothing sent before
+the checks pass), enforces v1's roles (pull on DECODER, keys and `remove_cache_key` on PROMPT; MIX may do
+both), then delegates to `Core`. Internal errors become `LLMException` in `api_errors`, nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from .._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
+from .._errors import api_errors
+from .._validate import check_int64, check_isinstance, check_range_step1, check_uint32
+from ..configs import LLMRole
+from ..status import LLMStatusCode, make_error
+from ..v2.cache import KvCache
+from ..v2.llm_types import U64_MAX, BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
+
+if TYPE_CHECKING:
+    from .._core import Core, PullSpec
+
+_PULL_KWARGS = frozenset(
+    {"src_layer_range", "dst_layer_range", "src_cache_offset", "dst_cache_offset", "tensor_num_per_layer"}
+)
+
+
+def _param_invalid(api: str, context: str) -> NoReturn:
+    raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, context)
+
+
+def owner_key(key: CacheKey) -> KeyId | None:
+    """The owner-side index of a key: (kind, req_id or prefix_id, model_id); None for a padding key."""
+    if key.prefix_id != U64_MAX:
+        return (KEY_PREFIX, key.prefix_id, key.model_id)
+    if key.req_id != U64_MAX:
+        return (KEY_REQ, key.req_id, key.model_id)
+    return None
+
+
+class KvCacheManager:
+    """The v1 manager, reached through `LLMDataDist.kv_cache_manager`.
+
+    Differences from the real library: caches live in POSIX shared memory on the host whatever the
+    placement; methods of later issues raise `LLM_FEATURE_NOT_ENABLED` until implemented (see README).
+    """
+
+    def __init__(self, core: Core, role: LLMRole) -> None:
+        self._core: Core | None = core
+        self._role = role
+
+    # ------------------------------------------------------------------ state
+
+    def is_initialized(self) -> bool:
+        return self._core is not None
+
+    def _require_core(self, api: str) -> Core:
+        if self._core is None:
+            raise make_error(api, LLMStatusCode.LLM_FAILED, "kv cache manager is not initialized")
+        return self._core
+
+    def _finalize(self) -> None:
+        self._core = None
+
+    def _check_role(self, api: str, *allowed: LLMRole) -> None:
+        if self._role != LLMRole.MIX and self._role not in allowed:
+            _param_invalid(api, f"{api} is not supported by role {self._role}")
+
+    def _record_of(self, api: str, core: Core, cache: KvCache) -> CacheRecord:
+        record = core.table.get(cache.cache_id) if cache._is_valid else None
+        if record is None or not record.external:
+            _param_invalid(api, f"cache {cache.cache_id} is not a valid cache of this process")
+        return record
+
+    # ------------------------------------------------------------------ allocation
+
+    def allocate_cache(
+        self, cache_desc: CacheDesc, cache_keys: list[CacheKey] | tuple[CacheKey, ...] = ()
+    ) -> KvCache:
+        """Allocate `num_tensors` tensors of `shape` and bind `cache_keys[i]` to batch slot i.
+
+        A key whose req_id is 2**64-1 (and no prefix_id) pads a slot. A key with a prefix_id indexes the
+        prefix table and is never consumed by a pull. Keys are only allowed on PROMPT (and MIX).
+        """
+        api = "allocate_cache"
+        core = self._require_core(api)
+        check_isinstance("cache_desc", cache_desc, CacheDesc)
+        check_isinstance("cache_keys", cache_keys, (list, tuple))
+        for key in cache_keys:
+            check_isinstance("cache_keys", key, CacheKey)
+        if cache_keys:
+            self._check_role(api, LLMRole.PROMPT)
+        if cache_desc.placement != Placement.DEVICE:
+            _param_invalid(api, "v1 allocate_cache supports Placement.DEVICE only")
+        if cache_desc.num_tensors <= 0:
+            _param_invalid(api, "num_tensors must be > 0")
+        shape = list(cache_desc.shape)
+        if not shape or any(dim <= 0 for dim in shape):
+            _param_invalid(api, f"shape {shape} must have positive dimensions")
+        keys = [owner_key(key) for key in cache_keys]
+        with api_errors(api):
+            record = core.table.allocate(
+                num_tensors=cache_desc.num_tensors,
+                tensor_nbytes=cache_desc.size,
+                batch_size=shape[0],
+                keys=keys,
+            )
+        addrs = record.tensor_addrs()
+        # One device per process on this host: every listed device sees the same shared-memory tensors.
+        per_device = [list(addrs) for _ in core.settings.device_ids]
+        return KvCache(record.cache_id, cache_desc, per_device, self)
+
+    def deallocate_cache(self, cache: KvCache) -> None:
+        """Drop the cache's own reference. The memory is freed once no key still references it."""
+        api = "deallocate_cache"
+        core = self._require_core(api)
+        check_isinstance("cache", cache, KvCache)
+        if cache.cache_id == -1 or cache.cache_desc.placement == Placement.HOST:
+            _param_invalid(api, "host (cpu) caches are not deallocated by the manager")
+        if not cache._is_valid:
+            return
+        cache._invalidate()
+        core.table.deallocate(cache.cache_id)
+
+    def remove_cache_key(self, cache_key: CacheKey) -> None:
+        """Unbind a key (PROMPT only); unknown keys are ignored."""
+        api = "remove_cache_key"
+        core = self._require_core(api)
+        check_isinstance("cache_key", cache_key, CacheKey)
+        self._check_role(api, LLMRole.PROMPT)
+        key = owner_key(cache_key)
+        if key is not None:
+            core.table.remove_key(key)
+
+    # ------------------------------------------------------------------ pull
+
+    def pull_cache(
+        self,
+        cache_key: CacheKey | CacheKeyByIdAndIndex,
+        kv_cache: KvCache,
+        batch_index: int = 0,
+        size: int = -1,
+        **kwargs: Any,
+    ) -> None:
+        """Pull the remote slot named by `cache_key` into slot `batch_index` of every selected tensor.
+
+        kwargs: src_layer_range, dst_layer_range (range, step 1), src_cache_offset, dst_cache_offset (bytes
+        within the slots), tensor_num_per_layer (default 2). `size` is bytes per tensor, -1 meaning the
+        local slot size minus dst_cache_offset. A pull without offsets consumes a req_id key once every
+        tensor of it was pulled; with offsets, or with a prefix key, the key stays.
+        """
+        api = "pull_cache"
+        core = self._require_core(api)
+        check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
+        check_isinstance("kv_cache", kv_cache, KvCache)
+        check_uint32("batch_index", batch_index)
+        check_int64("size", size)
+        unknown = sorted(set(kwargs) - _PULL_KWARGS)
+        if unknown:
+            raise TypeError(f"pull_cache() got unexpected keyword arguments {unknown}")
+        src_range = kwargs.get("src_layer_range")
+        dst_range = kwargs.get("dst_layer_range")
+        check_range_step1("src_layer_range", src_range, allow_none=True)
+        check_range_step1("dst_layer_range", dst_range, allow_none=True)
+        src_offset = kwargs.get("src_cache_offset")
+        dst_offset = kwargs.get("dst_cache_offset")
+        for name, offset in (("src_cache_offset", src_offset), ("dst_cache_offset", dst_offset)):
+            if offset is not None:
+                check_int64(name, offset)
+                if offset < 0:
+                    _param_invalid(api, f"{name} must be >= 0, got {offset}")
+        per_layer = kwargs.get("tensor_num_per_layer", 2)
+        check_uint32("tensor_num_per_layer", per_layer)
+        self._check_role(api, LLMRole.DECODER)
+        if size != -1 and size <= 0:
+            _param_invalid(api, f"size must be -1 or > 0, got {size}")
+
+        spec_args = self._key_fields(api, cache_key)
+        record = self._record_of(api, core, kv_cache)
+        if batch_index >= record.batch_size:
+            _param_invalid(api, f"batch_index {batch_index} out of range for batch size {record.batch_size}")
+        num_tensors = record.num_tensors
+        uses_layers = src_range is not None or dst_range is not None
+        # The default of 2 only matters with layer ranges; a 1-tensor cache pulls whole without them.
+        if (uses_layers or "tensor_num_per_layer" in kwargs) and not 1 <= per_layer <= num_tensors:
+            _param_invalid(api, f"tensor_num_per_layer must be in [1, {num_tensors}], got {per_layer}")
+        if uses_layers and num_tensors % per_layer != 0:
+            _param_invalid(
+                api, f"{num_tensors} tensors are not a multiple of tensor_num_per_layer {per_layer}"
+            )
+        if dst_range is not None:
+            dst_start, dst_count = dst_range.start * per_layer, len(dst_range) * per_layer
+            if dst_count == 0 or dst_start + dst_count > num_tensors:
+                _param_invalid(
+                    api, f"dst_layer_range {dst_range} does not fit {num_tensors // per_layer} layers"
+                )
+        else:
+            dst_start, dst_count = 0, num_tensors
+        if src_range is not None:
+            src_start, src_count, whole = src_range.start * per_layer, len(src_range) * per_layer, False
+            if src_count != dst_count:
+                _param_invalid(
+                    api, f"source selects {src_count} tensors, destination {dst_count} (layer ranges differ)"
+                )
+        else:
+            src_start, src_count, whole = 0, dst_count, True
+
+        slot_nbytes = record.slot_nbytes
+        dst_base = dst_offset or 0
+        nbytes = size if size > 0 else slot_nbytes - dst_base
+        if nbytes <= 0 or dst_base + nbytes > slot_nbytes:
+            _param_invalid(
+                api,
+                f"dst_cache_offset {dst_base} + size {nbytes} does not fit the slot of {slot_nbytes} bytes",
+            )
+        from .._core import PullSpec
+
+        spec = PullSpec(
+            **spec_args,
+            src_tensor_start=src_start,
+            tensor_count=src_count,
+            whole=whole,
+            nbytes=nbytes,
+            src_offset=src_offset or 0,
+            # v1 never consumes a key pulled with offsets (reference §16).
+            consume=src_offset is None and dst_offset is None,
+            dst_tensor_start=dst_start,
+            dst_base_offset=batch_index * slot_nbytes + dst_base,
+        )
+        self._run_pull(api, core, spec, record)
+
+    def _run_pull(self, api: str, core: Core, spec: PullSpec, record: CacheRecord) -> None:
+        with api_errors(api):
+            pinned = core.table.pin(record.cache_id)
+            try:
+                core.pull(spec, pinned)
+            finally:
+                core.table.unpin(pinned)
+
+    @staticmethod
+    def _key_fields(api: str, cache_key: CacheKey | CacheKeyByIdAndIndex) -> dict[str, int]:
+        if isinstance(cache_key, CacheKeyByIdAndIndex):
+            if cache_key.cache_id < 0:
+                raise make_error(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {cache_key.cache_id}")
+            return {
+                "remote_cluster_id": cache_key.cluster_id,
+                "key_kind": KEY_CACHE_ID,
+                "key_id": cache_key.cache_id,
+                "model_id": 0,
+                "batch_index": cache_key.batch_index,
+            }
+        req_valid = cache_key.req_id != U64_MAX
+        prefix_valid = cache_key.prefix_id != U64_MAX
+        if req_valid == prefix_valid:
+            _param_invalid(api, "exactly one of req_id and prefix_id must be set in the cache key")
+        return {
+            "remote_cluster_id": cache_key.prompt_cluster_id,
+            "key_kind": KEY_REQ if req_valid else KEY_PREFIX,
+            "key_id": cache_key.req_id if req_valid else cache_key.prefix_id,
+            "model_id": cache_key.model_id,
+            "batch_index": 0,
+        }
+
+    # ------------------------------------------------------------------ later issues
+
+    def _not_yet(self, api: str) -> NoReturn:
+        self._require_core(api)
+        raise make_error(
+            api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, f"{api} is not implemented yet on this host"
+        )
+
+    def pull_blocks(
+        self,
+        prompt_cache_key: BlocksCacheKey,
+        decoder_kv_cache: KvCache,
+        prompt_blocks: list[int],
+        decoder_blocks: list[int],
+        **kwargs: Any,
+    ) -> None:
+        self._not_yet("pull_blocks")
+
+    def allocate_blocks_cache(
+        self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
+    ) -> KvCache:
+        self._not_yet("allocate_blocks_cache")
+
+    def copy_cache(
+        self,
+        dst: KvCache,
+        src: KvCache,
+        dst_batch_index: int = 0,
+        src_batch_index: int = 0,
+        offset: int = 0,
+        size: int = -1,
+        req_id: int | None = None,
+    ) -> None:
+        self._not_yet("copy_cache")
+
+    def copy_blocks(self, cache: KvCache, copy_block_info: dict[int, list[int]]) -> None:
+        self._not_yet("copy_blocks")
+
+    def swap_blocks(self, src: KvCache, dst: KvCache, src_to_dst: dict[int, int]) -> None:
+        self._not_yet("swap_blocks")
+
+    def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[Any]:
+        self._not_yet("get_cache_tensors")
+
+    def transfer_cache_async(
+        self,
+        src_cache: KvCache,
+        layer_synchronizer: Any,
+        transfer_configs: list[Any],
+        src_block_indices: list[int] | None = None,
+        dst_block_indices: list[int] | None = None,
+        dst_block_memory_size: int | None = None,
+    ) -> Any:
+        self._not_yet("transfer_cache_async")

@@ -1,0 +1,230 @@
+"""`LLMDataDist`: the front end (init/finalize, links, the manager properties).
+
+Rules: one initialised instance per process (`llm_engine_instance`), finalised at exit by an atexit hook
+that swallows `LLMException`. Methods other than `init` raise `RuntimeError("llm datadist is not
+initialized")` before `init`. `link_clusters`/`unlink_clusters` never raise for a failed link: they return
+the overall code and one code per cluster, as the real library does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+import time
+from typing import Any, ClassVar
+
+from .._core import Core, parse_options
+from .._errors import api_errors
+from .._validate import check_dict, check_int32, check_isinstance, check_uint64
+from ..configs import LLMClusterInfo, LLMRole, ip_int_to_str
+from ..status import LLMException, LLMStatusCode, make_error
+from ..utils.log import log
+from ..v1.kv_cache_manager import KvCacheManager
+from .llm_types import RegisterMemStatus
+
+MAX_CLUSTERS_PER_CALL = 16
+_atexit_registered = False
+
+
+def _finalize_at_exit() -> None:
+    instance = LLMDataDist.llm_engine_instance
+    if instance is not None:
+        with contextlib.suppress(LLMException):
+            instance.finalize()
+
+
+class LLMDataDist:
+    """`LLMDataDist(role, cluster_id)`: the process's KV-transfer endpoint.
+
+    On this host, a side with `listen_ip_info` serves a Unix socket in the runtime directory named after
+    that ip:port, and `link_clusters` connects to the socket named after the remote ip:port it is given.
+    """
+
+    llm_engine_instance: ClassVar[LLMDataDist | None] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, role: LLMRole, cluster_id: int) -> None:
+        check_isinstance("role", role, LLMRole)
+        check_uint64("cluster_id", cluster_id)
+        self._role = role
+        self._cluster_id = cluster_id
+        self._core: Core | None = None
+        self._kv_cache_manager: KvCacheManager | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def init(self, options: dict[str, str]) -> None:
+        """Start the instance from option strings (`LLMConfig.generate_options()` or a raw dict)."""
+        global _atexit_registered
+        if self._core is not None:
+            return
+        check_isinstance("options", options, dict)
+        settings = parse_options(self._role, self._cluster_id, dict(options))
+        if settings.cache_manager_mode:
+            raise make_error(
+                "init",
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                "cache-manager (v2) mode is not implemented yet on this host; use the KvCacheManager mode",
+            )
+        with LLMDataDist._instance_lock:
+            current = LLMDataDist.llm_engine_instance
+            if current is not None and current is not self:
+                raise LLMException("Cannot init multiple LLMDataDists", status_code=LLMStatusCode.LLM_FAILED)
+            with api_errors("init"):
+                core = Core(settings)
+            self._core = core
+            self._kv_cache_manager = KvCacheManager(core, self._role)
+            LLMDataDist.llm_engine_instance = self
+            if not _atexit_registered:
+                atexit.register(_finalize_at_exit)
+                _atexit_registered = True
+        log.info("llm datadist %d initialised as %s", self._cluster_id, self._role)
+
+    def finalize(self) -> None:
+        """Release everything: links, the listening socket, every cache and its shared memory."""
+        with LLMDataDist._instance_lock:
+            core, self._core = self._core, None
+            if core is None:
+                return
+            if self._kv_cache_manager is not None:
+                self._kv_cache_manager._finalize()
+            if LLMDataDist.llm_engine_instance is self:
+                LLMDataDist.llm_engine_instance = None
+        core.close()
+
+    def _require_core(self) -> Core:
+        core = self._core
+        if core is None:
+            raise RuntimeError("llm datadist is not initialized")
+        return core
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def cluster_id(self) -> int:
+        return self._cluster_id
+
+    @property
+    def kv_cache_manager(self) -> KvCacheManager:
+        self._require_core()
+        assert self._kv_cache_manager is not None
+        return self._kv_cache_manager
+
+    @property
+    def cache_manager(self) -> Any:
+        self._require_core()
+        raise make_error(
+            "cache_manager",
+            LLMStatusCode.LLM_PARAM_INVALID,
+            "cache_manager is only available in cache-manager mode",
+        )
+
+    # ------------------------------------------------------------------ one-sided links
+
+    @staticmethod
+    def _check_clusters(clusters: object, timeout: object, api: str) -> list[LLMClusterInfo]:
+        check_isinstance("clusters", clusters, (list, tuple))
+        assert isinstance(clusters, (list, tuple))
+        for cluster in clusters:
+            check_isinstance("clusters", cluster, LLMClusterInfo)
+        check_int32("timeout", timeout)
+        assert isinstance(timeout, int)
+        if timeout <= 0:
+            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"timeout must be > 0 ms, got {timeout}")
+        return list(clusters)
+
+    def link_clusters(
+        self, clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...], timeout: int = 3000
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Link to each cluster's listening side; returns (overall code, per-cluster codes), never raises
+        for a failed link. `timeout` (ms) bounds the whole call."""
+        api = "link_clusters"
+        core = self._require_core()
+        infos = self._check_clusters(clusters, timeout, api)
+        if self._role == LLMRole.PROMPT:
+            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, "in v1 only the DECODER (client) links")
+        if len(infos) > MAX_CLUSTERS_PER_CALL:
+            code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
+            return code, [code] * len(infos)
+        deadline = time.monotonic() + timeout / 1000.0
+        results: list[LLMStatusCode] = []
+        for info in infos:
+            if info.remote_cluster_id is None or not info.remote_ip_info_list:
+                log.error("link_clusters: cluster info needs remote_cluster_id and a remote ip: %r", info)
+                results.append(LLMStatusCode.LLM_LINK_FAILED)
+                continue
+            ip, port = info.remote_ip_info_list[0]
+            results.append(core.link(info.remote_cluster_id, ip_int_to_str(ip), port, deadline))
+        return _overall(results), results
+
+    def unlink_clusters(
+        self,
+        clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...],
+        timeout: int = 3000,
+        force: bool = False,
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Tear links down. Without `force` the peer is told (it drops its end); with `force` only the
+        local end goes. A link busy with a transfer gives LLM_LINK_BUSY for that cluster."""
+        api = "unlink_clusters"
+        core = self._require_core()
+        infos = self._check_clusters(clusters, timeout, api)
+        check_isinstance("force", force, bool)
+        if len(infos) > MAX_CLUSTERS_PER_CALL:
+            code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
+            return code, [code] * len(infos)
+        results: list[LLMStatusCode] = []
+        for info in infos:
+            if info.remote_cluster_id is None:
+                results.append(LLMStatusCode.LLM_PARAM_INVALID)
+                continue
+            results.append(core.unlink(info.remote_cluster_id, force=force))
+        return _overall(results), results
+
+    def check_link_status(self, remote_cluster_id: int) -> None:
+        """Probe a link with one round trip bounded by `sync_kv_timeout`; raises LLMException on failure
+        (LLM_LINK_BUSY while a transfer uses the link, LLM_NOT_YET_LINK without a link)."""
+        api = "check_link_status"
+        core = self._require_core()
+        check_uint64("remote_cluster_id", remote_cluster_id)
+        with api_errors(api):
+            core.check_link(remote_cluster_id)
+
+    def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
+        api = "switch_role"
+        self._require_core()
+        check_isinstance("role", role, LLMRole)
+        if switch_options is not None:
+            check_dict("switch_options", switch_options, str, str)
+        raise make_error(
+            api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "switch_role is not implemented yet on this host"
+        )
+
+    # ------------------------------------------------------------------ two-sided links (v2 only)
+
+    def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
+        self._require_core()
+        raise make_error(
+            "link", LLMStatusCode.LLM_PARAM_INVALID, "link is only available in cache-manager mode"
+        )
+
+    def unlink(self, comm_id: int) -> None:
+        self._require_core()
+        raise make_error(
+            "unlink", LLMStatusCode.LLM_PARAM_INVALID, "unlink is only available in cache-manager mode"
+        )
+
+    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        self._require_core()
+        raise make_error(
+            "query_register_mem_status",
+            LLMStatusCode.LLM_PARAM_INVALID,
+            "query_register_mem_status is only available in cache-manager mode",
+        )
+
+
+def _overall(results: list[LLMStatusCode]) -> LLMStatusCode:
+    for code in results:
+        if code != LLMStatusCode.LLM_SUCCESS:
+            return code
+    return LLMStatusCode.LLM_SUCCESS

@@ -1,0 +1,224 @@
+"""A Prompt process for multi-process tests: a real `LLMDataDist(PROMPT)` in a spawned child, driven
+over a multiprocessing pipe. The test process is the Decoder. Every wait has a timeout and every child is
+reaped (SIGKILL as the last resort)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from llm_datadist import (
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMRole,
+)
+
+PROMPT_IP = "127.0.0.1"
+CALL_TIMEOUT_S = 20.0
+
+
+def pattern(seed: int, cache_index: int, tensor_index: int, nbytes: int) -> np.ndarray:
+    """The bytes the Prompt writes into tensor `tensor_index` of its cache number `cache_index`."""
+    return np.random.default_rng([seed, cache_index, tensor_index]).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def prompt_options(
+    port: int, *, sync_kv_timeout_ms: int = 5000, extra: dict[str, str] | None = None
+) -> dict[str, str]:
+    config = LLMConfig()
+    config.device_id = 0
+    config.listen_ip_info = f"{PROMPT_IP}:{port}"
+    config.sync_kv_timeout = sync_kv_timeout_ms
+    options = dict(config.generate_options())
+    options.update(extra or {})
+    return options
+
+
+def _prompt_main(pipe: Connection, cluster_id: int, port: int, seed: int, extra: dict[str, str]) -> None:
+    from llm_datadist.ext import tensor_views
+
+    datadist = LLMDataDist(LLMRole.PROMPT, cluster_id)
+    try:
+        datadist.init(prompt_options(port, extra=extra))
+    except Exception:
+        pipe.send(("err", traceback.format_exc()))
+        return
+    manager = datadist.kv_cache_manager
+    caches: dict[int, Any] = {}
+    pipe.send(("ok", os.getpid()))
+    while True:
+        try:
+            command, args = pipe.recv()
+        except EOFError:
+            break
+        try:
+            if command == "stop":
+                pipe.send(("ok", None))
+                break
+            if command == "alloc":
+                num_tensors, shape, keys = args
+                desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)
+                cache_keys = [CacheKey(*key) for key in keys]
+                cache = manager.allocate_cache(desc, cache_keys)
+                index = cache.cache_id
+                for t, view in enumerate(tensor_views(cache)):
+                    raw = view.view(np.uint8).reshape(-1)
+                    raw[:] = pattern(seed, index, t, raw.nbytes)
+                caches[cache.cache_id] = cache
+                result: Any = cache.cache_id
+            elif command == "remove_key":
+                manager.remove_cache_key(CacheKey(*args))
+                result = None
+            elif command == "dealloc":
+                manager.deallocate_cache(caches.pop(args))
+                result = None
+            elif command == "stats":
+                result = datadist._require_core().table.stats()
+            elif command == "addrs":
+                result = caches[args].per_device_tensor_addrs
+            else:
+                raise ValueError(f"unknown command {command}")
+            pipe.send(("ok", result))
+        except Exception:
+            pipe.send(("err", traceback.format_exc()))
+    caches.clear()
+    datadist.finalize()
+
+
+class PromptPeer:
+    """Start with `with PromptPeer(...) as peer:`; the child is always reaped on exit."""
+
+    def __init__(self, cluster_id: int, port: int, seed: int, *, extra: dict[str, str] | None = None) -> None:
+        self.cluster_id = cluster_id
+        self.port = port
+        self.seed = seed
+        ctx = mp.get_context("spawn")
+        self._pipe, child_pipe = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_prompt_main, args=(child_pipe, cluster_id, port, seed, extra or {}), daemon=True
+        )
+        self.process.start()
+        child_pipe.close()
+        try:
+            self.pid: int = self._reply(CALL_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+
+    def _reply(self, timeout_s: float) -> Any:
+        if not self._pipe.poll(timeout_s):
+            raise TimeoutError("prompt peer did not answer in time")
+        status, value = self._pipe.recv()
+        if status != "ok":
+            raise RuntimeError(f"prompt peer failed:\n{value}")
+        return value
+
+    def call(self, command: str, args: Any = None, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        self._pipe.send((command, args))
+        return self._reply(timeout_s)
+
+    def alloc(self, num_tensors: int, shape: list[int], keys: list[tuple[int, ...]]) -> int:
+        result: int = self.call("alloc", (num_tensors, shape, keys))
+        return result
+
+    def expected(self, cache_id: int, tensor_index: int, nbytes: int) -> np.ndarray:
+        return pattern(self.seed, cache_id, tensor_index, nbytes)
+
+    def cluster_info(self) -> LLMClusterInfo:
+        info = LLMClusterInfo()
+        info.remote_cluster_id = self.cluster_id
+        info.append_local_ip_info(PROMPT_IP, 0)
+        info.append_remote_ip_info(PROMPT_IP, self.port)
+        return info
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(Exception):
+                self._pipe.send(("stop", None))
+                self._reply(10)
+            self.process.join(10)
+        if self.process.is_alive():
+            self.kill()
+        self._pipe.close()
+
+    def __enter__(self) -> PromptPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def decoder(
+    cluster_id: int = 2, *, sync_kv_timeout_ms: int = 5000, extra: dict[str, str] | None = None
+) -> Iterator[LLMDataDist]:
+    datadist = LLMDataDist(LLMRole.DECODER, cluster_id)
+    config = LLMConfig()
+    config.device_id = 0
+    config.sync_kv_timeout = sync_kv_timeout_ms
+    options = dict(config.generate_options())
+    options.update(extra or {})
+    datadist.init(options)
+    try:
+        yield datadist
+    finally:
+        datadist.finalize()
+
+
+def _lease_holder_main(pipe: Connection, socket_file: str, remote_cluster_id: int, req_id: int) -> None:
+    """A Decoder that resolves a key (taking a lease) and then hangs until it is killed."""
+    import time
+    from pathlib import Path
+
+    from llm_datadist._transport import ClientLink
+    from protocol.messages import KEY_REQ, PullRequest
+
+    link = ClientLink.connect(
+        Path(socket_file),
+        cluster_id=77,
+        remote_cluster_id=remote_cluster_id,
+        role=2,
+        deadline=time.monotonic() + 10,
+    )
+    seq = link.next_seq()
+    grant = link.request(
+        PullRequest(seq, KEY_REQ, req_id, 0, 0, 0, 2, True, 64, 0, True), seq, time.monotonic() + 10
+    )
+    pipe.send(("ok", type(grant).__name__))
+    time.sleep(600)
+
+
+def start_lease_holder(socket_file: str, remote_cluster_id: int, req_id: int) -> mp.process.BaseProcess:
+    """Start `_lease_holder_main` and wait until it holds its lease."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(
+        target=_lease_holder_main, args=(child, socket_file, remote_cluster_id, req_id), daemon=True
+    )
+    process.start()
+    child.close()
+    if not parent.poll(CALL_TIMEOUT_S):
+        process.kill()
+        process.join(10)
+        raise TimeoutError("lease holder did not report")
+    status, value = parent.recv()
+    parent.close()
+    assert status == "ok" and value == "PullGrant", value
+    return process

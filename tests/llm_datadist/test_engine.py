@@ -1,0 +1,158 @@
+"""The cache table on its own (real pool, real shared memory, no sockets): key binding, leases, key
+consumption and the deferred free."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from llm_datadist._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheTable
+from llm_datadist._errors import StatusError
+from llm_datadist.status import LLMStatusCode
+from shm.pool import Pool
+
+
+@pytest.fixture
+def table() -> Iterator[CacheTable]:
+    t = CacheTable(Pool(capacity_nbytes=1 << 20), oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
+    yield t
+    t.close()
+
+
+def _resolve(table: CacheTable, kind: int, ident: int, owner: object, **overrides: object):  # type: ignore[no-untyped-def]
+    args: dict[str, object] = {
+        "key_kind": kind,
+        "key_id": ident,
+        "model_id": 0,
+        "batch_index": 0,
+        "tensor_start": 0,
+        "tensor_count": 4,
+        "whole": True,
+        "nbytes": 100,
+        "src_offset": 0,
+        "consume": True,
+        "owner": owner,
+    }
+    args.update(overrides)
+    return table.resolve(**args)  # type: ignore[arg-type]
+
+
+def test_keys_bind_slots_and_grants_point_at_them(table: CacheTable) -> None:
+    record = table.allocate(
+        num_tensors=4, tensor_nbytes=300, batch_size=3, keys=[(KEY_REQ, 1, 0), None, (KEY_REQ, 2, 0)]
+    )
+    assert record.cache_id == 1 and record.slot_nbytes == 100
+    grant = _resolve(table, KEY_REQ, 2, owner="a", src_offset=7, nbytes=93)
+    assert grant.tensor_offsets == tuple(record.tensor_offset(t) + 2 * 100 + 7 for t in range(4))
+    assert grant.segment_name == record.block.segment.name
+    table.release(grant.lease_id, ok=True, owner="a")
+    assert not table.has_key((KEY_REQ, 2, 0)) and table.has_key((KEY_REQ, 1, 0))
+
+
+def test_duplicate_keys_last_wins_and_bound_keys_are_refused(table: CacheTable) -> None:
+    record = table.allocate(
+        num_tensors=1, tensor_nbytes=20, batch_size=2, keys=[(KEY_REQ, 1, 0), (KEY_REQ, 1, 0)]
+    )
+    grant = _resolve(table, KEY_REQ, 1, owner="a", tensor_count=1, nbytes=10)
+    assert grant.tensor_offsets == (record.tensor_offset(0) + 10,)
+    with pytest.raises(StatusError) as exc_info:
+        table.allocate(num_tensors=1, tensor_nbytes=20, batch_size=1, keys=[(KEY_REQ, 1, 0)])
+    assert exc_info.value.code == LLMStatusCode.LLM_PARAM_INVALID
+    with pytest.raises(StatusError):
+        table.allocate(num_tensors=1, tensor_nbytes=20, batch_size=1, keys=[(KEY_REQ, 5, 0), (KEY_REQ, 6, 0)])
+
+
+def test_partial_pulls_consume_the_key_once_every_tensor_was_pulled(table: CacheTable) -> None:
+    table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
+    for _ in range(2):  # pulling the same tensors twice does not count twice
+        grant = _resolve(table, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
+        table.release(grant.lease_id, ok=True, owner="a")
+        assert table.has_key((KEY_REQ, 1, 0))
+    grant = _resolve(table, KEY_REQ, 1, "a", tensor_start=0, tensor_count=2, whole=False)
+    table.release(grant.lease_id, ok=True, owner="a")
+    assert not table.has_key((KEY_REQ, 1, 0))
+
+
+def test_failed_or_unconsuming_pulls_keep_the_key(table: CacheTable) -> None:
+    table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
+    grant = _resolve(table, KEY_REQ, 1, "a")
+    table.release(grant.lease_id, ok=False, owner="a")
+    grant = _resolve(table, KEY_REQ, 1, "a", consume=False)
+    table.release(grant.lease_id, ok=True, owner="a")
+    assert table.has_key((KEY_REQ, 1, 0))
+
+
+def test_prefix_keys_are_never_consumed(table: CacheTable) -> None:
+    table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_PREFIX, 9, 0)])
+    for _ in range(2):
+        grant = _resolve(table, KEY_PREFIX, 9, "a")
+        table.release(grant.lease_id, ok=True, owner="a")
+    assert table.has_key((KEY_PREFIX, 9, 0))
+
+
+def test_pull_by_cache_id_consumes_the_slots_req_key(table: CacheTable) -> None:
+    record = table.allocate(
+        num_tensors=4, tensor_nbytes=200, batch_size=2, keys=[(KEY_REQ, 1, 0), (KEY_REQ, 2, 0)]
+    )
+    grant = _resolve(table, KEY_CACHE_ID, record.cache_id, "a", batch_index=1)
+    table.release(grant.lease_id, ok=True, owner="a")
+    assert table.has_key((KEY_REQ, 1, 0)) and not table.has_key((KEY_REQ, 2, 0))
+    with pytest.raises(StatusError) as exc_info:
+        _resolve(table, KEY_CACHE_ID, record.cache_id, "a", batch_index=2)
+    assert exc_info.value.code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_a_dead_connections_leases_are_dropped_without_consuming(table: CacheTable) -> None:
+    table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
+    _resolve(table, KEY_REQ, 1, "dead")
+    _resolve(table, KEY_REQ, 1, "dead")
+    assert table.stats()["leases"] == 2
+    assert table.drop_owner("dead") == 2
+    assert table.stats()["leases"] == 0 and table.has_key((KEY_REQ, 1, 0))
+
+
+def test_memory_is_freed_only_when_nothing_references_it(table: CacheTable) -> None:
+    record = table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
+    grant = _resolve(table, KEY_REQ, 1, "a")
+    table.deallocate(record.cache_id)
+    table.remove_key((KEY_REQ, 1, 0))
+    assert table.stats()["caches"] == 1  # a peer is still copying out of it
+    table.release(grant.lease_id, ok=True, owner="a")
+    assert table.stats() == {"caches": 0, "keys": 0, "leases": 0, "pool_used_nbytes": 0}
+
+
+def test_leases_belong_to_their_connection(table: CacheTable) -> None:
+    table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
+    grant = _resolve(table, KEY_REQ, 1, "a")
+    with pytest.raises(StatusError):
+        table.release(grant.lease_id, ok=True, owner="b")
+    with pytest.raises(StatusError):
+        table.release(grant.lease_id + 1, ok=True, owner="a")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "code"),
+    [
+        ({"key_id": 99}, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST),
+        ({"key_kind": KEY_PREFIX}, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST),
+        ({"model_id": 1}, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST),
+        ({"tensor_count": 3}, LLMStatusCode.LLM_PARAM_INVALID),
+        ({"tensor_start": 2, "tensor_count": 3, "whole": False}, LLMStatusCode.LLM_PARAM_INVALID),
+        ({"nbytes": 101}, LLMStatusCode.LLM_PARAM_INVALID),
+        ({"src_offset": 1}, LLMStatusCode.LLM_PARAM_INVALID),
+    ],
+)
+def test_resolve_checks(table: CacheTable, overrides: dict[str, object], code: LLMStatusCode) -> None:
+    table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
+    with pytest.raises(StatusError) as exc_info:
+        _resolve(table, KEY_REQ, 1, "a", **overrides)
+    assert exc_info.value.code == code
+    assert table.stats()["leases"] == 0
+
+
+def test_pool_exhaustion_uses_the_modes_code(table: CacheTable) -> None:
+    with pytest.raises(StatusError) as exc_info:
+        table.allocate(num_tensors=2, tensor_nbytes=1 << 20, batch_size=1, keys=[])
+    assert exc_info.value.code == LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
+    assert table.stats()["caches"] == 0

@@ -1,0 +1,193 @@
+"""`link_clusters` / `unlink_clusters` / `check_link_status` across real processes, and the addressing
+rules: a socket per listen address in a private runtime directory, handshake checks."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import stat
+import struct
+from pathlib import Path
+
+import pytest
+
+from llm_datadist import LLMClusterInfo, LLMException, LLMStatusCode
+from protocol.frames import encode_frame
+from tests._peer import PROMPT_IP, PromptPeer, decoder
+
+P = 1
+_ports = itertools.count(27000)
+
+
+def _info(cluster_id: int, port: int) -> LLMClusterInfo:
+    info = LLMClusterInfo()
+    info.remote_cluster_id = cluster_id
+    info.append_local_ip_info(PROMPT_IP, 0)
+    info.append_remote_ip_info(PROMPT_IP, port)
+    return info
+
+
+def test_link_unlink_relink(seed: int) -> None:
+    with PromptPeer(P, next(_ports), seed) as peer, decoder() as dd:
+        info = peer.cluster_info()
+        assert dd.link_clusters([info]) == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+        assert dd.link_clusters([info]) == (LLMStatusCode.LLM_ALREADY_LINK, [LLMStatusCode.LLM_ALREADY_LINK])
+        dd.check_link_status(P)
+        assert dd.unlink_clusters([info]) == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+        assert dd.unlink_clusters([info])[1] == [LLMStatusCode.LLM_NOT_YET_LINK]
+        with pytest.raises(LLMException) as exc_info:
+            dd.check_link_status(P)
+        assert exc_info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+        assert dd.link_clusters([info])[0] == LLMStatusCode.LLM_SUCCESS
+        assert dd.unlink_clusters([info], force=True)[0] == LLMStatusCode.LLM_SUCCESS
+
+
+def test_wrong_cluster_id_nobody_listening_and_partial_results(seed: int) -> None:
+    port = next(_ports)
+    with PromptPeer(P, port, seed), decoder() as dd:
+        ret, codes = dd.link_clusters([_info(99, port), _info(P, port), _info(3, next(_ports))], timeout=2000)
+        assert ret == LLMStatusCode.LLM_LINK_FAILED
+        assert codes == [
+            LLMStatusCode.LLM_LINK_FAILED,
+            LLMStatusCode.LLM_SUCCESS,
+            LLMStatusCode.LLM_LINK_FAILED,
+        ]
+
+
+def test_too_many_clusters_and_bad_arguments() -> None:
+    with decoder() as dd:
+        infos = [_info(i, 1000 + i) for i in range(17)]
+        ret, codes = dd.link_clusters(infos)
+        assert ret == LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT and len(codes) == 17
+        with pytest.raises(TypeError):
+            dd.link_clusters(_info(1, 1))  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            dd.link_clusters(["x"])  # type: ignore[list-item]
+        with pytest.raises(LLMException) as exc_info:
+            dd.link_clusters([_info(1, 1)], timeout=0)
+        assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        with pytest.raises(TypeError):
+            dd.unlink_clusters([_info(1, 1)], force=1)  # type: ignore[arg-type]
+
+
+def test_link_to_a_silent_listener_times_out(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from llm_datadist._runtime import ensure_runtime_dir, socket_path
+
+    ensure_runtime_dir()
+    port = next(_ports)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.bind(os.fspath(socket_path(PROMPT_IP, port)))
+    silent.listen(4)
+    try:
+        with decoder() as dd:
+            _, codes = dd.link_clusters([_info(P, port)], timeout=300)
+            assert codes == [LLMStatusCode.LLM_LINK_FAILED]
+    finally:
+        silent.close()
+
+
+def test_runtime_dir_and_socket_are_private(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    port = next(_ports)
+    with PromptPeer(P, port, seed):
+        assert stat.S_IMODE(os.stat(_runtime_dir).st_mode) == 0o700
+        sock_path = _runtime_dir / f"{PROMPT_IP}_{port}.sock"
+        assert stat.S_ISSOCK(os.stat(sock_path).st_mode)
+        assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o600
+    assert not sock_path.exists()  # finalize removes the socket
+
+
+def test_server_survives_garbage_and_keeps_serving(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    port = next(_ports)
+    with PromptPeer(P, port, seed) as peer, decoder() as dd:
+        path = os.fspath(_runtime_dir / f"{PROMPT_IP}_{port}.sock")
+        for junk in (b"\xff" * 64, struct.pack("!I", 1 << 30), encode_frame([99, 1, 2]), b"\x00\x00"):
+            bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            bad.settimeout(5)
+            bad.connect(path)
+            bad.sendall(junk)
+            bad.shutdown(socket.SHUT_WR)
+            assert bad.recv(4096) is not None  # the server closes (possibly after an error frame)
+            bad.close()
+        assert dd.link_clusters([peer.cluster_info()])[0] == LLMStatusCode.LLM_SUCCESS
+        dd.check_link_status(P)
+
+
+def test_stale_socket_of_a_dead_prompt_is_replaced(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    port = next(_ports)
+    first = PromptPeer(P, port, seed)
+    first.kill()
+    first.close()
+    assert (_runtime_dir / f"{PROMPT_IP}_{port}.sock").exists()
+    with PromptPeer(P, port, seed) as peer, decoder() as dd:
+        assert dd.link_clusters([peer.cluster_info()])[0] == LLMStatusCode.LLM_SUCCESS
+    from shm.reaper import reap
+
+    reap()
+
+
+def test_second_prompt_on_a_taken_address_fails(seed: int) -> None:
+    port = next(_ports)
+    with PromptPeer(P, port, seed), pytest.raises(RuntimeError, match="taken"):
+        PromptPeer(P + 10, port, seed)
+
+
+def _hello_as(uid: int, path: str, remote_cluster_id: int) -> str:
+    """Fork a child that drops to `uid`, connects, says Hello and reports what the server answered."""
+    from protocol.connection import Connection, ConnRole
+    from protocol.messages import PROTOCOL_VERSION, Hello
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        answer = "no answer"
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(10)
+            sock.connect(path)
+            conn = Connection(ConnRole.CLIENT)
+            sock.sendall(conn.send(Hello(PROTOCOL_VERSION, 5, remote_cluster_id, 2, os.getpid())))
+            while True:
+                conn.receive_data(sock.recv(65536))
+                event = conn.next_event()
+                if event is not None:
+                    answer = f"{type(event).__name__} {getattr(event, 'message', '')}"
+                    break
+        except BaseException as exc:
+            answer = f"child failed: {exc!r}"
+        os.write(write_fd, answer.encode())
+        os._exit(0)
+    os.close(write_fd)
+    try:
+        os.waitpid(pid, 0)
+        return os.read(read_fd, 4096).decode()
+    finally:
+        os.close(read_fd)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")
+def test_a_process_of_another_uid_is_refused(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    port = next(_ports)
+    nobody = 65534
+    with PromptPeer(P, port, seed) as peer, decoder() as dd:
+        path = _runtime_dir / f"{PROMPT_IP}_{port}.sock"
+        # Open the directories and the socket up, so that only the SO_PEERCRED check stands in the way.
+        opened = [
+            d
+            for d in [_runtime_dir, *_runtime_dir.parents]
+            if d != Path("/tmp") and Path("/tmp") in d.parents
+        ]
+        modes = {d: stat.S_IMODE(os.stat(d).st_mode) for d in [*opened, path]}
+        try:
+            for directory in opened:
+                os.chmod(directory, modes[directory] | 0o005)
+            os.chmod(path, 0o666)
+            answer = _hello_as(nobody, os.fspath(path), P)
+        finally:
+            for item, mode in modes.items():
+                os.chmod(item, mode)
+        assert answer.startswith("Error") and "uid" in answer, answer
+        # The refused connection did not disturb the server.
+        assert dd.link_clusters([peer.cluster_info()])[0] == LLMStatusCode.LLM_SUCCESS
