@@ -1,0 +1,52 @@
+"""The `llm-datadist` command: `demo`, `gc` (remove shared memory of dead processes), `ls`.
+
+Rules: every subcommand exits 0 on success and non-zero with a message on stderr otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import _demo
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from shm.reaper import reap
+
+    removed = reap()
+    for name in removed:
+        print(f"removed {name}")
+    print(f"{len(removed)} segment(s) of dead processes removed")
+    return 0
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from shm.reaper import list_segments
+
+    segments = list_segments()
+    print(f"{'segment':<64} {'pid':>8} {'owner':>6} {'bytes':>14}")
+    for info in segments:
+        state = "alive" if info.alive else "dead"
+        print(f"{info.name:<64} {info.owner.pid:>8} {state:>6} {info.nbytes:>14}")
+    print(f"{len(segments)} segment(s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="llm-datadist", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="pull real-sized KV cache between two processes and verify it")
+    _demo.add_arguments(demo)
+    demo.set_defaults(func=_demo.run)
+    sub.add_parser("gc", help="unlink shared memory left by dead processes").set_defaults(func=_gc)
+    sub.add_parser("ls", help="list this user's llm_datadist shared memory").set_defaults(func=_ls)
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""`llm-datadist demo`: a Prompt and a Decoder process move real-sized KV cache and check every byte.
+
+Rules: both sides are spawned processes using only the public API (plus `ext.tensor_views` to fill and
+check memory); the parent only orchestrates over pipes, prints the table and reaps. The memcpy baseline is
+measured in the Decoder process in the same run, between buffers that were already faulted in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+PROMPT_CLUSTER = 1
+DECODER_CLUSTER = 2
+IP = "127.0.0.1"
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+U64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    tokens: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def num_tensors(self) -> int:
+        return 2 * self.layers
+
+    @property
+    def slot_nbytes(self) -> int:
+        return self.tokens * self.kv_heads * self.head_dim * 2  # fp16
+
+
+def expected_slot(tensor_index: int, slot: int, nbytes: int) -> np.ndarray:
+    """The bytes the Prompt writes into one (tensor, slot): cheap to regenerate, different everywhere."""
+    words = nbytes // 8
+    out = np.empty(nbytes, dtype=np.uint8)
+    values = np.arange(words, dtype=np.uint64) * _GOLDEN + np.uint64(
+        tensor_index * 1_000_003 + slot * 7_919 + 1
+    )
+    out[: words * 8] = values.view(np.uint8)
+    out[words * 8 :] = (tensor_index + slot) & 0xFF
+    return out
+
+
+def _options(listen: str | None, timeout_ms: int) -> dict[str, str]:
+    from llm_datadist import LLMConfig
+
+    config = LLMConfig()
+    config.device_id = 0
+    config.sync_kv_timeout = timeout_ms
+    if listen:
+        config.listen_ip_info = listen
+    return dict(config.generate_options())
+
+
+def _prompt(pipe: Connection, shape: Shape, port: int, timeout_ms: int) -> None:
+    from llm_datadist import CacheDesc, CacheKey, DataType, LLMDataDist, LLMRole
+    from llm_datadist.ext import tensor_views
+
+    datadist = LLMDataDist(LLMRole.PROMPT, PROMPT_CLUSTER)
+    try:
+        datadist.init(_options(f"{IP}:{port}", timeout_ms))
+        manager = datadist.kv_cache_manager
+        desc = CacheDesc(
+            shape.num_tensors, [4, shape.tokens, shape.kv_heads, shape.head_dim], DataType.DT_FLOAT16
+        )
+        # Slots 0-2 hold one request each; slot 3 is bound to a prefix key, used to warm the link up.
+        keys = [CacheKey(PROMPT_CLUSTER, req) for req in (1, 2, 3)]
+        keys.append(CacheKey(PROMPT_CLUSTER, U64_MAX, 0, 9))
+        cache = manager.allocate_cache(desc, keys)
+        for t, view in enumerate(tensor_views(cache)):
+            raw = view.view(np.uint8).reshape(4, -1)
+            for slot in range(4):
+                raw[slot] = expected_slot(t, slot, shape.slot_nbytes)
+        pipe.send(("ready", None))
+        pipe.poll(3600)
+        pipe.recv()
+        for key in keys:
+            manager.remove_cache_key(key)
+        manager.deallocate_cache(cache)
+        pipe.send(("done", None))
+    except Exception:
+        pipe.send(("error", traceback.format_exc()))
+    finally:
+        datadist.finalize()
+
+
+def _copy_bandwidth(nbytes: int, threads: int, repeats: int = 3, *, shared: bool = False) -> float:
+    """Best-of-N GB/s of numpy.copyto between two already-faulted buffers, split over `threads`.
+
+    Private numpy buffers get transparent huge pages where the kernel allows them; `shared=True` measures
+    between two prefaulted shared-memory segments instead (4 KiB pages on tmpfs), which bounds a pull.
+    """
+    from shm.segment import Segment
+
+    segments: list[Segment] = []
+    if shared:
+        segments = [Segment.create(nbytes), Segment.create(nbytes)]
+        src, dst = segments[0].array, segments[1].array
+        src[:] = 7
+    else:
+        src = np.full(nbytes, 7, dtype=np.uint8)
+        dst = np.zeros(nbytes, dtype=np.uint8)
+    bounds = np.linspace(0, nbytes, threads + 1, dtype=np.int64)
+
+    def part(i: int, src: np.ndarray, dst: np.ndarray) -> None:
+        np.copyto(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]])
+
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        workers = [threading.Thread(target=part, args=(i, src, dst)) for i in range(1, threads)]
+        for worker in workers:
+            worker.start()
+        part(0, src, dst)
+        for worker in workers:
+            worker.join()
+        best = min(best, time.perf_counter() - started)
+    del src, dst
+    for segment in segments:
+        segment.close()
+    return nbytes / best / 1e9
+
+
+def _decoder(pipe: Connection, shape: Shape, port: int, timeout_ms: int) -> None:
+    from llm_datadist import (
+        CacheDesc,
+        CacheKey,
+        DataType,
+        LLMClusterInfo,
+        LLMDataDist,
+        LLMException,
+        LLMRole,
+        LLMStatusCode,
+    )
+    from llm_datadist.ext import tensor_views
+
+    datadist = LLMDataDist(LLMRole.DECODER, DECODER_CLUSTER)
+    rows: list[dict[str, Any]] = []
+    mismatches = 0
+    try:
+        datadist.init(_options(None, timeout_ms))
+        manager = datadist.kv_cache_manager
+        slot = shape.slot_nbytes
+        total = slot * shape.num_tensors
+        rows.append({"name": "numpy.copyto, 1 thread", "nbytes": total, "gbps": _copy_bandwidth(total, 1)})
+        rows.append({"name": "numpy.copyto, 2 threads", "nbytes": total, "gbps": _copy_bandwidth(total, 2)})
+        rows.append(
+            {
+                "name": "numpy.copyto, 2 threads, shm to shm",
+                "nbytes": total,
+                "gbps": _copy_bandwidth(total, 2, shared=True),
+            }
+        )
+
+        info = LLMClusterInfo()
+        info.remote_cluster_id = PROMPT_CLUSTER
+        info.append_local_ip_info(IP, 0)
+        info.append_remote_ip_info(IP, port)
+        ret, codes = datadist.link_clusters([info], timeout=10000)
+        if ret != LLMStatusCode.LLM_SUCCESS:
+            raise RuntimeError(f"link_clusters failed: {ret} {codes}")
+        dst = manager.allocate_cache(
+            CacheDesc(
+                shape.num_tensors, [1, shape.tokens, shape.kv_heads, shape.head_dim], DataType.DT_FLOAT16
+            )
+        )
+        views = [view.view(np.uint8).reshape(-1) for view in tensor_views(dst)]
+
+        def clear() -> None:
+            for raw in views:
+                raw[:] = 0
+
+        def check(region: tuple[int, int], src_slot: int, src_start: int, tensors: range) -> int:
+            bad = 0
+            start, nbytes = region
+            for t in tensors:
+                want = expected_slot(t, src_slot, slot)[src_start : src_start + nbytes]
+                bad += int(np.count_nonzero(views[t][start : start + nbytes] != want))
+            return bad
+
+        def timed(name: str, nbytes: int, action: Any) -> None:
+            started = time.perf_counter()
+            action()
+            elapsed = time.perf_counter() - started
+            rows.append({"name": name, "nbytes": nbytes, "seconds": elapsed, "gbps": nbytes / elapsed / 1e9})
+
+        prefix = CacheKey(PROMPT_CLUSTER, U64_MAX, 0, 9)
+        timed(
+            "warm-up: 4 KiB per tensor (maps the segment)",
+            4096 * shape.num_tensors,
+            lambda: manager.pull_cache(prefix, dst, size=4096),
+        )
+        mismatches += check((0, 4096), 3, 0, range(shape.num_tensors))
+
+        clear()
+        timed("pull_cache whole request", total, lambda: manager.pull_cache(CacheKey(PROMPT_CLUSTER, 1), dst))
+        mismatches += check((0, slot), 0, 0, range(shape.num_tensors))
+
+        clear()
+
+        def by_layer() -> None:
+            for layer in range(shape.layers):
+                manager.pull_cache(
+                    CacheKey(PROMPT_CLUSTER, 2),
+                    dst,
+                    src_layer_range=range(layer, layer + 1),
+                    dst_layer_range=range(layer, layer + 1),
+                )
+
+        timed(f"pull_cache layer by layer ({shape.layers} pulls)", total, by_layer)
+        mismatches += check((0, slot), 1, 0, range(shape.num_tensors))
+        try:
+            manager.pull_cache(
+                CacheKey(PROMPT_CLUSTER, 2), dst, src_layer_range=range(0, 1), dst_layer_range=range(0, 1)
+            )
+            mismatches += 1  # the key should have been consumed by the last layer
+        except LLMException as exc:
+            if exc.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
+                raise
+
+        clear()
+        size = slot // 2 - 4096 + 1
+        src_offset, dst_offset = slot // 4 + 3, slot // 2 - 7
+
+        def offsets() -> None:
+            manager.pull_cache(
+                CacheKey(PROMPT_CLUSTER, 3),
+                dst,
+                0,
+                size,
+                src_cache_offset=src_offset,
+                dst_cache_offset=dst_offset,
+            )
+
+        timed("pull_cache with src/dst offsets and size", size * shape.num_tensors, offsets)
+        mismatches += check((dst_offset, size), 2, src_offset, range(shape.num_tensors))
+        # Bytes outside the pulled region must be untouched (still zero).
+        for raw in views:
+            mismatches += int(np.count_nonzero(raw[:dst_offset])) + int(
+                np.count_nonzero(raw[dst_offset + size :])
+            )
+
+        datadist.unlink_clusters([info])
+        views.clear()  # drop our views before the memory is freed
+        manager.deallocate_cache(dst)
+        pipe.send(("done", {"rows": rows, "mismatches": mismatches}))
+    except Exception:
+        pipe.send(("error", traceback.format_exc()))
+    finally:
+        datadist.finalize()
+
+
+def _wait(pipe: Connection, what: str, timeout_s: float) -> Any:
+    if not pipe.poll(timeout_s):
+        raise TimeoutError(f"{what} did not answer within {timeout_s:.0f} s")
+    status, value = pipe.recv()
+    if status == "error":
+        raise RuntimeError(f"{what} failed:\n{value}")
+    return value
+
+
+def _format_nbytes(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
+    reference = next((r["gbps"] for r in rows if r["name"] == "numpy.copyto, 2 threads"), None)
+    header = f"{'transfer':<48} {'bytes':>10} {'time ms':>9} {'GB/s':>7} {'x memcpy(2T)':>13}"
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for row in rows:
+        seconds = row.get("seconds")
+        time_text = f"{seconds * 1e3:9.2f}" if seconds is not None else f"{'':>9}"
+        ratio = f"{row['gbps'] / reference:13.2f}" if reference else f"{'':>13}"
+        print(
+            f"{row['name']:<48} {_format_nbytes(row['nbytes']):>10} {time_text} {row['gbps']:7.2f} {ratio}",
+            file=out,
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.small:
+        shape = Shape(layers=4, tokens=256, kv_heads=8, head_dim=128)
+    else:
+        shape = Shape(layers=args.layers, tokens=args.tokens, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    port = args.port or 20000 + os.getpid() % 40000
+    ctx = mp.get_context("spawn")
+    prompt_pipe, prompt_child = ctx.Pipe()
+    decoder_pipe, decoder_child = ctx.Pipe()
+    prompt = ctx.Process(target=_prompt, args=(prompt_child, shape, port, args.timeout_ms), name="prompt")
+    decoder = ctx.Process(target=_decoder, args=(decoder_child, shape, port, args.timeout_ms), name="decoder")
+    total = shape.slot_nbytes * shape.num_tensors
+    print(
+        f"KV cache: {shape.layers} layers x (K, V), {shape.tokens} tokens, {shape.kv_heads} KV heads x "
+        f"{shape.head_dim}, fp16: {_format_nbytes(total)} per request, {os.cpu_count()} CPUs"
+    )
+    result: dict[str, Any] | None = None
+    try:
+        prompt.start()
+        _wait(prompt_pipe, "prompt", 600)
+        decoder.start()
+        result = _wait(decoder_pipe, "decoder", 1800)
+        prompt_pipe.send(("stop", None))
+        _wait(prompt_pipe, "prompt", 120)
+    except (TimeoutError, RuntimeError) as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+    finally:
+        for process in (decoder, prompt):
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+                process.join(10)
+        from shm.reaper import reap
+
+        reap()
+    if result is None:
+        return 1
+    print_table(result["rows"])
+    if result["mismatches"]:
+        print(f"FAILED: {result['mismatches']} bytes differ", file=sys.stderr)
+        return 1
+    print("every byte verified")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--small", action="store_true", help="4 layers x 256 tokens (2 MiB per request)")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument(
+        "--port", type=int, default=0, help="Prompt listen port (default: derived from the pid)"
+    )
+    parser.add_argument("--timeout-ms", type=int, default=60000, help="sync_kv_timeout of both sides")
