@@ -132,8 +132,8 @@ def test_second_prompt_on_a_taken_address_fails(seed: int) -> None:
         PromptPeer(P + 10, port, seed)
 
 
-def _hello_as(uid: int, path: str, remote_cluster_id: int) -> str:
-    """Fork a child that drops to `uid`, connects, says Hello and reports what the server answered."""
+def _hello_as(uid: int, path: str, remote_cluster_id: int, version: int | None = None) -> str:
+    """Fork a child that runs as `uid`, connects, says Hello and reports what the server answered."""
     from protocol.connection import Connection, ConnRole
     from protocol.messages import PROTOCOL_VERSION, Hello
 
@@ -142,13 +142,15 @@ def _hello_as(uid: int, path: str, remote_cluster_id: int) -> str:
     if pid == 0:  # pragma: no cover - runs in the child
         answer = "no answer"
         try:
-            os.setgid(uid)
-            os.setuid(uid)
+            if uid != os.getuid():
+                os.setgid(uid)
+                os.setuid(uid)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(10)
             sock.connect(path)
             conn = Connection(ConnRole.CLIENT)
-            sock.sendall(conn.send(Hello(PROTOCOL_VERSION, 5, remote_cluster_id, 2, os.getpid())))
+            hello_version = PROTOCOL_VERSION if version is None else version
+            sock.sendall(conn.send(Hello(hello_version, 5, remote_cluster_id, 2, os.getpid())))
             while True:
                 conn.receive_data(sock.recv(65536))
                 event = conn.next_event()
@@ -191,3 +193,14 @@ def test_a_process_of_another_uid_is_refused(seed: int, _runtime_dir) -> None:  
         assert answer.startswith("Error") and "uid" in answer, answer
         # The refused connection did not disturb the server.
         assert dd.link_clusters([peer.cluster_info()])[0] == LLMStatusCode.LLM_SUCCESS
+
+
+def test_a_different_protocol_version_is_refused(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    from protocol.messages import PROTOCOL_VERSION
+
+    port = next(_ports)
+    with PromptPeer(P, port, seed):
+        path = os.fspath(_runtime_dir / f"{PROMPT_IP}_{port}.sock")
+        answer = _hello_as(os.getuid(), path, P, version=PROTOCOL_VERSION + 1)
+        assert answer.startswith("Error") and "protocol version" in answer, answer
+        assert _hello_as(os.getuid(), path, P).startswith("Welcome")

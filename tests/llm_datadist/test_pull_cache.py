@@ -122,6 +122,9 @@ def test_pull_by_cache_id_and_index_consumes_bound_key(linked) -> None:  # type:
         kvm.pull_cache(CacheKey(P, 2), dst)
     assert _status(exc_info) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
     kvm.pull_cache(CacheKey(P, 1), dst)  # the other slot's key is untouched
+    # Two pulls from one segment mapped it once for this link.
+    link = dd._require_core().get_link(P)
+    assert len(link.mappings) == 1
 
 
 def test_size_copies_only_a_prefix_of_each_slot(linked) -> None:  # type: ignore[no-untyped-def]
