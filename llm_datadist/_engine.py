@@ -117,6 +117,9 @@ class CacheTable:
         self._caches: dict[int, CacheRecord] = {}
         self._keys: dict[KeyId, KeyRecord] = {}
         self._slot_req_key: dict[tuple[int, int], KeyId] = {}
+        # BlocksCacheKey index: model_id -> cache_id; registering a newer blocks cache with the same model_id
+        # points the index at it (reference §6.4). Blocks keys are never consumed and hold no reference.
+        self._blocks_keys: dict[int, int] = {}
         self._leases: dict[int, Lease] = {}
 
     # ----------------------------------------------------------------- local operations (owner side)
@@ -172,6 +175,10 @@ class CacheTable:
                     self._slot_req_key[(record.cache_id, slot)] = key
             return record
 
+    def bind_blocks_key(self, model_id: int, cache_id: int) -> None:
+        with self._lock:
+            self._blocks_keys[model_id] = cache_id
+
     def deallocate(self, cache_id: int) -> None:
         """Drop the user's reference; the memory goes back once no key, lease or pin remains."""
         with self._lock:
@@ -179,6 +186,8 @@ class CacheTable:
             if record is None or not record.external:
                 return
             record.external = False
+            for model_id in [m for m, c in self._blocks_keys.items() if c == cache_id]:
+                del self._blocks_keys[model_id]
             self._maybe_free(record)
 
     def remove_key(self, key: KeyId) -> None:
@@ -337,6 +346,7 @@ class CacheTable:
             self._caches.clear()
             self._keys.clear()
             self._slot_req_key.clear()
+            self._blocks_keys.clear()
             self._leases.clear()
             self._pool.close()
 

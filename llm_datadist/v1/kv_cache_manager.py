@@ -90,20 +90,49 @@ class KvCacheManager:
             check_isinstance("cache_keys", key, CacheKey)
         if cache_keys:
             self._check_role(api, LLMRole.PROMPT)
+        self._check_desc(api, cache_desc)
+        keys = [owner_key(key) for key in cache_keys]
+        return self._allocate(api, core, cache_desc, keys, is_blocks=False)
+
+    def allocate_blocks_cache(
+        self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
+    ) -> KvCache:
+        """Allocate a paged (PA) cache: `shape[0]` is the number of blocks, each `size // shape[0]` bytes per
+        tensor. A `BlocksCacheKey` indexes it by `model_id` (a newer cache with the same model_id replaces
+        the index entry); blocks keys are never consumed by pulls. Not allowed with a key on DECODER."""
+        api = "allocate_blocks_cache"
+        core = self._require_core(api)
+        check_isinstance("cache_desc", cache_desc, CacheDesc)
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
+        if blocks_cache_key is not None:
+            self._check_role(api, LLMRole.PROMPT)
+        self._check_desc(api, cache_desc)
+        cache = self._allocate(api, core, cache_desc, [], is_blocks=True)
+        # The real library marks the descriptor object itself as a blocks descriptor.
+        cache_desc._is_blocks = True
+        if blocks_cache_key is not None:
+            core.table.bind_blocks_key(blocks_cache_key.model_id, cache.cache_id)
+        return cache
+
+    def _check_desc(self, api: str, cache_desc: CacheDesc) -> None:
         if cache_desc.placement != Placement.DEVICE:
-            _param_invalid(api, "v1 allocate_cache supports Placement.DEVICE only")
+            _param_invalid(api, "v1 caches support Placement.DEVICE only")
         if cache_desc.num_tensors <= 0:
             _param_invalid(api, "num_tensors must be > 0")
         shape = list(cache_desc.shape)
         if not shape or any(dim <= 0 for dim in shape):
             _param_invalid(api, f"shape {shape} must have positive dimensions")
-        keys = [owner_key(key) for key in cache_keys]
+
+    def _allocate(
+        self, api: str, core: Core, cache_desc: CacheDesc, keys: list[KeyId | None], *, is_blocks: bool
+    ) -> KvCache:
         with api_errors(api):
             record = core.table.allocate(
                 num_tensors=cache_desc.num_tensors,
                 tensor_nbytes=cache_desc.size,
-                batch_size=shape[0],
+                batch_size=cache_desc.shape[0],
                 keys=keys,
+                is_blocks=is_blocks,
             )
         addrs = record.tensor_addrs()
         # One device per process on this host: every listed device sees the same shared-memory tensors.
@@ -278,11 +307,6 @@ class KvCacheManager:
         **kwargs: Any,
     ) -> None:
         self._not_yet("pull_blocks")
-
-    def allocate_blocks_cache(
-        self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
-    ) -> KvCache:
-        self._not_yet("allocate_blocks_cache")
 
     def copy_cache(
         self,
