@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
 from .._errors import api_errors
+from . import _local_ops
 from .._validate import check_int64, check_isinstance, check_range_step1, check_uint32
 from ..configs import LLMRole
 from ..status import LLMStatusCode, make_error
@@ -318,13 +319,24 @@ class KvCacheManager:
         size: int = -1,
         req_id: int | None = None,
     ) -> None:
-        self._not_yet("copy_cache")
+        """Copy slot `src_batch_index` of every tensor of `src` into slot `dst_batch_index` of `dst`, within
+        this process; `offset` is a byte offset in both slots, `size` -1 means the slot minus `offset`.
+        `req_id` is only logged."""
+        api = "copy_cache"
+        core = self._require_core(api)
+        _local_ops.copy_cache(api, core, dst, src, dst_batch_index, src_batch_index, offset, size, req_id)
 
     def copy_blocks(self, cache: KvCache, copy_block_info: dict[int, list[int]]) -> None:
-        self._not_yet("copy_blocks")
+        """Within one blocks cache, copy block `src` to every block listed for it, in every tensor."""
+        api = "copy_blocks"
+        core = self._require_core(api)
+        _local_ops.copy_blocks(api, core, cache, copy_block_info)
 
     def swap_blocks(self, src: KvCache, dst: KvCache, src_to_dst: dict[int, int]) -> None:
-        self._not_yet("swap_blocks")
+        """Copy blocks between a HOST cpu cache (`KvCache.create_cpu_cache`) and a DEVICE cache, either way."""
+        api = "swap_blocks"
+        core = self._require_core(api)
+        _local_ops.swap_blocks(api, core, src, dst, src_to_dst)
 
     def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[Any]:
         self._not_yet("get_cache_tensors")
