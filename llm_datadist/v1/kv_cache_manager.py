@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
 from .._errors import api_errors
-from . import _local_ops
 from .._validate import check_int64, check_isinstance, check_range_step1, check_uint32
 from ..configs import LLMRole
 from ..status import LLMStatusCode, make_error
 from ..v2.cache import KvCache
 from ..v2.llm_types import U64_MAX, BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
+from . import _local_ops
 
 if TYPE_CHECKING:
     from .._core import Core, PullSpec
@@ -333,7 +333,7 @@ class KvCacheManager:
         _local_ops.copy_blocks(api, core, cache, copy_block_info)
 
     def swap_blocks(self, src: KvCache, dst: KvCache, src_to_dst: dict[int, int]) -> None:
-        """Copy blocks between a HOST cpu cache (`KvCache.create_cpu_cache`) and a DEVICE cache, either way."""
+        """Copy blocks between a HOST cpu cache (`KvCache.create_cpu_cache`) and a DEVICE cache."""
         api = "swap_blocks"
         core = self._require_core(api)
         _local_ops.swap_blocks(api, core, src, dst, src_to_dst)
