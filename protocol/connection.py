@@ -16,6 +16,9 @@ from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolErr
 from protocol.frames import DEFAULT_MAX_FRAME_NBYTES, FrameDecoder, encode_frame
 from protocol.messages import (
     Ack,
+    Announce,
+    BlocksGrant,
+    BlocksRequest,
     Bye,
     Error,
     Hello,
@@ -26,6 +29,8 @@ from protocol.messages import (
     PullGrant,
     PullRequest,
     Welcome,
+    WriteGrant,
+    WriteRequest,
     decode_message,
 )
 
@@ -67,10 +72,12 @@ _CLIENT, _SERVER = ConnRole.CLIENT, ConnRole.SERVER
 SENDABLE: dict[tuple[ConnRole, ConnPhase], frozenset[type[Message]]] = {
     (_CLIENT, ConnPhase.AWAIT_HELLO): frozenset({Hello}),
     (_CLIENT, ConnPhase.AWAIT_WELCOME): frozenset({Bye}),
-    (_CLIENT, ConnPhase.READY): frozenset({PullRequest, PullDone, Ping, Bye}),
+    (_CLIENT, ConnPhase.READY): frozenset(
+        {Announce, PullRequest, BlocksRequest, WriteRequest, PullDone, Ping, Bye}
+    ),
     (_SERVER, ConnPhase.AWAIT_HELLO): frozenset(),
     (_SERVER, ConnPhase.AWAIT_WELCOME): frozenset({Welcome, Error}),
-    (_SERVER, ConnPhase.READY): frozenset({PullGrant, Ack, Error, Pong, Bye}),
+    (_SERVER, ConnPhase.READY): frozenset({PullGrant, BlocksGrant, WriteGrant, Ack, Error, Pong, Bye}),
 }
 
 # Messages that move the phase forward.

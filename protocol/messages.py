@@ -30,6 +30,9 @@ __all__ = [
     "U32",
     "U64",
     "Ack",
+    "Announce",
+    "BlocksGrant",
+    "BlocksRequest",
     "Bye",
     "Error",
     "FieldCheck",
@@ -41,6 +44,8 @@ __all__ = [
     "PullGrant",
     "PullRequest",
     "Welcome",
+    "WriteGrant",
+    "WriteRequest",
     "decode_message",
     "encode_message",
 ]
@@ -139,6 +144,28 @@ _SEGMENT = FieldCheck(
     f"segment name of 1..{MAX_SEGMENT_NAME_CHARS} chars matching /?[A-Za-z0-9._-]+", _check_segment_name
 )
 _OFFSETS = FieldCheck(f"array of 1..{MAX_TENSORS} U64", _check_offsets)
+
+
+def _check_segment_names(value: object) -> object | None:
+    if not isinstance(value, list | tuple) or not 1 <= len(value) <= MAX_TENSORS:
+        return None
+    if all(_check_segment_name(v) is not None for v in value):
+        return tuple(value)
+    return None
+
+
+def _check_socket_name(value: object) -> object | None:
+    # A bare file name in the runtime directory: no path separators, so it cannot point anywhere else.
+    if isinstance(value, str) and len(value) <= MAX_SEGMENT_NAME_CHARS and _SOCKET_NAME_RE.fullmatch(value):
+        return value
+    return None
+
+
+_SEGMENTS = FieldCheck(f"array of 1..{MAX_TENSORS} segment names", _check_segment_names)
+_SOCKET_NAME_RE = re.compile(r"(?:[A-Za-z0-9_-][A-Za-z0-9._-]*)?")
+_SOCKET_NAME = FieldCheck(
+    "socket file name matching [A-Za-z0-9_-][A-Za-z0-9._-]* or empty", _check_socket_name
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,6 +357,105 @@ class Ping(Message):
 class Pong(Message):
     TYPE: ClassVar[int] = 10
     seq: Annotated[int, U32]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Announce(Message):
+    """Client -> server, right after the handshake: the file name (in the shared runtime directory) of the
+    client's own callback socket, where the server may connect back to push into the client's memory; ""
+    when it has none. Answered with Ack, so the server knows it before link setup returns."""
+
+    TYPE: ClassVar[int] = 11
+    seq: Annotated[int, U32]
+    callback: Annotated[str, _SOCKET_NAME]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class BlocksRequest(Message):
+    """Client -> server: pin the blocks cache indexed by model_id (a BlocksCacheKey) for a block pull.
+
+    whole=True means the source must have exactly tensor_count tensors (no layer range on the source side).
+    """
+
+    TYPE: ClassVar[int] = 12
+    seq: Annotated[int, U32]
+    model_id: Annotated[int, U64]
+    tensor_start: Annotated[int, U32]
+    tensor_count: Annotated[int, _U32_POSITIVE]
+    whole: Annotated[bool, _BOOL]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class BlocksGrant(Message):
+    """Server -> client: the blocks cache is pinned under lease_id; tensor i starts at tensor_offsets[i] and
+    holds num_blocks blocks of block_nbytes. Every tensor must lie inside the segment."""
+
+    TYPE: ClassVar[int] = 13
+    seq: Annotated[int, U32]
+    lease_id: Annotated[int, U64]
+    segment: Annotated[str, _SEGMENT]
+    segment_nbytes: Annotated[int, U64]
+    tensor_offsets: Annotated[tuple[int, ...], _OFFSETS]
+    block_nbytes: Annotated[int, _U64_POSITIVE]
+    num_blocks: Annotated[int, _U64_POSITIVE]
+
+    def _check_fields_together(self) -> None:
+        last_offset = max(self.tensor_offsets)
+        if last_offset + self.block_nbytes * self.num_blocks > self.segment_nbytes:
+            raise MalformedFrame(
+                f"BlocksGrant: tensor_offsets entry {last_offset} + num_blocks {self.num_blocks} x "
+                f"block_nbytes {self.block_nbytes} exceeds segment_nbytes {self.segment_nbytes}"
+            )
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class WriteRequest(Message):
+    """Client -> server: pin the server's memory at these addresses (in the server's address space) for a
+    one-copy push. Range i is [addrs[i], addrs[i] + nbytes[i]); each must lie inside one tensor of one of
+    the server's live caches, or the whole request is refused."""
+
+    TYPE: ClassVar[int] = 14
+    seq: Annotated[int, U32]
+    addrs: Annotated[tuple[int, ...], _OFFSETS]
+    nbytes: Annotated[tuple[int, ...], _OFFSETS]
+
+    def _check_fields_together(self) -> None:
+        if len(self.addrs) != len(self.nbytes):
+            raise MalformedFrame(f"WriteRequest: {len(self.addrs)} addrs but {len(self.nbytes)} nbytes")
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class WriteGrant(Message):
+    """Server -> client: the ranges of the WriteRequest with the same seq are pinned under lease_id; range i
+    is at range_offsets[i] in segments[range_segments[i]] (of segment_nbytes[range_segments[i]] bytes)."""
+
+    TYPE: ClassVar[int] = 15
+    seq: Annotated[int, U32]
+    lease_id: Annotated[int, U64]
+    segments: Annotated[tuple[str, ...], _SEGMENTS]
+    segment_nbytes: Annotated[tuple[int, ...], _OFFSETS]
+    range_segments: Annotated[tuple[int, ...], _OFFSETS]
+    range_offsets: Annotated[tuple[int, ...], _OFFSETS]
+
+    def _check_fields_together(self) -> None:
+        if len(self.segments) != len(self.segment_nbytes):
+            raise MalformedFrame(
+                f"WriteGrant: {len(self.segments)} segments but {len(self.segment_nbytes)} segment_nbytes"
+            )
+        if len(self.range_segments) != len(self.range_offsets):
+            raise MalformedFrame(
+                f"WriteGrant: {len(self.range_segments)} range_segments but "
+                f"{len(self.range_offsets)} range_offsets"
+            )
+        if max(self.range_segments) >= len(self.segments):
+            raise MalformedFrame(
+                f"WriteGrant: a range_segments entry names none of the {len(self.segments)} segments"
+            )
 
 
 def decode_message(obj: object) -> Message:

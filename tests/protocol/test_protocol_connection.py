@@ -18,6 +18,9 @@ from protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Ack,
+    Announce,
+    BlocksGrant,
+    BlocksRequest,
     Bye,
     Error,
     Hello,
@@ -28,6 +31,8 @@ from protocol.messages import (
     PullGrant,
     PullRequest,
     Welcome,
+    WriteGrant,
+    WriteRequest,
 )
 
 HELLO = Hello(PROTOCOL_VERSION, 11, 22, 2, 4242)
@@ -273,8 +278,16 @@ def test_send_table(role: ConnRole, phase: ConnPhase) -> None:
 
 def test_sendable_tables_as_specified() -> None:
     c, s = ConnRole.CLIENT, ConnRole.SERVER
-    assert SENDABLE[(c, ConnPhase.READY)] == {PullRequest, PullDone, Ping, Bye}
-    assert SENDABLE[(s, ConnPhase.READY)] == {PullGrant, Ack, Error, Pong, Bye}
+    assert SENDABLE[(c, ConnPhase.READY)] == {
+        Announce,
+        PullRequest,
+        BlocksRequest,
+        WriteRequest,
+        PullDone,
+        Ping,
+        Bye,
+    }
+    assert SENDABLE[(s, ConnPhase.READY)] == {PullGrant, BlocksGrant, WriteGrant, Ack, Error, Pong, Bye}
     assert SENDABLE[(c, ConnPhase.AWAIT_HELLO)] == {Hello}
     assert SENDABLE[(s, ConnPhase.AWAIT_WELCOME)] == {Welcome, Error}
     assert SENDABLE[(s, ConnPhase.AWAIT_HELLO)] == set()

@@ -19,6 +19,9 @@ from protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Ack,
+    Announce,
+    BlocksGrant,
+    BlocksRequest,
     Bye,
     Error,
     Hello,
@@ -29,6 +32,8 @@ from protocol.messages import (
     PullGrant,
     PullRequest,
     Welcome,
+    WriteGrant,
+    WriteRequest,
     decode_message,
     encode_message,
 )
@@ -56,6 +61,42 @@ def pull_grants(draw: st.DrawFn) -> PullGrant:
     return PullGrant(draw(u32), draw(u64), draw(segment_names), segment_nbytes, tuple(offsets), nbytes)
 
 
+@st.composite
+def blocks_grants(draw: st.DrawFn) -> BlocksGrant:
+    block_nbytes = draw(st.integers(1, 2**30))
+    num_blocks = draw(st.integers(1, 2**10))
+    span = block_nbytes * num_blocks
+    segment_nbytes = draw(st.integers(span, U64_MAX))
+    offsets = draw(st.lists(st.integers(0, segment_nbytes - span), min_size=1, max_size=40))
+    return BlocksGrant(
+        draw(u32), draw(u64), draw(segment_names), segment_nbytes, tuple(offsets), block_nbytes, num_blocks
+    )
+
+
+@st.composite
+def write_requests(draw: st.DrawFn) -> WriteRequest:
+    count = draw(st.integers(1, 40))
+    return WriteRequest(
+        draw(u32),
+        tuple(draw(st.lists(u64, min_size=count, max_size=count))),
+        tuple(draw(st.lists(u64, min_size=count, max_size=count))),
+    )
+
+
+@st.composite
+def write_grants(draw: st.DrawFn) -> WriteGrant:
+    segments = draw(st.lists(segment_names, min_size=1, max_size=5))
+    count = draw(st.integers(1, 40))
+    return WriteGrant(
+        draw(u32),
+        draw(u64),
+        tuple(segments),
+        tuple(draw(st.lists(u64, min_size=len(segments), max_size=len(segments)))),
+        tuple(draw(st.lists(st.integers(0, len(segments) - 1), min_size=count, max_size=count))),
+        tuple(draw(st.lists(u64, min_size=count, max_size=count))),
+    )
+
+
 MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     Hello: st.builds(Hello, u32, u64, u64, roles, u32),
     Welcome: st.builds(Welcome, u32, u64, roles, u32),
@@ -80,6 +121,11 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     Bye: st.builds(Bye, texts),
     Ping: st.builds(Ping, u32),
     Pong: st.builds(Pong, u32),
+    Announce: st.builds(Announce, u32, st.sampled_from(["", "llmdd-2-4242.sock", "a", "_x.y-z"])),
+    BlocksRequest: st.builds(BlocksRequest, u32, u64, u32, st.integers(1, U32_MAX), st.booleans()),
+    BlocksGrant: blocks_grants(),
+    WriteRequest: write_requests(),
+    WriteGrant: write_grants(),
 }
 any_message = st.one_of(*MESSAGES.values())
 
@@ -95,6 +141,11 @@ VALID: list[Message] = [
     Bye("x" * 3333),
     Ping(0),
     Pong(4097),
+    Announce(3333, "llmdd-2-4097.sock"),
+    BlocksRequest(4097, 3333, 1, 4097, False),
+    BlocksGrant(1, 2, "/llmdd.0.1.2.x", 4097 * 3333 * 2, (0, 4097 * 3333), 4097, 3333),
+    WriteRequest(3333, (4097, 2**47 + 3333), (3333, 4097)),
+    WriteGrant(4097, 3333, ("/a", "/b"), (3333, 4097), (1, 0, 1), (0, 3333, 4097)),
 ]
 
 
@@ -108,6 +159,13 @@ def test_registry_is_complete() -> None:
     assert {cls.TYPE: cls for cls in MESSAGES} == MESSAGE_TYPES
     assert [Hello.TYPE, Welcome.TYPE, PullRequest.TYPE, PullGrant.TYPE, PullDone.TYPE] == [1, 2, 3, 4, 5]
     assert [Ack.TYPE, Error.TYPE, Bye.TYPE, Ping.TYPE, Pong.TYPE] == [6, 7, 8, 9, 10]
+    assert [Announce.TYPE, BlocksRequest.TYPE, BlocksGrant.TYPE, WriteRequest.TYPE, WriteGrant.TYPE] == [
+        11,
+        12,
+        13,
+        14,
+        15,
+    ]
     assert {type(msg) for msg in VALID} == set(MESSAGE_TYPES.values())
     assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 1)
 
@@ -219,6 +277,32 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
     Bye: {"reason": BAD_TEXT},
     Ping: {"seq": BAD_U32},
     Pong: {"seq": BAD_U32},
+    Announce: {"seq": BAD_U32, "callback": ["/abs", "a/b", ".hidden", "..", "a b", "x" * 256, None, 3, b"x"]},
+    BlocksRequest: {
+        "seq": BAD_U32,
+        "model_id": BAD_U64,
+        "tensor_start": BAD_U32,
+        "tensor_count": [0, *BAD_U32],
+        "whole": BAD_BOOL,
+    },
+    BlocksGrant: {
+        "seq": BAD_U32,
+        "lease_id": BAD_U64,
+        "segment": BAD_SEGMENT,
+        "segment_nbytes": [*BAD_U64, 4097 * 3333 * 2 - 1],  # one byte too small for the last tensor
+        "tensor_offsets": [*BAD_OFFSETS, [1, 4097 * 3333 + 1]],
+        "block_nbytes": [0, 4098, *BAD_U64],
+        "num_blocks": [0, 3334, *BAD_U64],
+    },
+    WriteRequest: {"seq": BAD_U32, "addrs": [*BAD_OFFSETS, [1]], "nbytes": [*BAD_OFFSETS, [1, 2, 3]]},
+    WriteGrant: {
+        "seq": BAD_U32,
+        "lease_id": BAD_U64,
+        "segments": [[], ["/a"], ["/a", "b c"], None, "/a", [1, 2]],
+        "segment_nbytes": [*BAD_OFFSETS, [1]],
+        "range_segments": [*BAD_OFFSETS, [0, 2, 1], [1, 0]],
+        "range_offsets": [*BAD_OFFSETS, [0, 1]],
+    },
 }
 
 _BY_TYPE = {type(msg): msg for msg in VALID}
