@@ -24,8 +24,8 @@ from shm.reaper import reap
 from ._copy import Copier
 from ._engine import CacheRecord, CacheTable
 from ._errors import PeerGone, StatusError
-from ._runtime import ensure_runtime_dir, parse_listen_ip_info, socket_path
-from ._transport import ClientLink, Server
+from ._runtime import ensure_runtime_dir, parse_listen_ip_info, socket_path, socket_path_in_runtime
+from ._transport import ClientLink, PeerInfo, Server, ServerHooks
 from .configs import LLMRole
 from .status import LLMStatusCode, make_error
 from .utils.log import log
@@ -149,8 +149,13 @@ class PullSpec:
     dst_base_offset: int
 
 
-class Core:
-    """All the state and resources of one initialised instance."""
+class Core(ServerHooks):
+    """All the state and resources of one initialised instance.
+
+    Every instance serves on a private callback socket (`llmdd-<cluster id>-<pid>.sock` in the runtime
+    directory), announced to each peer it links to, so that a peer can connect back and push into its
+    memory; a side with `listen_ip_info` also serves on the socket named after that address.
+    """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -163,11 +168,22 @@ class Core:
         self.copier = Copier()
         self._links: dict[int, ClientLink] = {}
         self._links_lock = threading.Lock()
-        self.server: Server | None = None
+        # Links back to peers that linked to us, used to push into their memory; keyed by cluster id.
+        self._push_links: dict[int, ClientLink] = {}
+        self._pushing: dict[int, int] = {}
+        self.server = Server(
+            cluster_id=settings.cluster_id, role=int(self.role), table=self.table, hooks=self
+        )
+        self.public_path: Path | None = None
         try:
+            ensure_runtime_dir()
+            self.callback_name = f"llmdd-{settings.cluster_id}-{os.getpid()}.sock"
+            self.server.start()
+            self.server.listen(socket_path_in_runtime(self.callback_name))
             if settings.listen is not None:
-                self.start_server(settings.listen)
+                self.listen_public(settings.listen)
         except BaseException:
+            self.server.close()
             self.table.close()
             raise
 
@@ -177,17 +193,32 @@ class Core:
 
     # ------------------------------------------------------------------ server
 
-    def start_server(self, listen: tuple[str, int]) -> None:
-        ensure_runtime_dir()
-        path: Path = socket_path(*listen)
-        server = Server(path, cluster_id=self.settings.cluster_id, role=int(self.role), table=self.table)
+    def listen_public(self, listen: tuple[str, int]) -> None:
+        path = socket_path(*listen)
         try:
-            server.start()
+            self.server.listen(path)
         except FileExistsError as exc:
             raise make_error(
                 "init", LLMStatusCode.LLM_FAILED, f"{listen[0]}:{listen[1]} is taken: {exc}"
             ) from exc
-        self.server = server
+        self.public_path = path
+
+    def stop_public(self) -> None:
+        if self.public_path is not None:
+            self.server.unlisten(self.public_path)
+            self.public_path = None
+
+    def is_pushing_to(self, cluster_id: int) -> bool:
+        with self._links_lock:
+            return self._pushing.get(cluster_id, 0) > 0
+
+    def peer_gone(self, peer: PeerInfo) -> None:
+        if any(other.cluster_id == peer.cluster_id for other in self.server.peers()):
+            return
+        with self._links_lock:
+            link = self._push_links.pop(peer.cluster_id, None)
+        if link is not None:
+            link.close(say_bye=True)
 
     # ------------------------------------------------------------------ links
 
@@ -203,6 +234,7 @@ class Core:
                 remote_cluster_id=remote_cluster_id,
                 role=int(self.role),
                 deadline=deadline,
+                callback=self.callback_name,
             )
         except StatusError as exc:
             log.error("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc.detail)
@@ -315,10 +347,10 @@ class Core:
         with self._links_lock:
             links = list(self._links.values())
             self._links.clear()
+            links += list(self._push_links.values())
+            self._push_links.clear()
         for link in links:
             link.close(say_bye=True)
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        self.server.close()
         self.copier.close()
         self.table.close()

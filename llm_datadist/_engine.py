@@ -87,8 +87,10 @@ class KeyRecord:
 
 @dataclass(frozen=True)
 class Lease:
+    """Pins `cache_ids` until released; a pull lease may consume its key's tensors when it ends well."""
+
     lease_id: int
-    cache_id: int
+    cache_ids: tuple[int, ...]
     consume_key: KeyId | None
     tensor_start: int
     tensor_count: int
@@ -102,6 +104,25 @@ class Grant:
     segment_nbytes: int
     tensor_offsets: tuple[int, ...]
     nbytes: int
+
+
+@dataclass(frozen=True)
+class BlocksGrant:
+    lease_id: int
+    segment_name: str
+    segment_nbytes: int
+    tensor_offsets: tuple[int, ...]
+    block_nbytes: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class WriteGrant:
+    lease_id: int
+    segments: tuple[str, ...]
+    segment_nbytes: tuple[int, ...]
+    range_segments: tuple[int, ...]
+    range_offsets: tuple[int, ...]
 
 
 class CacheTable:
@@ -260,33 +281,15 @@ class CacheTable:
                 slot = key_record.slot
                 # Prefix keys are never consumed by a pull.
                 consume_key = key if key_kind == KEY_REQ else None
-            if whole and tensor_count != record.num_tensors:
-                raise StatusError(
-                    LLMStatusCode.LLM_PARAM_INVALID,
-                    f"source cache has {record.num_tensors} tensors, destination selects {tensor_count}",
-                )
-            if tensor_start + tensor_count > record.num_tensors:
-                raise StatusError(
-                    LLMStatusCode.LLM_PARAM_INVALID,
-                    f"source tensors [{tensor_start}, {tensor_start + tensor_count}) exceed "
-                    f"the cache's {record.num_tensors}",
-                )
+            self._check_tensors(record, tensor_start, tensor_count, whole)
             if src_offset + nbytes > record.slot_nbytes:
                 raise StatusError(
                     LLMStatusCode.LLM_PARAM_INVALID,
                     f"src_cache_offset {src_offset} + size {nbytes} > source slot {record.slot_nbytes}",
                 )
-            lease = Lease(
-                lease_id=self._next_lease_id,
-                cache_id=record.cache_id,
-                consume_key=consume_key if consume else None,
-                tensor_start=tensor_start,
-                tensor_count=tensor_count,
-                owner=owner,
+            lease = self._lease(
+                (record,), consume_key if consume else None, tensor_start, tensor_count, owner
             )
-            self._next_lease_id += 1
-            self._leases[lease.lease_id] = lease
-            record.leases += 1
             base = slot * record.slot_nbytes + src_offset
             offsets = tuple(
                 record.tensor_offset(t) + base for t in range(tensor_start, tensor_start + tensor_count)
@@ -299,6 +302,66 @@ class CacheTable:
                 nbytes=nbytes,
             )
 
+    def resolve_blocks(
+        self, *, model_id: int, tensor_start: int, tensor_count: int, whole: bool, owner: object
+    ) -> BlocksGrant:
+        """Pin the blocks cache a BlocksCacheKey's model_id names (blocks keys are never consumed)."""
+        with self._lock:
+            cache_id = self._blocks_keys.get(model_id)
+            record = self._caches.get(cache_id) if cache_id is not None else None
+            if record is None:
+                raise StatusError(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no blocks cache with model_id {model_id}"
+                )
+            self._check_tensors(record, tensor_start, tensor_count, whole)
+            lease = self._lease((record,), None, tensor_start, tensor_count, owner)
+            return BlocksGrant(
+                lease_id=lease.lease_id,
+                segment_name=record.block.segment.name,
+                segment_nbytes=record.block.segment.nbytes,
+                tensor_offsets=tuple(
+                    record.tensor_offset(t) for t in range(tensor_start, tensor_start + tensor_count)
+                ),
+                block_nbytes=record.slot_nbytes,
+                num_blocks=record.batch_size,
+            )
+
+    def resolve_write(self, *, addrs: tuple[int, ...], nbytes: tuple[int, ...], owner: object) -> WriteGrant:
+        """Pin the caches that hold these address ranges of this process for a peer's push.
+
+        Each range must lie inside one tensor of a live cache (one the user still holds); otherwise the
+        whole request is refused and nothing is pinned.
+        """
+        with self._lock:
+            live = [record for record in self._caches.values() if record.external]
+            segments: dict[str, int] = {}
+            segment_nbytes: list[int] = []
+            range_segments: list[int] = []
+            range_offsets: list[int] = []
+            records: dict[int, CacheRecord] = {}
+            for addr, length in zip(addrs, nbytes, strict=True):
+                record = _record_holding(live, addr, length)
+                if record is None:
+                    raise StatusError(
+                        LLMStatusCode.LLM_PARAM_INVALID,
+                        f"[{addr:#x}, +{length}) is not inside one tensor of a live cache of this process",
+                    )
+                segment = record.block.segment
+                index = segments.setdefault(segment.name, len(segments))
+                if index == len(segment_nbytes):
+                    segment_nbytes.append(segment.nbytes)
+                range_segments.append(index)
+                range_offsets.append(addr - segment.address)
+                records[record.cache_id] = record
+            lease = self._lease(tuple(records.values()), None, 0, 0, owner)
+            return WriteGrant(
+                lease_id=lease.lease_id,
+                segments=tuple(segments),
+                segment_nbytes=tuple(segment_nbytes),
+                range_segments=tuple(range_segments),
+                range_offsets=tuple(range_offsets),
+            )
+
     def release(self, lease_id: int, *, ok: bool, owner: object) -> None:
         """End a lease; after a successful pull, consume the key's pulled tensors (§9.4)."""
         with self._lock:
@@ -308,15 +371,17 @@ class CacheTable:
             del self._leases[lease_id]
             if ok and lease.consume_key is not None:
                 key_record = self._keys.get(lease.consume_key)
-                if key_record is not None and key_record.cache_id == lease.cache_id:
+                if key_record is not None and key_record.cache_id in lease.cache_ids:
                     key_record.unpulled.difference_update(
                         range(lease.tensor_start, lease.tensor_start + lease.tensor_count)
                     )
                     if not key_record.unpulled:
                         self._unbind(lease.consume_key)
-            record = self._caches[lease.cache_id]
-            record.leases -= 1
-            self._maybe_free(record)
+            self._unlease(lease)
+
+    def holds_leases(self, owner: object) -> bool:
+        with self._lock:
+            return any(lease.owner is owner for lease in self._leases.values())
 
     def drop_owner(self, owner: object) -> int:
         """Release every lease a (dead or departed) connection held, consuming nothing."""
@@ -324,9 +389,7 @@ class CacheTable:
             dropped = [lease for lease in self._leases.values() if lease.owner is owner]
             for lease in dropped:
                 del self._leases[lease.lease_id]
-                record = self._caches[lease.cache_id]
-                record.leases -= 1
-                self._maybe_free(record)
+                self._unlease(lease)
             return len(dropped)
 
     # ----------------------------------------------------------------- introspection and teardown
@@ -352,6 +415,48 @@ class CacheTable:
 
     # ----------------------------------------------------------------- helpers (lock held)
 
+    def _lease(
+        self,
+        records: tuple[CacheRecord, ...],
+        consume_key: KeyId | None,
+        tensor_start: int,
+        tensor_count: int,
+        owner: object,
+    ) -> Lease:
+        lease = Lease(
+            lease_id=self._next_lease_id,
+            cache_ids=tuple(record.cache_id for record in records),
+            consume_key=consume_key,
+            tensor_start=tensor_start,
+            tensor_count=tensor_count,
+            owner=owner,
+        )
+        self._next_lease_id += 1
+        self._leases[lease.lease_id] = lease
+        for record in records:
+            record.leases += 1
+        return lease
+
+    def _unlease(self, lease: Lease) -> None:
+        for cache_id in lease.cache_ids:
+            record = self._caches[cache_id]
+            record.leases -= 1
+            self._maybe_free(record)
+
+    @staticmethod
+    def _check_tensors(record: CacheRecord, tensor_start: int, tensor_count: int, whole: bool) -> None:
+        if whole and tensor_count != record.num_tensors:
+            raise StatusError(
+                LLMStatusCode.LLM_PARAM_INVALID,
+                f"source cache has {record.num_tensors} tensors, destination selects {tensor_count}",
+            )
+        if tensor_start + tensor_count > record.num_tensors:
+            raise StatusError(
+                LLMStatusCode.LLM_PARAM_INVALID,
+                f"source tensors [{tensor_start}, {tensor_start + tensor_count}) exceed "
+                f"the cache's {record.num_tensors}",
+            )
+
     def _unbind(self, key: KeyId) -> None:
         key_record = self._keys.pop(key, None)
         if key_record is None:
@@ -373,3 +478,15 @@ def _key_text(key: KeyId) -> str:
     kind, key_id, model_id = key
     name = {KEY_REQ: "req_id", KEY_PREFIX: "prefix_id"}.get(kind, "id")
     return f"({name}={key_id}, model_id={model_id})"
+
+
+def _record_holding(records: list[CacheRecord], addr: int, nbytes: int) -> CacheRecord | None:
+    """The cache one of whose tensors contains [addr, addr + nbytes), if any."""
+    for record in records:
+        base = record.block.address
+        offset = addr - base
+        if offset < 0 or offset >= record.pitch_nbytes * record.num_tensors:
+            continue
+        within = offset % record.pitch_nbytes
+        return record if nbytes > 0 and within + nbytes <= record.tensor_nbytes else None
+    return None

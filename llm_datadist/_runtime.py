@@ -54,7 +54,12 @@ def ensure_runtime_dir() -> Path:
 
 def socket_path(ip: str, port: int) -> Path:
     """Where the side listening on `ip:port` serves: one socket per address, inside the runtime dir."""
-    path = runtime_dir() / f"{ip}_{port}.sock"
+    return socket_path_in_runtime(f"{ip}_{port}.sock")
+
+
+def socket_path_in_runtime(name: str) -> Path:
+    """The path of socket file `name` in the runtime directory, checked against the sun_path limit."""
+    path = runtime_dir() / name
     if len(os.fsencode(path)) > _MAX_SOCKET_PATH_NBYTES:
         raise RuntimeDirError(
             f"socket path {path} is longer than {_MAX_SOCKET_PATH_NBYTES} bytes; "

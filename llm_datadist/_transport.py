@@ -17,7 +17,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from protocol.connection import Closed, Connection, ConnRole, ConnState
@@ -25,6 +25,9 @@ from protocol.errors import ProtocolError
 from protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
+    Announce,
+    BlocksGrant,
+    BlocksRequest,
     Bye,
     Error,
     Hello,
@@ -35,6 +38,8 @@ from protocol.messages import (
     PullGrant,
     PullRequest,
     Welcome,
+    WriteGrant,
+    WriteRequest,
 )
 from shm.mappings import MappingCache
 
@@ -59,9 +64,12 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class PeerInfo:
+    """Who is at the other end of a link: its cluster id, role, pid and callback socket name ("" if none)."""
+
     cluster_id: int
     role: int
     pid: int
+    callback: str = ""
 
 
 # ===================================================================== server side
@@ -81,82 +89,122 @@ class _ServerConn:
         self.accepted_at = time.monotonic()
 
 
-class Server:
-    """Serves this process's caches on a Unix socket from one background thread."""
+class ServerHooks:
+    """What the server asks of its owner; the defaults serve a plain cache table."""
 
-    def __init__(self, path: Path, *, cluster_id: int, role: int, table: CacheTable) -> None:
-        self.path = path
+    def is_pushing_to(self, cluster_id: int) -> bool:
+        """True while this process pushes into `cluster_id`'s memory (a pull on that link is then busy)."""
+        return False
+
+    def peer_gone(self, peer: PeerInfo) -> None:
+        """Called on the server thread after a linked peer's connection closed."""
+
+
+class Server:
+    """Serves this process's caches from one background thread, on any number of Unix sockets."""
+
+    def __init__(
+        self, *, cluster_id: int, role: int, table: CacheTable, hooks: ServerHooks | None = None
+    ) -> None:
         self.cluster_id = cluster_id
         self.role = role
         self._table = table
+        self._hooks = hooks or ServerHooks()
         self._selector = selectors.DefaultSelector()
-        self._listener: socket.socket | None = None
+        self._listeners: dict[Path, socket.socket] = {}
         self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
         self._conns: dict[int, _ServerConn] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._peers_lock = threading.Lock()
+        self._lock = threading.Lock()
+        # Selector changes requested by other threads, applied by the server thread (selectors are not
+        # thread-safe).
+        self._pending: list[tuple[str, Path, socket.socket | None]] = []
 
     def start(self) -> None:
-        remove_stale_socket(self.path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            # Create the socket file private from the start: no window where another user could connect.
-            old_umask = os.umask(0o177)
-            try:
-                listener.bind(os.fspath(self.path))
-            finally:
-                os.umask(old_umask)
-            listener.listen(128)
-            listener.setblocking(False)
-        except OSError:
-            listener.close()
-            raise
-        self._listener = listener
-        self._selector.register(listener, selectors.EVENT_READ, "listen")
-        self._wake_r.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(
             target=self._serve, name=f"llmdd-server-{self.cluster_id}", daemon=True
         )
         self._thread.start()
 
+    def listen(self, path: Path) -> None:
+        """Serve on `path` too (created mode 0600). FileExistsError if a live process serves there."""
+        remove_stale_socket(path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(os.fspath(path))
+            # Before listen(): nobody can connect until the socket is private.
+            os.chmod(path, 0o600)
+            listener.listen(128)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+        with self._lock:
+            self._listeners[path] = listener
+            self._pending.append(("add", path, listener))
+        self._wake()
+
+    def unlisten(self, path: Path) -> None:
+        """Stop serving on `path` and remove the socket file; links already made stay up."""
+        with self._lock:
+            listener = self._listeners.pop(path, None)
+            if listener is None:
+                return
+            self._pending.append(("remove", path, listener))
+        self._wake()
+
+    @property
+    def listening(self) -> list[Path]:
+        with self._lock:
+            return list(self._listeners)
+
     def peers(self) -> list[PeerInfo]:
-        with self._peers_lock:
+        with self._lock:
             return [c.peer for c in self._conns.values() if c.peer is not None]
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout_s)
         for sconn in list(self._conns.values()):
             self._drop(sconn, "server closing")
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        with self._lock:
+            listeners, self._listeners = self._listeners, {}
+            pending, self._pending = self._pending, []
+        for path, listener in list(listeners.items()) + [
+            (p, sock) for _, p, sock in pending if sock is not None
+        ]:
+            listener.close()
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+                os.unlink(path)
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
 
     # --------------------------------------------------------------- the loop
 
     def _serve(self) -> None:
         while not self._stop.is_set():
+            self._apply_pending()
             try:
                 events = self._selector.select(timeout=1.0)
             except OSError as exc:  # pragma: no cover - the selector itself failing is fatal for the server
-                log.error("server %s: select failed: %s", self.path, exc)
+                log.error("server %d: select failed: %s", self.cluster_id, exc)
                 return
             for key, mask in events:
-                if key.data == "listen":
-                    self._accept()
-                elif key.data == "wake":
+                if key.data == "wake":
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(64)
+                elif isinstance(key.data, tuple):
+                    self._accept(key.fileobj)  # type: ignore[arg-type]
                 else:
                     sconn: _ServerConn = key.data
                     if mask & selectors.EVENT_READ:
@@ -165,26 +213,39 @@ class Server:
                         self._flush(sconn)
             self._sweep_handshakes()
 
-    def _accept(self) -> None:
-        assert self._listener is not None
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for action, path, listener in pending:
+            assert listener is not None
+            if action == "add":
+                self._selector.register(listener, selectors.EVENT_READ, ("listen", path))
+            else:
+                with contextlib.suppress(KeyError, ValueError):
+                    self._selector.unregister(listener)
+                listener.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                log.warning("server %s: accept failed: %s", self.path, exc)
+                log.warning("server %d: accept failed: %s", self.cluster_id, exc)
                 return
             pid, uid, _ = peer_credentials(sock)
             if len(self._conns) >= _MAX_CONNECTIONS:
                 log.warning(
-                    "server %s: refusing pid %d, %d connections open", self.path, pid, len(self._conns)
+                    "server %d: refusing pid %d, %d connections open", self.cluster_id, pid, len(self._conns)
                 )
                 sock.close()
                 continue
             sock.setblocking(False)
             sconn = _ServerConn(sock, pid, uid)
-            with self._peers_lock:
+            with self._lock:
                 self._conns[sock.fileno()] = sconn
             self._selector.register(sock, selectors.EVENT_READ, sconn)
 
@@ -215,7 +276,7 @@ class Server:
                 if sconn.closing:
                     break
         except ProtocolError as exc:
-            log.warning("server %s: closing connection from pid %d: %s", self.path, sconn.pid, exc)
+            log.warning("server %d: closing connection from pid %d: %s", self.cluster_id, sconn.pid, exc)
             self._drop(sconn, f"protocol error: {exc}")
             return
         self._flush(sconn)
@@ -223,46 +284,80 @@ class Server:
     def _handle(self, sconn: _ServerConn, msg: Message) -> None:
         if isinstance(msg, Hello):
             self._on_hello(sconn, msg)
-        elif isinstance(msg, PullRequest):
-            try:
-                grant = self._table.resolve(
-                    key_kind=msg.key_kind,
-                    key_id=msg.key_id,
-                    model_id=msg.model_id,
-                    batch_index=msg.batch_index,
-                    tensor_start=msg.tensor_start,
-                    tensor_count=msg.tensor_count,
-                    whole=msg.whole,
-                    nbytes=msg.nbytes,
-                    src_offset=msg.src_offset,
-                    consume=msg.consume,
-                    owner=sconn,
-                )
-            except StatusError as exc:
-                self._send(sconn, Error(msg.seq, int(exc.code), exc.detail))
-                return
-            self._send(
-                sconn,
-                PullGrant(
-                    msg.seq,
-                    grant.lease_id,
-                    grant.segment_name,
-                    grant.segment_nbytes,
-                    grant.tensor_offsets,
-                    grant.nbytes,
-                ),
-            )
-        elif isinstance(msg, PullDone):
-            try:
-                self._table.release(msg.lease_id, ok=msg.ok, owner=sconn)
-            except StatusError as exc:
-                self._send(sconn, Error(msg.seq, int(exc.code), exc.detail))
-                return
-            self._send(sconn, Ack(msg.seq))
-        elif isinstance(msg, Ping):
+            return
+        if isinstance(msg, Ping):
             self._send(sconn, Pong(msg.seq))
-        else:  # pragma: no cover - the connection state machine admits nothing else from a client
-            self._drop(sconn, f"unexpected {type(msg).__name__}")
+            return
+        assert sconn.peer is not None  # the connection state machine admits nothing else before Welcome
+        seq = getattr(msg, "seq", 0)
+        try:
+            reply = self._answer(sconn, sconn.peer, msg)
+        except StatusError as exc:
+            reply = Error(seq, int(exc.code), exc.detail)
+        self._send(sconn, reply)
+
+    def _answer(self, sconn: _ServerConn, peer: PeerInfo, msg: Message) -> Message:
+        """The reply to one request of a linked peer; StatusError becomes an Error reply."""
+        if isinstance(msg, PullRequest | BlocksRequest) and self._hooks.is_pushing_to(peer.cluster_id):
+            raise StatusError(
+                LLMStatusCode.LLM_LINK_BUSY, "a layer-wise transfer into this cluster is running"
+            )
+        if isinstance(msg, PullRequest):
+            grant = self._table.resolve(
+                key_kind=msg.key_kind,
+                key_id=msg.key_id,
+                model_id=msg.model_id,
+                batch_index=msg.batch_index,
+                tensor_start=msg.tensor_start,
+                tensor_count=msg.tensor_count,
+                whole=msg.whole,
+                nbytes=msg.nbytes,
+                src_offset=msg.src_offset,
+                consume=msg.consume,
+                owner=sconn,
+            )
+            return PullGrant(
+                msg.seq,
+                grant.lease_id,
+                grant.segment_name,
+                grant.segment_nbytes,
+                grant.tensor_offsets,
+                grant.nbytes,
+            )
+        if isinstance(msg, BlocksRequest):
+            blocks = self._table.resolve_blocks(
+                model_id=msg.model_id,
+                tensor_start=msg.tensor_start,
+                tensor_count=msg.tensor_count,
+                whole=msg.whole,
+                owner=sconn,
+            )
+            return BlocksGrant(
+                msg.seq,
+                blocks.lease_id,
+                blocks.segment_name,
+                blocks.segment_nbytes,
+                blocks.tensor_offsets,
+                blocks.block_nbytes,
+                blocks.num_blocks,
+            )
+        if isinstance(msg, WriteRequest):
+            write = self._table.resolve_write(addrs=msg.addrs, nbytes=msg.nbytes, owner=sconn)
+            return WriteGrant(
+                msg.seq,
+                write.lease_id,
+                write.segments,
+                write.segment_nbytes,
+                write.range_segments,
+                write.range_offsets,
+            )
+        if isinstance(msg, PullDone):
+            self._table.release(msg.lease_id, ok=msg.ok, owner=sconn)
+            return Ack(msg.seq)
+        if isinstance(msg, Announce):
+            sconn.peer = replace(peer, callback=msg.callback)
+            return Ack(msg.seq)
+        raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"unexpected {type(msg).__name__}")
 
     def _on_hello(self, sconn: _ServerConn, hello: Hello) -> None:
         reason = ""
@@ -275,7 +370,7 @@ class Server:
         elif hello.pid != sconn.pid:
             reason = f"hello claims pid {hello.pid}, socket says {sconn.pid}"
         if reason:
-            log.warning("server %s: refusing link from pid %d: %s", self.path, sconn.pid, reason)
+            log.warning("server %d: refusing link from pid %d: %s", self.cluster_id, sconn.pid, reason)
             self._send(sconn, Error(0, int(LLMStatusCode.LLM_LINK_FAILED), reason))
             sconn.closing = True
             self._flush(sconn)
@@ -309,14 +404,20 @@ class Server:
             return
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(sconn.sock)
-        with self._peers_lock:
+        with self._lock:
             self._conns.pop(fd, None)
         released = self._table.drop_owner(sconn)
         if released:
             log.info(
-                "server %s: pid %d gone (%s), released %d leases", self.path, sconn.pid, reason, released
+                "server %d: pid %d gone (%s), released %d leases",
+                self.cluster_id,
+                sconn.pid,
+                reason,
+                released,
             )
         sconn.sock.close()
+        if sconn.peer is not None:
+            self._hooks.peer_gone(sconn.peer)
 
 
 # ===================================================================== client side
@@ -344,8 +445,9 @@ class ClientLink:
         remote_cluster_id: int,
         role: int,
         deadline: float,
+        callback: str = "",
     ) -> ClientLink:
-        """Connect and handshake; raises StatusError(LLM_LINK_FAILED) with the reason."""
+        """Connect, handshake and announce our callback socket; raises StatusError(LLM_LINK_FAILED)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -378,7 +480,15 @@ class ClientLink:
                 raise StatusError(
                     LLMStatusCode.LLM_LINK_FAILED, f"peer claims pid {reply.pid}, socket says {pid}"
                 )
-            return cls(sock, conn, PeerInfo(reply.cluster_id, reply.role, pid), path)
+            link = cls(sock, conn, PeerInfo(reply.cluster_id, reply.role, pid), path)
+            seq = link.next_seq()
+            sock.sendall(conn.send(Announce(seq, callback)))
+            ack = _receive(sock, conn, deadline)
+            if not isinstance(ack, Ack) or ack.seq != seq:
+                raise StatusError(
+                    LLMStatusCode.LLM_LINK_FAILED, f"unexpected {type(ack).__name__} to Announce"
+                )
+            return link
         except TransferTimeout as exc:
             sock.close()
             raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"handshake timed out: {exc.detail}") from exc

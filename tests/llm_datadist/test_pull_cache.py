@@ -438,6 +438,16 @@ def test_pull_into_deallocated_cache_is_param_invalid(linked) -> None:  # type: 
 # ----------------------------------------------------------------------------- deadlines and dead peers
 
 
+def _wait_stopped(pid: int) -> None:
+    """kill() returns before the target has stopped: on another core it may still run for a while."""
+    import psutil
+
+    deadline = time.monotonic() + 10
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, "the process did not stop"
+        time.sleep(0.001)
+
+
 def test_stopped_prompt_gives_wait_process_timeout(seed: int) -> None:
     with PromptPeer(P, _port(), seed) as peer, decoder(sync_kv_timeout_ms=300) as dd:
         assert dd.link_clusters([peer.cluster_info()])[0] == LLMStatusCode.LLM_SUCCESS
@@ -445,6 +455,7 @@ def test_stopped_prompt_gives_wait_process_timeout(seed: int) -> None:
         dst = dd.kv_cache_manager.allocate_cache(_desc(2, [1, 64]))
         os.kill(peer.pid, signal.SIGSTOP)
         try:
+            _wait_stopped(peer.pid)
             started = time.monotonic()
             with pytest.raises(LLMException) as exc_info:
                 dd.kv_cache_manager.pull_cache(CacheKey(P, 1), dst)
