@@ -12,14 +12,29 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
-from protocol.messages import Ack, Ping, Pong, PullDone, PullGrant, PullRequest
-from shm.copyplan import plan_tensor_copy
+from protocol.messages import (
+    Ack,
+    BlocksGrant,
+    BlocksRequest,
+    Message,
+    Ping,
+    Pong,
+    PullDone,
+    PullGrant,
+    PullRequest,
+    WriteGrant,
+    WriteRequest,
+)
+from shm.copyplan import Run, plan_block_copy, plan_tensor_copy
 from shm.names import parse_segment_name
 from shm.pool import Pool
 from shm.reaper import reap
+from shm.segment import Segment
 
 from ._copy import Copier
 from ._engine import CacheRecord, CacheTable
@@ -29,6 +44,8 @@ from ._transport import ClientLink, PeerInfo, Server, ServerHooks
 from .configs import LLMRole
 from .status import LLMStatusCode, make_error
 from .utils.log import log
+
+GrantT = TypeVar("GrantT", PullGrant, BlocksGrant, WriteGrant)
 
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_MEM_UTILIZATION = 0.95
@@ -128,6 +145,30 @@ def parse_options(role: LLMRole, cluster_id: int, options: dict[str, str]) -> Se
         enable_switch_role=options.get("llm.EnableSwitchRole") == "1",
         cache_manager_mode=cache_manager_mode,
     )
+
+
+@dataclass(frozen=True)
+class BlocksSpec:
+    """A validated block pull: remote blocks `src_blocks[k]` into local blocks `dst_blocks[k]`."""
+
+    remote_cluster_id: int
+    model_id: int
+    src_tensor_start: int
+    tensor_count: int
+    whole: bool
+    dst_tensor_start: int
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PushSpan:
+    """Bytes to push into [dst_addr, dst_addr + nbytes) of the peer: runs from our segment, their
+    destination offsets relative to dst_addr."""
+
+    dst_addr: int
+    nbytes: int
+    runs: tuple[Run, ...]
 
 
 @dataclass(frozen=True)
@@ -290,6 +331,18 @@ class Core(ServerHooks):
         """Resolve at the owner, copy from its segment into `dst`, release (consuming the key if asked)."""
         deadline = time.monotonic() + self.sync_kv_timeout_s
         link = self.get_link(spec.remote_cluster_id)
+
+        def copy(grant: PullGrant) -> None:
+            if len(grant.tensor_offsets) != spec.tensor_count or grant.nbytes != spec.nbytes:
+                raise StatusError(LLMStatusCode.LLM_FAILED, "peer granted a different range than requested")
+            src = self._peer_segment(link, grant.segment, grant.segment_nbytes, writable=False)
+            dst_offsets = [
+                dst.tensor_offset(spec.dst_tensor_start + i) + spec.dst_base_offset
+                for i in range(spec.tensor_count)
+            ]
+            runs = plan_tensor_copy(grant.tensor_offsets, dst_offsets, spec.nbytes)
+            self.copier.run(runs, src.array, dst.block.segment.array)
+
         with link.exclusive(deadline):
             seq = link.next_seq()
             request = PullRequest(
@@ -305,41 +358,159 @@ class Core(ServerHooks):
                 spec.src_offset,
                 spec.consume,
             )
-            grant = link.request(request, seq, deadline)
-            if not isinstance(grant, PullGrant):
-                raise PeerGone(f"expected PullGrant, got {type(grant).__name__}")
-            ok = False
-            try:
-                self._check_grant(link, grant, spec)
-                src = link.mappings.get(grant.segment, min_nbytes=grant.segment_nbytes)
-                dst_offsets = [
-                    dst.tensor_offset(spec.dst_tensor_start + i) + spec.dst_base_offset
-                    for i in range(spec.tensor_count)
-                ]
-                runs = plan_tensor_copy(grant.tensor_offsets, dst_offsets, spec.nbytes)
-                self.copier.run(runs, src.array, dst.block.segment.array)
-                ok = True
-            finally:
-                done_seq = link.next_seq()
-                if ok:
-                    reply = link.request(PullDone(done_seq, grant.lease_id, True), done_seq, deadline)
-                    if not isinstance(reply, Ack):
-                        raise PeerGone(f"expected Ack, got {type(reply).__name__}")
-                elif link.broken is None:
-                    # Best effort: the original error is the one to report.
-                    with contextlib.suppress(StatusError):
-                        link.request(PullDone(done_seq, grant.lease_id, False), done_seq, deadline)
+            self._leased(link, request, seq, PullGrant, deadline, copy)
+
+    def pull_blocks(self, spec: BlocksSpec, dst: CacheRecord) -> None:
+        """Pin the owner's paged cache, copy block src_blocks[k] to dst_blocks[k] of every tensor, release."""
+        deadline = time.monotonic() + self.sync_kv_timeout_s
+        link = self.get_link(spec.remote_cluster_id)
+
+        def copy(grant: BlocksGrant) -> None:
+            if len(grant.tensor_offsets) != spec.tensor_count:
+                raise StatusError(LLMStatusCode.LLM_FAILED, "peer granted a different range than requested")
+            if grant.block_nbytes != dst.slot_nbytes:
+                raise StatusError(
+                    LLMStatusCode.LLM_PARAM_INVALID,
+                    f"remote blocks are {grant.block_nbytes} bytes, local blocks {dst.slot_nbytes}",
+                )
+            if max(spec.src_blocks) >= grant.num_blocks:
+                raise StatusError(
+                    LLMStatusCode.LLM_PARAM_INVALID,
+                    f"prompt block {max(spec.src_blocks)} >= the remote block count {grant.num_blocks}",
+                )
+            src = self._peer_segment(link, grant.segment, grant.segment_nbytes, writable=False)
+            dst_offsets = [dst.tensor_offset(spec.dst_tensor_start + i) for i in range(spec.tensor_count)]
+            runs = plan_block_copy(
+                grant.tensor_offsets,
+                dst_offsets,
+                spec.src_blocks,
+                spec.dst_blocks,
+                grant.block_nbytes,
+                dst.slot_nbytes,
+                dst.slot_nbytes,
+            )
+            self.copier.run(runs, src.array, dst.block.segment.array)
+
+        with link.exclusive(deadline):
+            seq = link.next_seq()
+            request = BlocksRequest(seq, spec.model_id, spec.src_tensor_start, spec.tensor_count, spec.whole)
+            self._leased(link, request, seq, BlocksGrant, deadline, copy)
+
+    def push(self, remote_cluster_id: int, src: CacheRecord, spans: list[PushSpan]) -> None:
+        """Pin the peer's memory at the spans' addresses, copy into it from `src`'s segment, release.
+
+        Goes over the link back to a peer that linked to us (its callback socket).
+        """
+        deadline = time.monotonic() + self.sync_kv_timeout_s
+        link = self.push_link(remote_cluster_id, deadline)
+
+        def copy(grant: WriteGrant) -> None:
+            if len(grant.range_offsets) != len(spans):
+                raise StatusError(LLMStatusCode.LLM_FAILED, "peer granted a different range than requested")
+            targets = [
+                self._peer_segment(link, name, nbytes, writable=True)
+                for name, nbytes in zip(grant.segments, grant.segment_nbytes, strict=True)
+            ]
+            by_target: dict[int, list[Run]] = {}
+            for span, index, offset in zip(spans, grant.range_segments, grant.range_offsets, strict=True):
+                if offset + span.nbytes > targets[index].nbytes:
+                    raise StatusError(LLMStatusCode.LLM_FAILED, "peer granted memory outside its segment")
+                by_target.setdefault(index, []).extend(
+                    Run(run.src_offset, offset + run.dst_offset, run.nbytes) for run in span.runs
+                )
+            for index, runs in by_target.items():
+                self.copier.run(runs, src.block.segment.array, targets[index].array)
+
+        with link.exclusive(deadline):
+            seq = link.next_seq()
+            request = WriteRequest(
+                seq, tuple(span.dst_addr for span in spans), tuple(span.nbytes for span in spans)
+            )
+            self._leased(link, request, seq, WriteGrant, deadline, copy)
+
+    def push_link(self, remote_cluster_id: int, deadline: float) -> ClientLink:
+        """The link back to `remote_cluster_id` (a peer linked to us), connected on first use."""
+        with self._links_lock:
+            link = self._push_links.get(remote_cluster_id)
+        if link is not None and link.broken is None:
+            return link
+        peer = next((p for p in self.server.peers() if p.cluster_id == remote_cluster_id), None)
+        if peer is None:
+            raise StatusError(
+                LLMStatusCode.LLM_NOT_YET_LINK, f"cluster {remote_cluster_id} is not linked to us"
+            )
+        if not peer.callback:
+            raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"cluster {remote_cluster_id} accepts no pushes")
+        link = ClientLink.connect(
+            socket_path_in_runtime(peer.callback),
+            cluster_id=self.settings.cluster_id,
+            remote_cluster_id=remote_cluster_id,
+            role=int(self.role),
+            deadline=deadline,
+        )
+        if link.peer.pid != peer.pid:
+            link.close(say_bye=True)
+            raise StatusError(
+                LLMStatusCode.LLM_LINK_FAILED, "the callback socket is served by another process"
+            )
+        with self._links_lock:
+            old = self._push_links.pop(remote_cluster_id, None)
+            self._push_links[remote_cluster_id] = link
+        if old is not None:
+            old.close(say_bye=False)
+        return link
+
+    @contextlib.contextmanager
+    def pushing(self, cluster_ids: set[int]) -> Iterator[None]:
+        """Mark a layer-wise transfer into these clusters: their pulls on our server get LLM_LINK_BUSY."""
+        with self._links_lock:
+            for cluster_id in cluster_ids:
+                self._pushing[cluster_id] = self._pushing.get(cluster_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._links_lock:
+                for cluster_id in cluster_ids:
+                    self._pushing[cluster_id] -= 1
+                    if not self._pushing[cluster_id]:
+                        del self._pushing[cluster_id]
+
+    def _leased(
+        self,
+        link: ClientLink,
+        request: Message,
+        seq: int,
+        grant_type: type[GrantT],
+        deadline: float,
+        work: Callable[[GrantT], None],
+    ) -> None:
+        """Send a request that pins memory at the peer, run `work` on the grant, then release the lease."""
+        grant = link.request(request, seq, deadline)
+        if not isinstance(grant, grant_type):
+            raise PeerGone(f"expected {grant_type.__name__}, got {type(grant).__name__}")
+        ok = False
+        try:
+            work(grant)
+            ok = True
+        finally:
+            done_seq = link.next_seq()
+            if ok:
+                reply = link.request(PullDone(done_seq, grant.lease_id, True), done_seq, deadline)
+                if not isinstance(reply, Ack):
+                    raise PeerGone(f"expected Ack, got {type(reply).__name__}")
+            elif link.broken is None:
+                # Best effort: the original error is the one to report.
+                with contextlib.suppress(StatusError):
+                    link.request(PullDone(done_seq, grant.lease_id, False), done_seq, deadline)
 
     @staticmethod
-    def _check_grant(link: ClientLink, grant: PullGrant, spec: PullSpec) -> None:
-        """Never trust a peer's description of memory: it must be the peer's own segment, sized as asked."""
-        owner = parse_segment_name(grant.segment)
+    def _peer_segment(link: ClientLink, name: str, nbytes: int, *, writable: bool) -> Segment:
+        """Map a segment a peer granted. Never trust a peer's description of memory: the segment must be
+        the peer's own (its pid and our uid in the name) and hold what the grant says."""
+        owner = parse_segment_name(name)
         if owner is None or owner.pid != link.peer.pid or owner.uid != os.getuid():
-            raise StatusError(
-                LLMStatusCode.LLM_FAILED, f"peer granted a segment it does not own: {grant.segment}"
-            )
-        if len(grant.tensor_offsets) != spec.tensor_count or grant.nbytes != spec.nbytes:
-            raise StatusError(LLMStatusCode.LLM_FAILED, "peer granted a different range than requested")
+            raise StatusError(LLMStatusCode.LLM_FAILED, f"peer granted a segment it does not own: {name}")
+        return link.mappings.get(name, min_nbytes=nbytes, writable=writable)
 
     # ------------------------------------------------------------------ teardown
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from llm_datadist import (
+    BlocksCacheKey,
     CacheDesc,
     CacheKey,
     DataType,
@@ -78,6 +79,16 @@ def _prompt_main(pipe: Connection, cluster_id: int, port: int, seed: int, extra:
                     raw[:] = pattern(seed, index, t, raw.nbytes)
                 caches[cache.cache_id] = cache
                 result: Any = cache.cache_id
+            elif command == "alloc_blocks":
+                num_tensors, shape, model_id = args
+                desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)
+                key = None if model_id is None else BlocksCacheKey(cluster_id, model_id)
+                cache = manager.allocate_blocks_cache(desc, key)
+                for t, view in enumerate(tensor_views(cache)):
+                    raw = view.view(np.uint8).reshape(-1)
+                    raw[:] = pattern(seed, cache.cache_id, t, raw.nbytes)
+                caches[cache.cache_id] = cache
+                result = cache.cache_id
             elif command == "remove_key":
                 manager.remove_cache_key(CacheKey(*args))
                 result = None
@@ -131,6 +142,10 @@ class PromptPeer:
 
     def alloc(self, num_tensors: int, shape: list[int], keys: list[tuple[int, ...]]) -> int:
         result: int = self.call("alloc", (num_tensors, shape, keys))
+        return result
+
+    def alloc_blocks(self, num_tensors: int, shape: list[int], model_id: int | None) -> int:
+        result: int = self.call("alloc_blocks", (num_tensors, shape, model_id))
         return result
 
     def expected(self, cache_id: int, tensor_index: int, nbytes: int) -> np.ndarray:

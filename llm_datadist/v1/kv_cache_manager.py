@@ -7,11 +7,12 @@ both), then delegates to `Core`. Internal errors become `LLMException` in `api_e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
 from .._errors import api_errors
-from .._validate import check_int64, check_isinstance, check_range_step1, check_uint32
+from .._validate import check_int64, check_isinstance, check_range_step1, check_uint32, check_uint64
 from ..configs import LLMRole
 from ..status import LLMStatusCode, make_error
 from ..v2.cache import KvCache
@@ -21,9 +22,8 @@ from . import _local_ops
 if TYPE_CHECKING:
     from .._core import Core, PullSpec
 
-_PULL_KWARGS = frozenset(
-    {"src_layer_range", "dst_layer_range", "src_cache_offset", "dst_cache_offset", "tensor_num_per_layer"}
-)
+_LAYER_KWARGS = frozenset({"src_layer_range", "dst_layer_range", "tensor_num_per_layer"})
+_PULL_KWARGS = _LAYER_KWARGS | {"src_cache_offset", "dst_cache_offset"}
 
 
 def _param_invalid(api: str, context: str) -> NoReturn:
@@ -37,6 +37,69 @@ def owner_key(key: CacheKey) -> KeyId | None:
     if key.req_id != U64_MAX:
         return (KEY_REQ, key.req_id, key.model_id)
     return None
+
+
+@dataclass(frozen=True)
+class TensorSelection:
+    """Which tensors a transfer moves: `count` tensors from `src_start` at the source to `dst_start` here.
+    `whole` means no source range was given: the source must have exactly `count` tensors."""
+
+    src_start: int
+    count: int
+    whole: bool
+    dst_start: int
+
+
+@dataclass(frozen=True)
+class LayerArgs:
+    """The layer kwargs of a pull, type-checked (reference §9.3)."""
+
+    src_range: range | None
+    dst_range: range | None
+    per_layer: int
+    per_layer_given: bool
+
+    def select(self, api: str, num_tensors: int) -> TensorSelection:
+        """Turn layer ranges into tensor indices of a local cache of `num_tensors` (LLM_PARAM_INVALID)."""
+        per_layer, src_range, dst_range = self.per_layer, self.src_range, self.dst_range
+        uses_layers = src_range is not None or dst_range is not None
+        # The default of 2 only matters with layer ranges; a 1-tensor cache pulls whole without them.
+        if (uses_layers or self.per_layer_given) and not 1 <= per_layer <= num_tensors:
+            _param_invalid(api, f"tensor_num_per_layer must be in [1, {num_tensors}], got {per_layer}")
+        if uses_layers and num_tensors % per_layer != 0:
+            _param_invalid(
+                api, f"{num_tensors} tensors are not a multiple of tensor_num_per_layer {per_layer}"
+            )
+        if dst_range is not None:
+            dst_start, dst_count = dst_range.start * per_layer, len(dst_range) * per_layer
+            if dst_count == 0 or dst_start + dst_count > num_tensors:
+                _param_invalid(
+                    api, f"dst_layer_range {dst_range} does not fit {num_tensors // per_layer} layers"
+                )
+        else:
+            dst_start, dst_count = 0, num_tensors
+        if src_range is None:
+            return TensorSelection(0, dst_count, True, dst_start)
+        src_start, src_count = src_range.start * per_layer, len(src_range) * per_layer
+        if src_count != dst_count:
+            _param_invalid(
+                api, f"source selects {src_count} tensors, destination {dst_count} (layer ranges differ)"
+            )
+        return TensorSelection(src_start, src_count, False, dst_start)
+
+
+def parse_layer_kwargs(api: str, kwargs: dict[str, Any], allowed: frozenset[str]) -> LayerArgs:
+    """Type-check a pull's kwargs: unknown names are a TypeError, ranges must be step-1 ranges."""
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise TypeError(f"{api}() got unexpected keyword arguments {unknown}")
+    src_range = kwargs.get("src_layer_range")
+    dst_range = kwargs.get("dst_layer_range")
+    check_range_step1("src_layer_range", src_range, allow_none=True)
+    check_range_step1("dst_layer_range", dst_range, allow_none=True)
+    per_layer = kwargs.get("tensor_num_per_layer", 2)
+    check_uint32("tensor_num_per_layer", per_layer)
+    return LayerArgs(src_range, dst_range, per_layer, "tensor_num_per_layer" in kwargs)
 
 
 class KvCacheManager:
@@ -185,13 +248,7 @@ class KvCacheManager:
         check_isinstance("kv_cache", kv_cache, KvCache)
         check_uint32("batch_index", batch_index)
         check_int64("size", size)
-        unknown = sorted(set(kwargs) - _PULL_KWARGS)
-        if unknown:
-            raise TypeError(f"pull_cache() got unexpected keyword arguments {unknown}")
-        src_range = kwargs.get("src_layer_range")
-        dst_range = kwargs.get("dst_layer_range")
-        check_range_step1("src_layer_range", src_range, allow_none=True)
-        check_range_step1("dst_layer_range", dst_range, allow_none=True)
+        layers = parse_layer_kwargs(api, kwargs, _PULL_KWARGS)
         src_offset = kwargs.get("src_cache_offset")
         dst_offset = kwargs.get("dst_cache_offset")
         for name, offset in (("src_cache_offset", src_offset), ("dst_cache_offset", dst_offset)):
@@ -199,8 +256,6 @@ class KvCacheManager:
                 check_int64(name, offset)
                 if offset < 0:
                     _param_invalid(api, f"{name} must be >= 0, got {offset}")
-        per_layer = kwargs.get("tensor_num_per_layer", 2)
-        check_uint32("tensor_num_per_layer", per_layer)
         self._check_role(api, LLMRole.DECODER)
         if size != -1 and size <= 0:
             _param_invalid(api, f"size must be -1 or > 0, got {size}")
@@ -209,31 +264,7 @@ class KvCacheManager:
         record = self._record_of(api, core, kv_cache)
         if batch_index >= record.batch_size:
             _param_invalid(api, f"batch_index {batch_index} out of range for batch size {record.batch_size}")
-        num_tensors = record.num_tensors
-        uses_layers = src_range is not None or dst_range is not None
-        # The default of 2 only matters with layer ranges; a 1-tensor cache pulls whole without them.
-        if (uses_layers or "tensor_num_per_layer" in kwargs) and not 1 <= per_layer <= num_tensors:
-            _param_invalid(api, f"tensor_num_per_layer must be in [1, {num_tensors}], got {per_layer}")
-        if uses_layers and num_tensors % per_layer != 0:
-            _param_invalid(
-                api, f"{num_tensors} tensors are not a multiple of tensor_num_per_layer {per_layer}"
-            )
-        if dst_range is not None:
-            dst_start, dst_count = dst_range.start * per_layer, len(dst_range) * per_layer
-            if dst_count == 0 or dst_start + dst_count > num_tensors:
-                _param_invalid(
-                    api, f"dst_layer_range {dst_range} does not fit {num_tensors // per_layer} layers"
-                )
-        else:
-            dst_start, dst_count = 0, num_tensors
-        if src_range is not None:
-            src_start, src_count, whole = src_range.start * per_layer, len(src_range) * per_layer, False
-            if src_count != dst_count:
-                _param_invalid(
-                    api, f"source selects {src_count} tensors, destination {dst_count} (layer ranges differ)"
-                )
-        else:
-            src_start, src_count, whole = 0, dst_count, True
+        selection = layers.select(api, record.num_tensors)
 
         slot_nbytes = record.slot_nbytes
         dst_base = dst_offset or 0
@@ -247,14 +278,14 @@ class KvCacheManager:
 
         spec = PullSpec(
             **spec_args,
-            src_tensor_start=src_start,
-            tensor_count=src_count,
-            whole=whole,
+            src_tensor_start=selection.src_start,
+            tensor_count=selection.count,
+            whole=selection.whole,
             nbytes=nbytes,
             src_offset=src_offset or 0,
             # v1 never consumes a key pulled with offsets (reference §16).
             consume=src_offset is None and dst_offset is None,
-            dst_tensor_start=dst_start,
+            dst_tensor_start=selection.dst_start,
             dst_base_offset=batch_index * slot_nbytes + dst_base,
         )
         self._run_pull(api, core, spec, record)
@@ -307,7 +338,54 @@ class KvCacheManager:
         decoder_blocks: list[int],
         **kwargs: Any,
     ) -> None:
-        self._not_yet("pull_blocks")
+        """Copy remote block `prompt_blocks[k]` into local block `decoder_blocks[k]` of every selected tensor.
+
+        The remote paged cache is the one the Prompt indexed with `BlocksCacheKey.model_id`; blocks keys are
+        never consumed. kwargs: src_layer_range, dst_layer_range, tensor_num_per_layer (as pull_cache).
+        The local cache must be a blocks cache with blocks of the same size as the remote ones.
+        """
+        api = "pull_blocks"
+        core = self._require_core(api)
+        check_isinstance("prompt_cache_key", prompt_cache_key, BlocksCacheKey)
+        check_isinstance("decoder_kv_cache", decoder_kv_cache, KvCache)
+        for name, blocks in (("prompt_blocks", prompt_blocks), ("decoder_blocks", decoder_blocks)):
+            check_isinstance(name, blocks, (list, tuple))
+            for block in blocks:
+                check_uint64(name, block)
+        layers = parse_layer_kwargs(api, kwargs, _LAYER_KWARGS)
+        self._check_role(api, LLMRole.DECODER)
+        if not prompt_blocks or len(prompt_blocks) != len(decoder_blocks):
+            _param_invalid(
+                api,
+                f"prompt_blocks ({len(prompt_blocks)}) and decoder_blocks ({len(decoder_blocks)}) must be "
+                "non-empty and of equal length",
+            )
+        record = self._record_of(api, core, decoder_kv_cache)
+        if not record.is_blocks:
+            _param_invalid(api, "decoder_kv_cache must be a blocks cache (allocate_blocks_cache)")
+        if max(decoder_blocks) >= record.batch_size:
+            _param_invalid(
+                api, f"decoder block {max(decoder_blocks)} >= the cache's {record.batch_size} blocks"
+            )
+        selection = layers.select(api, record.num_tensors)
+        from .._core import BlocksSpec
+
+        spec = BlocksSpec(
+            remote_cluster_id=prompt_cache_key.cluster_id,
+            model_id=prompt_cache_key.model_id,
+            src_tensor_start=selection.src_start,
+            tensor_count=selection.count,
+            whole=selection.whole,
+            dst_tensor_start=selection.dst_start,
+            src_blocks=tuple(prompt_blocks),
+            dst_blocks=tuple(decoder_blocks),
+        )
+        with api_errors(api):
+            pinned = core.table.pin(record.cache_id)
+            try:
+                core.pull_blocks(spec, pinned)
+            finally:
+                core.table.unpin(pinned)
 
     def copy_cache(
         self,
