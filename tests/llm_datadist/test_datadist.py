@@ -95,7 +95,7 @@ def test_roles_and_placement_checks() -> None:
         with pytest.raises(TypeError):
             kvm.allocate_cache("desc")  # type: ignore[arg-type]
         with pytest.raises(LLMException) as exc_info:
-            kvm.pull_blocks(None, None, [], [])  # type: ignore[arg-type]
+            kvm.get_cache_tensors(None)  # type: ignore[arg-type]
         assert exc_info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
         with pytest.raises(LLMException):
             _ = dd.cache_manager
