@@ -165,6 +165,14 @@ class Server:
         with self._lock:
             return [c.peer for c in self._conns.values() if c.peer is not None]
 
+    def peer_has_leases(self, cluster_id: int) -> bool:
+        """True while a connection from `cluster_id` holds a lease (a pull from us is in progress)."""
+        with self._lock:
+            conns = [
+                c for c in self._conns.values() if c.peer is not None and c.peer.cluster_id == cluster_id
+            ]
+        return any(self._table.holds_leases(conn) for conn in conns)
+
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._wake()

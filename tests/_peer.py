@@ -20,10 +20,12 @@ from llm_datadist import (
     CacheDesc,
     CacheKey,
     DataType,
+    LayerSynchronizer,
     LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMRole,
+    TransferConfig,
 )
 
 PROMPT_IP = "127.0.0.1"
@@ -47,7 +49,27 @@ def prompt_options(
     return options
 
 
-def _prompt_main(pipe: Connection, cluster_id: int, port: int, seed: int, extra: dict[str, str]) -> None:
+class _Synchronizer(LayerSynchronizer):
+    """ "go": every layer is ready at once; "queue": wait for the test to put a token per layer (a token
+    "fail" makes that layer fail); "fail:<k>": layer k fails."""
+
+    def __init__(self, mode: str, layer_queue: Any) -> None:
+        self.mode = mode
+        self.layer_queue = layer_queue
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        if self.mode == "queue":
+            if not self.layer_queue.poll(CALL_TIMEOUT_S):
+                return False
+            return bool(self.layer_queue.recv() != "fail")
+        if self.mode.startswith("fail:"):
+            return layer_index != int(self.mode.split(":")[1])
+        return True
+
+
+def _prompt_main(
+    pipe: Connection, cluster_id: int, port: int, seed: int, extra: dict[str, str], layer_queue: Any = None
+) -> None:
     from llm_datadist.ext import tensor_views
 
     datadist = LLMDataDist(LLMRole.PROMPT, cluster_id)
@@ -58,6 +80,7 @@ def _prompt_main(pipe: Connection, cluster_id: int, port: int, seed: int, extra:
         return
     manager = datadist.kv_cache_manager
     caches: dict[int, Any] = {}
+    tasks: list[Any] = []
     pipe.send(("ok", os.getpid()))
     while True:
         try:
@@ -89,6 +112,30 @@ def _prompt_main(pipe: Connection, cluster_id: int, port: int, seed: int, extra:
                     raw[:] = pattern(seed, cache.cache_id, t, raw.nbytes)
                 caches[cache.cache_id] = cache
                 result = cache.cache_id
+            elif command == "transfer":
+                cache_id, configs, src_blocks, dst_blocks, dst_block_nbytes, mode = args
+                transfer_configs = [
+                    TransferConfig(cluster, list(addrs), None if layers is None else range(*layers), batch)
+                    for cluster, addrs, layers, batch in configs
+                ]
+                task = manager.transfer_cache_async(
+                    caches[cache_id],
+                    _Synchronizer(mode, layer_queue),
+                    transfer_configs,
+                    src_blocks,
+                    dst_blocks,
+                    dst_block_nbytes,
+                )
+                tasks.append(task)
+                result = len(tasks) - 1
+            elif command == "task_sync":
+                index, timeout_ms = args
+                result = int(tasks[index].synchronize(timeout_ms))
+            elif command == "task_results":
+                index, timeout_ms = args
+                result = [
+                    None if code is None else int(code) for code in tasks[index].get_results(timeout_ms)
+                ]
             elif command == "remove_key":
                 manager.remove_cache_key(CacheKey(*args))
                 result = None
@@ -117,11 +164,17 @@ class PromptPeer:
         self.seed = seed
         ctx = mp.get_context("spawn")
         self._pipe, child_pipe = ctx.Pipe()
+        # Layer tokens for a "queue" synchronizer in the child (see _Synchronizer). A pipe, not a
+        # multiprocessing.Queue: a Queue's semaphore would be a /dev/shm entry of its own.
+        layer_reader, self._layer_writer = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
-            target=_prompt_main, args=(child_pipe, cluster_id, port, seed, extra or {}), daemon=True
+            target=_prompt_main,
+            args=(child_pipe, cluster_id, port, seed, extra or {}, layer_reader),
+            daemon=True,
         )
         self.process.start()
         child_pipe.close()
+        layer_reader.close()
         try:
             self.pid: int = self._reply(CALL_TIMEOUT_S)
         except BaseException:
@@ -172,6 +225,11 @@ class PromptPeer:
         if self.process.is_alive():
             self.kill()
         self._pipe.close()
+        self._layer_writer.close()
+
+    def release_layer(self, token: object) -> None:
+        """Let the child's "queue" synchronizer return for one more layer ("fail" fails that layer)."""
+        self._layer_writer.send(token)
 
     def __enter__(self) -> PromptPeer:
         return self

@@ -7,8 +7,11 @@ both), then delegates to `Core`. Internal errors become `LLMException` in `api_e
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
+
+from shm.copyplan import Run, plan_block_copy
 
 from .._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
 from .._errors import api_errors
@@ -16,7 +19,17 @@ from .._validate import check_int64, check_isinstance, check_range_step1, check_
 from ..configs import LLMRole
 from ..status import LLMStatusCode, make_error
 from ..v2.cache import KvCache
-from ..v2.llm_types import U64_MAX, BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
+from ..v2.llm_types import (
+    U64_MAX,
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    LayerSynchronizer,
+    Placement,
+    TransferConfig,
+)
+from ..v2.llm_utils import CacheTask, LayerPush, TransferJob
 from . import _local_ops
 
 if TYPE_CHECKING:
@@ -422,10 +435,189 @@ class KvCacheManager:
     def transfer_cache_async(
         self,
         src_cache: KvCache,
-        layer_synchronizer: Any,
-        transfer_configs: list[Any],
+        layer_synchronizer: LayerSynchronizer,
+        transfer_configs: list[TransferConfig] | tuple[TransferConfig, ...],
         src_block_indices: list[int] | None = None,
         dst_block_indices: list[int] | None = None,
         dst_block_memory_size: int | None = None,
-    ) -> Any:
-        self._not_yet("transfer_cache_async")
+    ) -> CacheTask:
+        """Push `src_cache` layer by layer (K, V per layer) into Decoders' memory named by raw addresses.
+
+        A background thread waits for each layer through `layer_synchronizer.synchronize_layer(i, None)` and
+        then pushes it to every config that wants it: continuous to continuous (slot `src_batch_index`),
+        paged to paged (`src_block_indices[k]` to `dst_block_indices[k]`), or continuous to blocks (the slot
+        cut into `dst_block_memory_size` pieces). PROMPT only; every destination must have linked to us.
+        Pulls from a destination cluster get LLM_LINK_BUSY while the transfer runs, and a transfer cannot
+        start while one of them is pulling.
+        """
+        api = "transfer_cache_async"
+        core = self._require_core(api)
+        check_isinstance("src_cache", src_cache, KvCache)
+        check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer)
+        check_isinstance("transfer_configs", transfer_configs, (list, tuple))
+        for config in transfer_configs:
+            check_isinstance("transfer_configs", config, TransferConfig)
+        for name, indices in (
+            ("src_block_indices", src_block_indices),
+            ("dst_block_indices", dst_block_indices),
+        ):
+            if indices is not None:
+                check_isinstance(name, indices, (list, tuple))
+                for index in indices:
+                    check_uint64(name, index)
+        if dst_block_memory_size is not None:
+            check_uint64("dst_block_memory_size", dst_block_memory_size)
+        self._check_role(api, LLMRole.PROMPT)
+        if len(core.settings.device_ids) > 1:
+            _param_invalid(api, "not supported with several devices in one process")
+        if not transfer_configs:
+            _param_invalid(api, "transfer_configs must not be empty")
+        record = self._record_of(api, core, src_cache)
+        plans = [
+            _plan_transfer(api, record, config, src_block_indices, dst_block_indices, dst_block_memory_size)
+            for config in transfer_configs
+        ]
+        clusters = {config.dst_cluster_id for config in transfer_configs}
+        linked = {peer.cluster_id for peer in core.server.peers()}
+        for cluster_id in sorted(clusters):
+            if cluster_id not in linked:
+                raise make_error(
+                    api, LLMStatusCode.LLM_NOT_YET_LINK, f"cluster {cluster_id} has not linked to us"
+                )
+            if core.server.peer_has_leases(cluster_id):
+                raise make_error(api, LLMStatusCode.LLM_LINK_BUSY, f"cluster {cluster_id} is pulling from us")
+
+        with api_errors(api):
+            pinned = core.table.pin(record.cache_id)
+        pushing = core.pushing(clusters)
+        pushing.__enter__()
+
+        def finish() -> None:
+            pushing.__exit__(None, None, None)
+            core.table.unpin(pinned)
+
+        pushes = [
+            LayerPush(plan.dst_cluster_id, plan.layers, functools.partial(plan.push, core, pinned))
+            for plan in plans
+        ]
+        job = TransferJob(layer_synchronizer, pushes, record.num_tensors // 2, on_exit=finish)
+        job.start()
+        return CacheTask(
+            job,
+            [config.dst_cluster_id for config in transfer_configs],
+            timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
+        )
+
+
+@dataclass(frozen=True)
+class _TransferPlan:
+    """How one TransferConfig moves each of its layers: spans per tensor, relative to the layer."""
+
+    dst_cluster_id: int
+    layers: range
+    dst_addrs: tuple[int, ...]
+    # For K and V of a layer: (source offset of the tensor in its segment, runs relative to that offset
+    # and to the destination address).
+    src_runs: tuple[Run, ...]
+    span_nbytes: int
+    dst_start_offset: int
+
+    def push(self, core: Core, record: CacheRecord, layer: int) -> None:
+        from .._core import PushSpan
+
+        spans = []
+        for j in range(2):
+            tensor = 2 * layer + j
+            base = record.tensor_offset(tensor)
+            dst_addr = self.dst_addrs[2 * (layer - self.layers.start) + j] + self.dst_start_offset
+            runs = tuple(Run(base + run.src_offset, run.dst_offset, run.nbytes) for run in self.src_runs)
+            spans.append(PushSpan(dst_addr, self.span_nbytes, runs))
+        core.push(self.dst_cluster_id, record, spans)
+
+
+def _plan_transfer(
+    api: str,
+    record: CacheRecord,
+    config: TransferConfig,
+    src_block_indices: list[int] | None,
+    dst_block_indices: list[int] | None,
+    dst_block_memory_size: int | None,
+) -> _TransferPlan:
+    """Validate one config against the source cache (reference §9.6) and plan its per-layer copies."""
+    if record.num_tensors % 2:
+        _param_invalid(
+            api, f"the source cache must hold K, V per layer (an even tensor count), not {record.num_tensors}"
+        )
+    num_layers = record.num_tensors // 2
+    layers = config.src_layer_range if config.src_layer_range is not None else range(num_layers)
+    if not layers or layers.stop > num_layers:
+        _param_invalid(api, f"src_layer_range {layers} is not within the cache's {num_layers} layers")
+    if len(config.dst_addrs) != 2 * len(layers):
+        _param_invalid(
+            api, f"{len(config.dst_addrs)} dst_addrs for {len(layers)} layers (2 per layer expected)"
+        )
+    if src_block_indices is not None and (
+        dst_block_indices is None or len(src_block_indices) != len(dst_block_indices)
+    ):
+        _param_invalid(api, "src_block_indices need dst_block_indices of the same length")
+    block_nbytes = record.slot_nbytes  # a slot, or a block of a paged cache
+    if record.is_blocks:
+        if config.src_batch_index != 0:
+            _param_invalid(api, "src_batch_index must be 0 for a blocks source")
+        if src_block_indices is None or dst_block_indices is None:
+            _param_invalid(api, "a blocks source pushes blocks to blocks: give src and dst block indices")
+        if not src_block_indices or max(src_block_indices) >= record.batch_size:
+            _param_invalid(api, f"src_block_indices must be non-empty and below {record.batch_size}")
+        dst_block_nbytes = dst_block_memory_size or block_nbytes
+        if dst_block_nbytes < block_nbytes:
+            _param_invalid(
+                api, f"dst_block_memory_size {dst_block_nbytes} is smaller than a block ({block_nbytes})"
+            )
+        low = min(dst_block_indices)
+        src_runs = plan_block_copy(
+            [0],
+            [0],
+            src_block_indices,
+            [d - low for d in dst_block_indices],
+            block_nbytes,
+            dst_block_nbytes,
+            block_nbytes,
+        )
+        span = (max(dst_block_indices) - low) * dst_block_nbytes + block_nbytes
+        return _TransferPlan(
+            config.dst_cluster_id,
+            layers,
+            tuple(config.dst_addrs),
+            tuple(src_runs),
+            span,
+            low * dst_block_nbytes,
+        )
+    if config.src_batch_index >= record.batch_size:
+        _param_invalid(api, f"src_batch_index {config.src_batch_index} >= batch size {record.batch_size}")
+    slot_offset = config.src_batch_index * block_nbytes
+    if dst_block_indices is None:
+        if dst_block_memory_size:
+            _param_invalid(api, "dst_block_memory_size must be None or 0 for a continuous destination")
+        runs = (Run(slot_offset, 0, block_nbytes),)
+        return _TransferPlan(config.dst_cluster_id, layers, tuple(config.dst_addrs), runs, block_nbytes, 0)
+    if src_block_indices is not None:
+        _param_invalid(api, "a continuous source takes no src_block_indices")
+    if not dst_block_memory_size:
+        _param_invalid(api, "continuous to blocks needs dst_block_memory_size")
+    if not dst_block_indices:
+        _param_invalid(api, "dst_block_indices must not be empty")
+    piece = dst_block_memory_size
+    if len(dst_block_indices) * piece < block_nbytes:
+        _param_invalid(
+            api, f"{len(dst_block_indices)} blocks of {piece} bytes cannot hold a {block_nbytes}-byte slot"
+        )
+    low = min(dst_block_indices)
+    pieces = [
+        Run(slot_offset + k * piece, (d - low) * piece, min(piece, block_nbytes - k * piece))
+        for k, d in enumerate(dst_block_indices)
+        if k * piece < block_nbytes
+    ]
+    span = max(run.dst_offset + run.nbytes for run in pieces)
+    return _TransferPlan(
+        config.dst_cluster_id, layers, tuple(config.dst_addrs), tuple(pieces), span, low * piece
+    )

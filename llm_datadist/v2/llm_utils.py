@@ -1,0 +1,136 @@
+"""The layer-wise push machinery behind `transfer_cache_async`: the background job and `CacheTask`.
+
+Rules: one thread per call walks the source layers in order; for each layer some config wants it calls
+the user's `LayerSynchronizer`, then pushes that layer into every wanting config's destination (one copy
+into the peer's pinned memory). Results are kept per destination cluster id, as in the real library (two
+configs to one cluster share a result). The job holds a pin on the source cache until it ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .._errors import StatusError
+from .._validate import check_uint32
+from ..status import LLMStatusCode
+from ..utils.log import log
+from .llm_types import LayerSynchronizer
+
+
+@dataclass(frozen=True)
+class LayerPush:
+    """One config's part of the job: which source layers it wants and how to push one of them."""
+
+    dst_cluster_id: int
+    layers: range
+    push_layer: Callable[[int], None]
+
+
+class TransferJob:
+    """Runs the pushes of one `transfer_cache_async` call on its own thread."""
+
+    def __init__(
+        self,
+        synchronizer: LayerSynchronizer,
+        pushes: Sequence[LayerPush],
+        num_layers: int,
+        *,
+        on_exit: Callable[[], None],
+    ) -> None:
+        self._synchronizer = synchronizer
+        self._pushes = list(pushes)
+        self._num_layers = num_layers
+        self._on_exit = on_exit
+        self._results: dict[int, LLMStatusCode] = {}
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmdd-transfer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def result(self, dst_cluster_id: int) -> LLMStatusCode | None:
+        with self._lock:
+            return self._results.get(dst_cluster_id)
+
+    def _record(self, dst_cluster_id: int, code: LLMStatusCode) -> None:
+        with self._lock:
+            self._results[dst_cluster_id] = code
+
+    def _run(self) -> None:
+        try:
+            active = list(self._pushes)
+            for layer in range(self._num_layers):
+                wanting = [push for push in active if layer in push.layers]
+                if not wanting:
+                    continue
+                try:
+                    ready = bool(self._synchronizer.synchronize_layer(layer, None))
+                except Exception as exc:
+                    log.error("transfer_cache_async: synchronize_layer(%d) raised %r", layer, exc)
+                    ready = False
+                if not ready:
+                    for push in wanting:
+                        self._record(push.dst_cluster_id, LLMStatusCode.LLM_PARAM_INVALID)
+                    return
+                for push in wanting:
+                    try:
+                        push.push_layer(layer)
+                    except StatusError as exc:
+                        log.error("transfer_cache_async: layer %d to %d: %s", layer, push.dst_cluster_id, exc)
+                        self._record(push.dst_cluster_id, exc.code)
+                        active.remove(push)
+                        continue
+                    except Exception as exc:
+                        log.error("transfer_cache_async: layer %d to %d: %r", layer, push.dst_cluster_id, exc)
+                        self._record(push.dst_cluster_id, LLMStatusCode.LLM_FAILED)
+                        active.remove(push)
+                        continue
+                    if layer == push.layers[-1]:
+                        self._record(push.dst_cluster_id, LLMStatusCode.LLM_SUCCESS)
+        finally:
+            try:
+                self._on_exit()
+            finally:
+                self.done.set()
+
+
+class CacheTask:
+    """Handle of a `transfer_cache_async` call.
+
+    `synchronize` and `get_results` wait for the job (`timeout_in_millis`, uint32 ms; None waits until the
+    job ends, which the user's synchronizer bounds) and never raise on a timeout: they report the mode's
+    timeout code instead, as the real library does.
+    """
+
+    def __init__(
+        self, job: TransferJob, dst_cluster_ids: Sequence[int], *, timeout_code: LLMStatusCode
+    ) -> None:
+        self._job = job
+        self._dst_cluster_ids = list(dst_cluster_ids)
+        self._timeout_code = timeout_code
+
+    def _wait(self, timeout_in_millis: int | None) -> bool:
+        if timeout_in_millis is not None:
+            check_uint32("timeout_in_millis", timeout_in_millis)
+            return self._job.done.wait(timeout_in_millis / 1000.0)
+        return self._job.done.wait()
+
+    def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
+        """The first non-success result in config order, or LLM_SUCCESS; a config with no result counts
+        as success (the real library's quirk)."""
+        if not self._wait(timeout_in_millis):
+            return self._timeout_code
+        for cluster_id in self._dst_cluster_ids:
+            code = self._job.result(cluster_id)
+            if code is not None and code != LLMStatusCode.LLM_SUCCESS:
+                return code
+        return LLMStatusCode.LLM_SUCCESS
+
+    def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
+        """One result per transfer config, in order; None where the config's last layer was never sent."""
+        if not self._wait(timeout_in_millis):
+            return [self._timeout_code for _ in self._dst_cluster_ids]
+        return [self._job.result(cluster_id) for cluster_id in self._dst_cluster_ids]

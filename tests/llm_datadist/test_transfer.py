@@ -1,0 +1,237 @@
+"""`transfer_cache_async`: a Prompt process pushes layers into this Decoder's memory, named by raw
+addresses, as its synchronizer releases them. Continuous, paged and continuous-to-blocks, plus errors."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+
+from llm_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode
+from llm_datadist.ext import tensor_views
+from tests._peer import PromptPeer, decoder
+
+P, D = 1, 2
+SUCCESS = int(LLMStatusCode.LLM_SUCCESS)
+_ports = itertools.count(24000)
+
+
+@pytest.fixture
+def linked(seed: int):  # type: ignore[no-untyped-def]
+    with PromptPeer(P, next(_ports), seed) as peer, decoder(D) as dd:
+        assert dd.link_clusters([peer.cluster_info()])[0] == LLMStatusCode.LLM_SUCCESS
+        yield peer, dd
+
+
+def _raw(cache) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
+    return [view.view(np.uint8).reshape(-1) for view in tensor_views(cache)]
+
+
+def _slot(array: np.ndarray, batch_size: int, slot: int) -> np.ndarray:
+    stride = array.nbytes // batch_size
+    return array[slot * stride : (slot + 1) * stride]
+
+
+def test_continuous_push_of_every_layer(linked) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    cache_id = peer.alloc(6, [2, 3333], [])  # 3 layers of K, V; slot 1 is pushed
+    dst = dd.kv_cache_manager.allocate_cache(CacheDesc(6, [1, 3333], DataType.DT_FLOAT16))
+    for raw in _raw(dst):
+        raw[:] = 0
+    addrs = dst.per_device_tensor_addrs[0]
+    task = peer.call("transfer", (cache_id, [(D, addrs, None, 1)], None, None, None, "go"))
+    assert peer.call("task_sync", (task, 20000)) == SUCCESS
+    assert peer.call("task_results", (task, 20000)) == [SUCCESS]
+    for t, raw in enumerate(_raw(dst)):
+        np.testing.assert_array_equal(raw, _slot(peer.expected(cache_id, t, 2 * 6666), 2, 1))
+
+
+def test_layers_arrive_one_by_one_as_the_synchronizer_releases_them(linked) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    layers = 4
+    cache_id = peer.alloc(2 * layers, [1, 4096], [])
+    dst = dd.kv_cache_manager.allocate_cache(CacheDesc(2 * layers, [1, 4096], DataType.DT_FLOAT16))
+    raws = _raw(dst)
+    for raw in raws:
+        raw[:] = 0
+    expected = [peer.expected(cache_id, t, 8192) for t in range(2 * layers)]
+    task = peer.call(
+        "transfer", (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], None, None, None, "queue")
+    )
+    for layer in range(layers):
+        # Nothing of this layer (or later ones) arrived before the synchronizer released it.
+        for t in range(2 * layer, 2 * layers):
+            assert not raws[t].any()
+        peer.release_layer(layer)
+        deadline = time.monotonic() + 20
+        while not all(np.array_equal(raws[t], expected[t]) for t in (2 * layer, 2 * layer + 1)):
+            assert time.monotonic() < deadline, f"layer {layer} never arrived"
+            time.sleep(0.002)
+    assert peer.call("task_sync", (task, 20000)) == SUCCESS
+
+
+def test_paged_push_moves_block_tables(linked, seed: int) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    cache_id = peer.alloc_blocks(4, [8, 100], None)  # 2 layers, 8 blocks of 200 bytes
+    dst = dd.kv_cache_manager.allocate_blocks_cache(CacheDesc(4, [10, 100], DataType.DT_FLOAT16))
+    for raw in _raw(dst):
+        raw[:] = 0
+    rng = np.random.default_rng(seed)
+    src_blocks = [int(b) for b in rng.permutation(8)[:5]]
+    dst_blocks = [int(b) for b in rng.permutation(10)[:5]]
+    task = peer.call(
+        "transfer",
+        (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], src_blocks, dst_blocks, None, "go"),
+    )
+    assert peer.call("task_sync", (task, 20000)) == SUCCESS
+    for t, raw in enumerate(_raw(dst)):
+        got = raw.reshape(10, 200)
+        remote = peer.expected(cache_id, t, 1600).reshape(8, 200)
+        for src, dst_block in zip(src_blocks, dst_blocks, strict=True):
+            np.testing.assert_array_equal(got[dst_block], remote[src])
+        assert not got[sorted(set(range(10)) - set(dst_blocks))].any()
+
+
+def test_continuous_slot_cut_into_destination_blocks(linked) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    cache_id = peer.alloc(2, [1, 250], [])  # one layer; a 500-byte slot per tensor
+    dst = dd.kv_cache_manager.allocate_blocks_cache(
+        CacheDesc(2, [6, 100], DataType.DT_FLOAT16)
+    )  # 200-byte blocks
+    for raw in _raw(dst):
+        raw[:] = 0
+    dst_blocks = [4, 1, 5]  # 200 + 200 + 100 bytes
+    task = peer.call(
+        "transfer", (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], None, dst_blocks, 200, "go")
+    )
+    assert peer.call("task_sync", (task, 20000)) == SUCCESS
+    for t, raw in enumerate(_raw(dst)):
+        source = peer.expected(cache_id, t, 500)
+        np.testing.assert_array_equal(raw[800:1000], source[0:200])
+        np.testing.assert_array_equal(raw[200:400], source[200:400])
+        np.testing.assert_array_equal(raw[1000:1100], source[400:500])
+        assert not raw[1100:].any() and not raw[:200].any()
+
+
+def test_layer_range_pushes_only_those_layers(linked) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    cache_id = peer.alloc(8, [1, 64], [])
+    dst = dd.kv_cache_manager.allocate_cache(CacheDesc(4, [1, 64], DataType.DT_FLOAT16))
+    addrs = dst.per_device_tensor_addrs[0]
+    task = peer.call("transfer", (cache_id, [(D, addrs, (2, 4), 0)], None, None, None, "go"))
+    assert peer.call("task_results", (task, 20000)) == [SUCCESS]
+    for t, raw in enumerate(_raw(dst)):
+        np.testing.assert_array_equal(raw, peer.expected(cache_id, 4 + t, 128))
+
+
+def test_a_failed_layer_stops_the_job(linked) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    cache_id = peer.alloc(6, [1, 64], [])
+    dst = dd.kv_cache_manager.allocate_cache(CacheDesc(6, [1, 64], DataType.DT_FLOAT16))
+    for raw in _raw(dst):
+        raw[:] = 0
+    task = peer.call(
+        "transfer", (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], None, None, None, "fail:1")
+    )
+    assert peer.call("task_sync", (task, 20000)) == int(LLMStatusCode.LLM_PARAM_INVALID)
+    raws = _raw(dst)
+    np.testing.assert_array_equal(raws[0], peer.expected(cache_id, 0, 128))
+    assert not raws[2].any() and not raws[4].any()
+
+
+def test_addresses_outside_the_decoders_caches_are_refused(linked) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    cache_id = peer.alloc(2, [1, 64], [])
+    dst = dd.kv_cache_manager.allocate_cache(CacheDesc(2, [1, 32], DataType.DT_FLOAT16))  # too small
+    task = peer.call(
+        "transfer", (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], None, None, None, "go")
+    )
+    assert peer.call("task_results", (task, 20000)) == [int(LLMStatusCode.LLM_PARAM_INVALID)]
+    bogus = [0x1000, 0x2000]
+    task = peer.call("transfer", (cache_id, [(D, bogus, None, 0)], None, None, None, "go"))
+    assert peer.call("task_results", (task, 20000)) == [int(LLMStatusCode.LLM_PARAM_INVALID)]
+    assert peer.call("stats")["leases"] == 0
+
+
+def test_pull_during_a_transfer_is_link_busy(linked) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    cache_id = peer.alloc(4, [1, 64], [(P, 7)])
+    dst = dd.kv_cache_manager.allocate_cache(CacheDesc(4, [1, 64], DataType.DT_FLOAT16))
+    task = peer.call(
+        "transfer", (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], None, None, None, "queue")
+    )
+    with pytest.raises(LLMException) as exc_info:
+        dd.kv_cache_manager.pull_cache(CacheKey(P, 7), dst)
+    assert exc_info.value.status_code == LLMStatusCode.LLM_LINK_BUSY
+    peer.release_layer(0)
+    peer.release_layer(1)
+    assert peer.call("task_sync", (task, 20000)) == SUCCESS
+    dd.kv_cache_manager.pull_cache(CacheKey(P, 7), dst)  # free again once the transfer ended
+
+
+def test_synchronize_times_out_without_raising(linked) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    cache_id = peer.alloc(2, [1, 64], [])
+    dst = dd.kv_cache_manager.allocate_cache(CacheDesc(2, [1, 64], DataType.DT_FLOAT16))
+    task = peer.call(
+        "transfer", (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], None, None, None, "queue")
+    )
+    timeout = int(LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT)
+    assert peer.call("task_sync", (task, 50)) == timeout
+    assert peer.call("task_results", (task, 50)) == [timeout]
+    peer.release_layer(0)
+    assert peer.call("task_sync", (task, 20000)) == SUCCESS
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        ((None, None, None, 0), "odd"),
+        ((None, None, None, 5), "batch"),
+        (((0, 9), None, None, 0), "range"),
+        ((None, [0], None, 0), "src blocks without dst blocks"),
+        ((None, None, 64, 0), "block size for a continuous destination"),
+        ((None, None, None, 0, "addrs"), "address count"),
+    ],
+)
+def test_validation_errors_raise_param_invalid(linked, args, code) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    num_tensors = 3 if code == "odd" else 4
+    cache_id = peer.alloc(num_tensors, [1, 64], [])
+    dst = dd.kv_cache_manager.allocate_cache(CacheDesc(4, [1, 64], DataType.DT_FLOAT16))
+    addrs = dst.per_device_tensor_addrs[0][: 3 if len(args) > 4 else 4]
+    layers, src_blocks, block_nbytes, batch = args[:4]
+    with pytest.raises(RuntimeError, match="LLM_PARAM_INVALID"):
+        peer.call("transfer", (cache_id, [(D, addrs, layers, batch)], src_blocks, None, block_nbytes, "go"))
+
+
+def test_unlinked_destination_and_role(linked) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    cache_id = peer.alloc(2, [1, 64], [])
+    with pytest.raises(RuntimeError, match="LLM_NOT_YET_LINK"):
+        peer.call("transfer", (cache_id, [(77, [0x1000, 0x2000], None, 0)], None, None, None, "go"))
+    with pytest.raises(LLMException) as exc_info:
+        from llm_datadist import TransferConfig
+        from tests._peer import _Synchronizer
+
+        src = dd.kv_cache_manager.allocate_cache(CacheDesc(2, [1, 64], DataType.DT_FLOAT16))
+        dd.kv_cache_manager.transfer_cache_async(src, _Synchronizer("go", None), [TransferConfig(P, [1, 2])])
+    assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID  # DECODER may not push in v1
+
+
+def test_blocks_cache_key_unaffected(linked) -> None:  # type: ignore[no-untyped-def]
+    # A paged source with a BlocksCacheKey can be pushed and still pulled afterwards.
+    peer, dd = linked
+    cache_id = peer.alloc_blocks(2, [4, 32], 0)
+    dst = dd.kv_cache_manager.allocate_blocks_cache(CacheDesc(2, [4, 32], DataType.DT_FLOAT16))
+    task = peer.call(
+        "transfer", (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], [0, 1], [2, 3], None, "go")
+    )
+    assert peer.call("task_sync", (task, 20000)) == SUCCESS
+    dd.kv_cache_manager.pull_blocks(BlocksCacheKey(P, 0), dst, [3], [0])
+    for t, raw in enumerate(_raw(dst)):
+        remote = peer.expected(cache_id, t, 256).reshape(4, 64)
+        np.testing.assert_array_equal(raw.reshape(4, 64)[0], remote[3])
+        np.testing.assert_array_equal(raw.reshape(4, 64)[2], remote[0])
