@@ -239,10 +239,12 @@ class Core(ServerHooks):
         try:
             self.server.listen(path)
         except FileExistsError as exc:
-            raise make_error(
-                "init", LLMStatusCode.LLM_FAILED, f"{listen[0]}:{listen[1]} is taken: {exc}"
-            ) from exc
+            raise StatusError(LLMStatusCode.LLM_FAILED, f"{listen[0]}:{listen[1]} is taken: {exc}") from exc
         self.public_path = path
+
+    def set_role(self, role: LLMRole) -> None:
+        self.role = role
+        self.server.role = int(role)
 
     def stop_public(self) -> None:
         if self.public_path is not None:

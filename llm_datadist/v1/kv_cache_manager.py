@@ -203,17 +203,21 @@ class KvCacheManager:
     def _allocate(
         self, api: str, core: Core, cache_desc: CacheDesc, keys: list[KeyId | None], *, is_blocks: bool
     ) -> KvCache:
+        # With several devices in one process each device gets its own tensors: device d's tensor t is
+        # tensor d * num_tensors + t of the record, so transfers move every device's copy one to one.
+        devices = len(core.settings.device_ids)
         with api_errors(api):
             record = core.table.allocate(
-                num_tensors=cache_desc.num_tensors,
+                num_tensors=cache_desc.num_tensors * devices,
                 tensor_nbytes=cache_desc.size,
                 batch_size=cache_desc.shape[0],
                 keys=keys,
                 is_blocks=is_blocks,
             )
         addrs = record.tensor_addrs()
-        # One device per process on this host: every listed device sees the same shared-memory tensors.
-        per_device = [list(addrs) for _ in core.settings.device_ids]
+        per_device = [
+            addrs[d * cache_desc.num_tensors : (d + 1) * cache_desc.num_tensors] for d in range(devices)
+        ]
         return KvCache(record.cache_id, cache_desc, per_device, self)
 
     def deallocate_cache(self, cache: KvCache) -> None:
@@ -277,7 +281,7 @@ class KvCacheManager:
         record = self._record_of(api, core, kv_cache)
         if batch_index >= record.batch_size:
             _param_invalid(api, f"batch_index {batch_index} out of range for batch size {record.batch_size}")
-        selection = layers.select(api, record.num_tensors)
+        selection = self._select(api, core, layers, record)
 
         slot_nbytes = record.slot_nbytes
         dst_base = dst_offset or 0
@@ -302,6 +306,14 @@ class KvCacheManager:
             dst_base_offset=batch_index * slot_nbytes + dst_base,
         )
         self._run_pull(api, core, spec, record)
+
+    @staticmethod
+    def _select(api: str, core: Core, layers: LayerArgs, record: CacheRecord) -> TensorSelection:
+        if len(core.settings.device_ids) > 1 and (
+            layers.src_range is not None or layers.dst_range is not None
+        ):
+            _param_invalid(api, "layer ranges are not supported with several devices in one process")
+        return layers.select(api, record.num_tensors)
 
     def _run_pull(self, api: str, core: Core, spec: PullSpec, record: CacheRecord) -> None:
         with api_errors(api):
@@ -380,7 +392,7 @@ class KvCacheManager:
             _param_invalid(
                 api, f"decoder block {max(decoder_blocks)} >= the cache's {record.batch_size} blocks"
             )
-        selection = layers.select(api, record.num_tensors)
+        selection = self._select(api, core, layers, record)
         from .._core import BlocksSpec
 
         spec = BlocksSpec(

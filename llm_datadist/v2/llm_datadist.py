@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from .._core import Core, parse_options
 from .._errors import api_errors
+from .._runtime import parse_listen_ip_info
 from .._validate import check_dict, check_int32, check_isinstance, check_uint64
 from ..configs import LLMClusterInfo, LLMRole, ip_int_to_str
 from ..status import LLMException, LLMStatusCode, make_error
@@ -191,14 +192,45 @@ class LLMDataDist:
             core.check_link(remote_cluster_id)
 
     def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
+        """Change this instance's role (v1: needs `enable_switch_role`). Switching to PROMPT needs
+        `switch_options["llm.listenIpInfo"]` and starts serving there; leaving PROMPT stops serving on the
+        old address. LLM_EXIST_LINK while any link remains (ours or a peer's to us)."""
         api = "switch_role"
-        self._require_core()
+        core = self._require_core()
         check_isinstance("role", role, LLMRole)
         if switch_options is not None:
             check_dict("switch_options", switch_options, str, str)
-        raise make_error(
-            api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "switch_role is not implemented yet on this host"
-        )
+        if not core.settings.enable_switch_role:
+            raise make_error(
+                api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "init with enable_switch_role=True first"
+            )
+        if role == self._role:
+            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"the role is already {role}")
+        if len(core.settings.device_ids) > 1:
+            raise make_error(
+                api, LLMStatusCode.LLM_PARAM_INVALID, "not supported with several devices in one process"
+            )
+        listen: tuple[str, int] | None = None
+        if role == LLMRole.PROMPT:
+            text = (switch_options or {}).get("llm.listenIpInfo")
+            if not text:
+                raise make_error(
+                    api, LLMStatusCode.LLM_PARAM_INVALID, "switching to PROMPT needs llm.listenIpInfo"
+                )
+            try:
+                listen = parse_listen_ip_info(text.split(";")[0])
+            except ValueError as exc:
+                raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, str(exc)) from exc
+        if core.linked_clusters() or core.server.peers():
+            raise make_error(api, LLMStatusCode.LLM_EXIST_LINK, "unlink every cluster first")
+        with api_errors(api):
+            core.stop_public()
+            if listen is not None:
+                core.listen_public(listen)
+            core.set_role(role)
+        self._role = role
+        assert self._kv_cache_manager is not None
+        self._kv_cache_manager._role = role
 
     # ------------------------------------------------------------------ two-sided links (v2 only)
 

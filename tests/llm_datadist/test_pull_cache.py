@@ -512,3 +512,26 @@ def test_a_decoder_killed_while_holding_a_lease_leaves_the_key_pullable(linked, 
     for t, raw in enumerate(_raw(dst)):
         np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 128))
     assert peer.call("stats") == {"caches": 0, "keys": 0, "leases": 0, "pool_used_nbytes": 0}
+
+
+def test_several_devices_in_one_process_pull_every_device(seed: int) -> None:
+    two_devices = {"ge.exec.deviceId": "0;1", "ge.session_device_id": "0"}
+    with PromptPeer(P, _port(), seed, extra=two_devices) as peer, decoder(extra=two_devices) as dd:
+        assert dd.link_clusters([peer.cluster_info()])[0] == LLMStatusCode.LLM_SUCCESS
+        cache_id = peer.alloc(2, [1, 100], [(P, 1)])
+        assert len(peer.call("addrs", cache_id)) == 2
+        kvm = dd.kv_cache_manager
+        dst = kvm.allocate_cache(_desc(2, [1, 100]))
+        per_device = dst.per_device_tensor_addrs
+        assert (
+            len(per_device) == 2 and len(per_device[0]) == 2 and not set(per_device[0]) & set(per_device[1])
+        )
+        with pytest.raises(LLMException) as exc_info:
+            kvm.pull_cache(CacheKey(P, 1), dst, src_layer_range=range(0, 1), dst_layer_range=range(0, 1))
+        assert _status(exc_info) == LLMStatusCode.LLM_PARAM_INVALID
+        kvm.pull_cache(CacheKey(P, 1), dst)
+        raws = _raw(dst)  # device 0's tensors, then device 1's
+        assert len(raws) == 4
+        for t, raw in enumerate(raws):
+            np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 200))
+        assert peer.call("stats")["keys"] == 0
