@@ -20,6 +20,10 @@ from typing import Any
 
 import numpy as np
 
+BLOCK_TOKENS = 16  # tokens per paged block, as vLLM's default
+PAGED_MODEL_ID = 0
+PAGED_SLOT = 100  # the pattern "slot" of the Prompt's paged pool
+PUSHED_SLOT = 3  # the Prompt slot pushed layer by layer
 PROMPT_CLUSTER = 1
 DECODER_CLUSTER = 2
 IP = "127.0.0.1"
@@ -41,6 +45,26 @@ class Shape:
     @property
     def slot_nbytes(self) -> int:
         return self.tokens * self.kv_heads * self.head_dim * 2  # fp16
+
+    @property
+    def table_blocks(self) -> int:
+        """Blocks of BLOCK_TOKENS tokens that hold one request in the paged runs."""
+        return max(1, self.tokens // BLOCK_TOKENS)
+
+    @property
+    def pool_blocks(self) -> int:
+        """Blocks in each side's paged pool: twice the table, so the table scatters over it."""
+        return 2 * self.table_blocks
+
+    @property
+    def block_nbytes(self) -> int:
+        return BLOCK_TOKENS * self.kv_heads * self.head_dim * 2
+
+
+def block_order(shape: Shape, which: int) -> list[int]:
+    """A block table scattered over the pool (the same on both sides for a given `which`)."""
+    rng = np.random.default_rng([shape.pool_blocks, which])
+    return [int(b) for b in rng.permutation(shape.pool_blocks)[: shape.table_blocks]]
 
 
 def expected_slot(tensor_index: int, slot: int, nbytes: int) -> np.ndarray:
@@ -66,9 +90,29 @@ def _options(listen: str | None, timeout_ms: int) -> dict[str, str]:
     return dict(config.generate_options())
 
 
-def _prompt(pipe: Connection, shape: Shape, port: int, timeout_ms: int) -> None:
-    from llm_datadist import CacheDesc, CacheKey, DataType, LLMDataDist, LLMRole
+class _AllLayersReady:
+    """A LayerSynchronizer whose forward pass is already done: every layer is ready at once."""
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+
+def _prompt(pipe: Connection, peer: Connection, shape: Shape, port: int, timeout_ms: int) -> None:
+    from llm_datadist import (
+        BlocksCacheKey,
+        CacheDesc,
+        CacheKey,
+        DataType,
+        LayerSynchronizer,
+        LLMDataDist,
+        LLMRole,
+        LLMStatusCode,
+        TransferConfig,
+    )
     from llm_datadist.ext import tensor_views
+
+    class Ready(_AllLayersReady, LayerSynchronizer):
+        pass
 
     datadist = LLMDataDist(LLMRole.PROMPT, PROMPT_CLUSTER)
     try:
@@ -85,12 +129,36 @@ def _prompt(pipe: Connection, shape: Shape, port: int, timeout_ms: int) -> None:
             raw = view.view(np.uint8).reshape(4, -1)
             for slot in range(4):
                 raw[slot] = expected_slot(t, slot, shape.slot_nbytes)
+        paged_desc = CacheDesc(
+            shape.num_tensors,
+            [shape.pool_blocks, BLOCK_TOKENS, shape.kv_heads, shape.head_dim],
+            DataType.DT_FLOAT16,
+        )
+        paged = manager.allocate_blocks_cache(paged_desc, BlocksCacheKey(PROMPT_CLUSTER, PAGED_MODEL_ID))
+        for t, view in enumerate(tensor_views(paged)):
+            view.view(np.uint8).reshape(-1)[:] = expected_slot(
+                t, PAGED_SLOT, shape.block_nbytes * shape.pool_blocks
+            )
         pipe.send(("ready", None))
-        pipe.poll(3600)
-        pipe.recv()
+        # Serve push requests from the Decoder until the parent says stop.
+        while True:
+            if peer.poll(0.05):
+                dst_cluster, addrs = peer.recv()
+                started = time.perf_counter()
+                task = manager.transfer_cache_async(
+                    cache, Ready(), [TransferConfig(dst_cluster, addrs, None, PUSHED_SLOT)]
+                )
+                code = task.synchronize(timeout_ms)
+                peer.send((int(code), time.perf_counter() - started))
+                if code != LLMStatusCode.LLM_SUCCESS:
+                    raise RuntimeError(f"transfer_cache_async failed: {code}")
+            if pipe.poll(0.05):
+                pipe.recv()
+                break
         for key in keys:
             manager.remove_cache_key(key)
         manager.deallocate_cache(cache)
+        manager.deallocate_cache(paged)
         pipe.send(("done", None))
     except Exception:
         pipe.send(("error", traceback.format_exc()))
@@ -135,8 +203,9 @@ def _copy_bandwidth(nbytes: int, threads: int, repeats: int = 3, *, shared: bool
     return nbytes / best / 1e9
 
 
-def _decoder(pipe: Connection, shape: Shape, port: int, timeout_ms: int) -> None:
+def _decoder(pipe: Connection, peer: Connection, shape: Shape, port: int, timeout_ms: int) -> None:
     from llm_datadist import (
+        BlocksCacheKey,
         CacheDesc,
         CacheKey,
         DataType,
@@ -254,9 +323,62 @@ def _decoder(pipe: Connection, shape: Shape, port: int, timeout_ms: int) -> None
                 np.count_nonzero(raw[dst_offset + size :])
             )
 
-        datadist.unlink_clusters([info])
+        # Layer-wise push: the Prompt pushes its slot PUSHED_SLOT into our cache through raw addresses. The
+        # first push also connects back to us and maps our segment; the second shows the steady state.
+        for name in (
+            f"transfer_cache_async, {shape.layers} layers, first",
+            f"transfer_cache_async, {shape.layers} layers",
+        ):
+            clear()
+            peer.send((DECODER_CLUSTER, dst.per_device_tensor_addrs[0]))
+            if not peer.poll(timeout_ms / 1000.0 + 60):
+                raise TimeoutError("the Prompt did not finish the push")
+            code, seconds = peer.recv()
+            if code != LLMStatusCode.LLM_SUCCESS:
+                raise RuntimeError(f"push failed with {code}")
+            rows.append(
+                {
+                    "name": name,
+                    "nbytes": total,
+                    "seconds": seconds,
+                    "gbps": total / seconds / 1e9,
+                }
+            )
+            mismatches += check((0, slot), PUSHED_SLOT, 0, range(shape.num_tensors))
         views.clear()  # drop our views before the memory is freed
         manager.deallocate_cache(dst)
+
+        # Paged: a block table scattered over the Prompt's pool lands scattered over ours.
+        paged = manager.allocate_blocks_cache(
+            CacheDesc(
+                shape.num_tensors,
+                [shape.pool_blocks, BLOCK_TOKENS, shape.kv_heads, shape.head_dim],
+                DataType.DT_FLOAT16,
+            )
+        )
+        paged_views = [view.view(np.uint8).reshape(shape.pool_blocks, -1) for view in tensor_views(paged)]
+        for blocks in paged_views:
+            blocks[:] = 0
+        prompt_blocks, decoder_blocks = block_order(shape, 1), block_order(shape, 2)
+        table_nbytes = shape.table_blocks * shape.block_nbytes * shape.num_tensors
+        timed(
+            f"pull_blocks {shape.table_blocks} blocks x {shape.block_nbytes >> 10} KiB x {shape.num_tensors}",
+            table_nbytes,
+            lambda: manager.pull_blocks(
+                BlocksCacheKey(PROMPT_CLUSTER, PAGED_MODEL_ID), paged, prompt_blocks, decoder_blocks
+            ),
+        )
+        for t, blocks in enumerate(paged_views):
+            want = expected_slot(t, PAGED_SLOT, shape.block_nbytes * shape.pool_blocks).reshape(
+                shape.pool_blocks, -1
+            )
+            mismatches += int(np.count_nonzero(blocks[decoder_blocks] != want[prompt_blocks]))
+            untouched = sorted(set(range(shape.pool_blocks)) - set(decoder_blocks))
+            mismatches += int(np.count_nonzero(blocks[untouched]))
+        paged_views.clear()
+        manager.deallocate_cache(paged)
+
+        datadist.unlink_clusters([info])
         pipe.send(("done", {"rows": rows, "mismatches": mismatches}))
     except Exception:
         pipe.send(("error", traceback.format_exc()))
@@ -304,8 +426,14 @@ def run(args: argparse.Namespace) -> int:
     ctx = mp.get_context("spawn")
     prompt_pipe, prompt_child = ctx.Pipe()
     decoder_pipe, decoder_child = ctx.Pipe()
-    prompt = ctx.Process(target=_prompt, args=(prompt_child, shape, port, args.timeout_ms), name="prompt")
-    decoder = ctx.Process(target=_decoder, args=(decoder_child, shape, port, args.timeout_ms), name="decoder")
+    # The Decoder asks the Prompt for the layer-wise push directly, over its own pipe.
+    prompt_peer, decoder_peer = ctx.Pipe()
+    prompt = ctx.Process(
+        target=_prompt, args=(prompt_child, prompt_peer, shape, port, args.timeout_ms), name="prompt"
+    )
+    decoder = ctx.Process(
+        target=_decoder, args=(decoder_child, decoder_peer, shape, port, args.timeout_ms), name="decoder"
+    )
     total = shape.slot_nbytes * shape.num_tensors
     print(
         f"KV cache: {shape.layers} layers x (K, V), {shape.tokens} tokens, {shape.kv_heads} KV heads x "
@@ -341,7 +469,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--small", action="store_true", help="4 layers x 256 tokens (2 MiB per request)")
+    parser.add_argument("--small", action="store_true", help="4 layers x 256 tokens (4 MiB per request)")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--kv-heads", type=int, default=8)

@@ -19,7 +19,14 @@ def test_small_demo_verifies_every_byte_and_leaves_nothing() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "every byte verified" in result.stdout
-    for row in ("pull_cache whole request", "layer by layer", "offsets and size", "numpy.copyto, 2 threads"):
+    for row in (
+        "pull_cache whole request",
+        "layer by layer",
+        "offsets and size",
+        "numpy.copyto, 2 threads",
+        "transfer_cache_async",
+        "pull_blocks",
+    ):
         assert row in result.stdout
     assert set(os.listdir("/dev/shm")) <= before
 
