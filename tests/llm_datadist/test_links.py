@@ -204,3 +204,43 @@ def test_a_different_protocol_version_is_refused(seed: int, _runtime_dir) -> Non
         answer = _hello_as(os.getuid(), path, P, version=PROTOCOL_VERSION + 1)
         assert answer.startswith("Error") and "protocol version" in answer, answer
         assert _hello_as(os.getuid(), path, P).startswith("Welcome")
+
+
+def test_check_link_status_and_unlink_are_busy_during_a_pull(seed: int) -> None:
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    from llm_datadist import CacheDesc, CacheKey, DataType
+
+    with PromptPeer(P, next(_ports), seed) as peer, decoder(sync_kv_timeout_ms=3000) as dd:
+        info = peer.cluster_info()
+        assert dd.link_clusters([info])[0] == LLMStatusCode.LLM_SUCCESS
+        peer.alloc(2, [1, 64], [(P, 1)])
+        dst = dd.kv_cache_manager.allocate_cache(CacheDesc(2, [1, 64], DataType.DT_FLOAT16))
+        os.kill(peer.pid, signal.SIGSTOP)
+        errors: list[BaseException] = []
+        try:
+            while psutil.Process(peer.pid).status() != psutil.STATUS_STOPPED:
+                time.sleep(0.001)
+
+            def pull() -> None:
+                try:
+                    dd.kv_cache_manager.pull_cache(CacheKey(P, 1), dst)
+                except BaseException as exc:
+                    errors.append(exc)
+
+            puller = threading.Thread(target=pull)
+            puller.start()
+            time.sleep(0.2)  # the pull is now waiting for the stopped Prompt
+            with pytest.raises(LLMException) as exc_info:
+                dd.check_link_status(P)
+            assert exc_info.value.status_code == LLMStatusCode.LLM_LINK_BUSY
+            assert dd.unlink_clusters([info])[1] == [LLMStatusCode.LLM_LINK_BUSY]
+        finally:
+            os.kill(peer.pid, signal.SIGCONT)
+        puller.join(10)
+        assert not errors  # the Prompt woke up in time: the pull itself succeeded
+        dd.check_link_status(P)
