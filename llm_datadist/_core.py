@@ -12,7 +12,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -462,20 +462,19 @@ class Core(ServerHooks):
             old.close(say_bye=False)
         return link
 
-    @contextlib.contextmanager
-    def pushing(self, cluster_ids: set[int]) -> Iterator[None]:
-        """Mark a layer-wise transfer into these clusters: their pulls on our server get LLM_LINK_BUSY."""
+    def start_pushing(self, cluster_ids: set[int]) -> None:
+        """Mark a layer-wise transfer into these clusters: their pulls on our server get LLM_LINK_BUSY
+        until the matching `stop_pushing`."""
         with self._links_lock:
             for cluster_id in cluster_ids:
                 self._pushing[cluster_id] = self._pushing.get(cluster_id, 0) + 1
-        try:
-            yield
-        finally:
-            with self._links_lock:
-                for cluster_id in cluster_ids:
-                    self._pushing[cluster_id] -= 1
-                    if not self._pushing[cluster_id]:
-                        del self._pushing[cluster_id]
+
+    def stop_pushing(self, cluster_ids: set[int]) -> None:
+        with self._links_lock:
+            for cluster_id in cluster_ids:
+                self._pushing[cluster_id] -= 1
+                if not self._pushing[cluster_id]:
+                    del self._pushing[cluster_id]
 
     def _leased(
         self,

@@ -10,7 +10,9 @@ dead peer's leases can be dropped in one call without consuming its keys.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from shm.errors import OutOfPoolMemory
@@ -236,6 +238,15 @@ class CacheTable:
         with self._lock:
             record.pins -= 1
             self._maybe_free(record)
+
+    @contextlib.contextmanager
+    def pinned(self, cache_id: int) -> Iterator[CacheRecord]:
+        """`pin` for the duration of a with-block."""
+        record = self.pin(cache_id)
+        try:
+            yield record
+        finally:
+            self.unpin(record)
 
     # ----------------------------------------------------------------- remote operations (server thread)
 

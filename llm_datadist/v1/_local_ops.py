@@ -8,6 +8,7 @@ with numpy and executed by `core.copier`, with no Python loop per block per tens
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,15 +66,10 @@ def _first_repeat(values: list[int]) -> int | None:
 @contextmanager
 def _pinned(api: str, core: Core, *records: CacheRecord) -> Iterator[list[CacheRecord]]:
     """Pin `records` (the same one twice is fine) for the duration of a copy; always unpinned."""
-    pinned: list[CacheRecord] = []
-    try:
+    with contextlib.ExitStack() as stack:
         with api_errors(api):
-            for record in records:
-                pinned.append(core.table.pin(record.cache_id))
+            pinned = [stack.enter_context(core.table.pinned(record.cache_id)) for record in records]
         yield pinned
-    finally:
-        for record in reversed(pinned):
-            core.table.unpin(record)
 
 
 def copy_cache(

@@ -316,12 +316,8 @@ class KvCacheManager:
         return layers.select(api, record.num_tensors)
 
     def _run_pull(self, api: str, core: Core, spec: PullSpec, record: CacheRecord) -> None:
-        with api_errors(api):
-            pinned = core.table.pin(record.cache_id)
-            try:
-                core.pull(spec, pinned)
-            finally:
-                core.table.unpin(pinned)
+        with api_errors(api), core.table.pinned(record.cache_id) as pinned:
+            core.pull(spec, pinned)
 
     @staticmethod
     def _key_fields(api: str, cache_key: CacheKey | CacheKeyByIdAndIndex) -> dict[str, int]:
@@ -405,12 +401,8 @@ class KvCacheManager:
             src_blocks=tuple(prompt_blocks),
             dst_blocks=tuple(decoder_blocks),
         )
-        with api_errors(api):
-            pinned = core.table.pin(record.cache_id)
-            try:
-                core.pull_blocks(spec, pinned)
-            finally:
-                core.table.unpin(pinned)
+        with api_errors(api), core.table.pinned(record.cache_id) as pinned:
+            core.pull_blocks(spec, pinned)
 
     def copy_cache(
         self,
@@ -501,11 +493,10 @@ class KvCacheManager:
 
         with api_errors(api):
             pinned = core.table.pin(record.cache_id)
-        pushing = core.pushing(clusters)
-        pushing.__enter__()
+        core.start_pushing(clusters)
 
         def finish() -> None:
-            pushing.__exit__(None, None, None)
+            core.stop_pushing(clusters)
             core.table.unpin(pinned)
 
         pushes = [
