@@ -211,6 +211,7 @@ class Core(ServerHooks):
         self._links_lock = threading.Lock()
         # Links back to peers that linked to us, used to push into their memory; keyed by cluster id.
         self._push_links: dict[int, ClientLink] = {}
+        self._push_connect_lock = threading.Lock()
         self._pushing: dict[int, int] = {}
         self.server = Server(
             cluster_id=settings.cluster_id, role=int(self.role), table=self.table, hooks=self
@@ -432,6 +433,11 @@ class Core(ServerHooks):
 
     def push_link(self, remote_cluster_id: int, deadline: float) -> ClientLink:
         """The link back to `remote_cluster_id` (a peer linked to us), connected on first use."""
+        # One connector at a time: two transfers must not each connect and close the other's link.
+        with self._push_connect_lock:
+            return self._push_link(remote_cluster_id, deadline)
+
+    def _push_link(self, remote_cluster_id: int, deadline: float) -> ClientLink:
         with self._links_lock:
             link = self._push_links.get(remote_cluster_id)
         if link is not None and link.broken is None:

@@ -235,3 +235,21 @@ def test_blocks_cache_key_unaffected(linked) -> None:  # type: ignore[no-untyped
         remote = peer.expected(cache_id, t, 256).reshape(4, 64)
         np.testing.assert_array_equal(raw.reshape(4, 64)[0], remote[3])
         np.testing.assert_array_equal(raw.reshape(4, 64)[2], remote[0])
+
+
+def test_two_transfers_to_one_decoder_at_once(linked) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    first_id = peer.alloc(8, [1, 4096], [])
+    second_id = peer.alloc(8, [1, 4096], [])
+    first = dd.kv_cache_manager.allocate_cache(CacheDesc(8, [1, 4096], DataType.DT_FLOAT16))
+    second = dd.kv_cache_manager.allocate_cache(CacheDesc(8, [1, 4096], DataType.DT_FLOAT16))
+    tasks = [
+        peer.call(
+            "transfer", (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], None, None, None, "go")
+        )
+        for cache_id, dst in ((first_id, first), (second_id, second))
+    ]
+    assert [peer.call("task_sync", (task, 20000)) for task in tasks] == [SUCCESS, SUCCESS]
+    for cache_id, dst in ((first_id, first), (second_id, second)):
+        for t, raw in enumerate(_raw(dst)):
+            np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 8192))
