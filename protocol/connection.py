@@ -22,12 +22,16 @@ from protocol.messages import (
     Bye,
     Error,
     Hello,
+    Location,
     Message,
     Ping,
     Pong,
     PullDone,
     PullGrant,
     PullRequest,
+    ResolveRequest,
+    Table,
+    TableRequest,
     Welcome,
     WriteGrant,
     WriteRequest,
@@ -73,11 +77,23 @@ SENDABLE: dict[tuple[ConnRole, ConnPhase], frozenset[type[Message]]] = {
     (_CLIENT, ConnPhase.AWAIT_HELLO): frozenset({Hello}),
     (_CLIENT, ConnPhase.AWAIT_WELCOME): frozenset({Bye}),
     (_CLIENT, ConnPhase.READY): frozenset(
-        {Announce, PullRequest, BlocksRequest, WriteRequest, PullDone, Ping, Bye}
+        {
+            Announce,
+            PullRequest,
+            BlocksRequest,
+            WriteRequest,
+            ResolveRequest,
+            TableRequest,
+            PullDone,
+            Ping,
+            Bye,
+        }
     ),
     (_SERVER, ConnPhase.AWAIT_HELLO): frozenset(),
     (_SERVER, ConnPhase.AWAIT_WELCOME): frozenset({Welcome, Error}),
-    (_SERVER, ConnPhase.READY): frozenset({PullGrant, BlocksGrant, WriteGrant, Ack, Error, Pong, Bye}),
+    (_SERVER, ConnPhase.READY): frozenset(
+        {PullGrant, BlocksGrant, WriteGrant, Location, Table, Ack, Error, Pong, Bye}
+    ),
 }
 
 # Messages that move the phase forward.

@@ -19,6 +19,7 @@ from protocol.errors import MalformedFrame
 
 __all__ = [
     "I64",
+    "KEY_BLOCKS",
     "KEY_CACHE_ID",
     "KEY_PREFIX",
     "KEY_REQ",
@@ -37,12 +38,16 @@ __all__ = [
     "Error",
     "FieldCheck",
     "Hello",
+    "Location",
     "Message",
     "Ping",
     "Pong",
     "PullDone",
     "PullGrant",
     "PullRequest",
+    "ResolveRequest",
+    "Table",
+    "TableRequest",
     "Welcome",
     "WriteGrant",
     "WriteRequest",
@@ -162,6 +167,62 @@ def _check_socket_name(value: object) -> object | None:
 
 
 _SEGMENTS = FieldCheck(f"array of 1..{MAX_TENSORS} segment names", _check_segment_names)
+KEY_BLOCKS = 4  # ResolveRequest only: model_id names a blocks cache
+_RESOLVE_KIND = _int_in(
+    frozenset({KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, KEY_BLOCKS}), "key_kind in {1, 2, 3, 4}"
+)
+_OPT_SEGMENT = FieldCheck("empty or a segment name", lambda v: v if v == "" else _check_segment_name(v))
+MAX_TABLE_ENTRIES = 4096
+
+
+def _check_table_entry(value: object) -> tuple[object, ...] | None:
+    if not isinstance(value, list | tuple) or len(value) != 8:
+        return None
+    cache_id, is_blocks, model_ids, segment, segment_nbytes, bases, unit_nbytes, num_units = value
+    if not (_is_int(cache_id) and 0 <= cache_id <= _U64_MAX and isinstance(is_blocks, bool)):
+        return None
+    if not isinstance(model_ids, list | tuple) or len(model_ids) > MAX_TABLE_ENTRIES:
+        return None
+    if not all(_is_int(m) and 0 <= m <= _U64_MAX for m in model_ids):
+        return None
+    if _OPT_SEGMENT.check(segment) is None or not (
+        _is_int(segment_nbytes) and 0 <= segment_nbytes <= _U64_MAX
+    ):
+        return None
+    checked_bases = _check_offsets(bases)
+    if checked_bases is None or not isinstance(checked_bases, tuple):
+        return None
+    if not (
+        _is_int(unit_nbytes)
+        and 1 <= unit_nbytes <= _U64_MAX
+        and _is_int(num_units)
+        and 1 <= num_units <= _U64_MAX
+    ):
+        return None
+    if segment and max(checked_bases) + unit_nbytes * num_units > segment_nbytes:
+        return None
+    return (
+        cache_id,
+        is_blocks,
+        tuple(model_ids),
+        segment,
+        segment_nbytes,
+        checked_bases,
+        unit_nbytes,
+        num_units,
+    )
+
+
+def _check_table(value: object) -> object | None:
+    if not isinstance(value, list | tuple) or len(value) > MAX_TABLE_ENTRIES:
+        return None
+    entries = [_check_table_entry(entry) for entry in value]
+    if any(entry is None for entry in entries):
+        return None
+    return tuple(entries)
+
+
+_TABLE_ENTRIES = FieldCheck(f"array of at most {MAX_TABLE_ENTRIES} cache table entries", _check_table)
 _SOCKET_NAME_RE = re.compile(r"(?:[A-Za-z0-9_-][A-Za-z0-9._-]*)?")
 _SOCKET_NAME = FieldCheck(
     "socket file name matching [A-Za-z0-9_-][A-Za-z0-9._-]* or empty", _check_socket_name
@@ -456,6 +517,76 @@ class WriteGrant(Message):
             raise MalformedFrame(
                 f"WriteGrant: a range_segments entry names none of the {len(self.segments)} segments"
             )
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class ResolveRequest(Message):
+    """Client -> server (cache-manager mode): find the cache a key names and pin it under a lease, to read
+    from it (pull) or write into it (push). key_kind adds KEY_BLOCKS (key_id is unused, model_id names the
+    blocks cache). whole=True: the cache must have exactly tensor_count tensors."""
+
+    TYPE: ClassVar[int] = 16
+    seq: Annotated[int, U32]
+    key_kind: Annotated[int, _RESOLVE_KIND]
+    key_id: Annotated[int, U64]
+    model_id: Annotated[int, U64]
+    batch_index: Annotated[int, U32]
+    tensor_start: Annotated[int, U32]
+    tensor_count: Annotated[int, _U32_POSITIVE]
+    whole: Annotated[bool, _BOOL]
+    for_write: Annotated[bool, _BOOL]
+    consume: Annotated[bool, _BOOL]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Location(Message):
+    """Server -> client: where the resolved cache's tensors are, pinned under lease_id. Tensor i starts at
+    tensor_bases[i] and holds num_units units (batch slots or blocks) of unit_nbytes; slot is the unit the
+    key is bound to. With a segment, tensor_bases are offsets in it (and must fit it); with segment "",
+    they are addresses in process `pid` (memory the owner registered), reached by cross-memory attach."""
+
+    TYPE: ClassVar[int] = 17
+    seq: Annotated[int, U32]
+    lease_id: Annotated[int, U64]
+    pid: Annotated[int, U32]
+    segment: Annotated[str, _OPT_SEGMENT]
+    segment_nbytes: Annotated[int, U64]
+    tensor_bases: Annotated[tuple[int, ...], _OFFSETS]
+    unit_nbytes: Annotated[int, _U64_POSITIVE]
+    num_units: Annotated[int, _U64_POSITIVE]
+    slot: Annotated[int, U32]
+
+    def _check_fields_together(self) -> None:
+        if self.slot >= self.num_units:
+            raise MalformedFrame(f"Location: slot {self.slot} >= num_units {self.num_units}")
+        if self.segment and max(self.tensor_bases) + self.unit_nbytes * self.num_units > self.segment_nbytes:
+            raise MalformedFrame(
+                "Location: a tensor_bases entry + num_units x unit_nbytes exceeds segment_nbytes"
+            )
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class TableRequest(Message):
+    """Client -> server: send the table of remote-accessible caches (one-sided reads and writes)."""
+
+    TYPE: ClassVar[int] = 18
+    seq: Annotated[int, U32]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Table(Message):
+    """Server -> client: the remote-accessible caches of process `pid`. Each entry is
+    [cache_id, is_blocks, [model_id, ...], segment or "", segment_nbytes, [tensor_base, ...], unit_nbytes,
+    num_units], with the same meaning as in Location."""
+
+    TYPE: ClassVar[int] = 19
+    seq: Annotated[int, U32]
+    pid: Annotated[int, U32]
+    entries: Annotated[tuple[tuple[object, ...], ...], _TABLE_ENTRIES]
 
 
 def decode_message(obj: object) -> Message:

@@ -24,12 +24,16 @@ from protocol.messages import (
     Bye,
     Error,
     Hello,
+    Location,
     Message,
     Ping,
     Pong,
     PullDone,
     PullGrant,
     PullRequest,
+    ResolveRequest,
+    Table,
+    TableRequest,
     Welcome,
     WriteGrant,
     WriteRequest,
@@ -283,11 +287,23 @@ def test_sendable_tables_as_specified() -> None:
         PullRequest,
         BlocksRequest,
         WriteRequest,
+        ResolveRequest,
+        TableRequest,
         PullDone,
         Ping,
         Bye,
     }
-    assert SENDABLE[(s, ConnPhase.READY)] == {PullGrant, BlocksGrant, WriteGrant, Ack, Error, Pong, Bye}
+    assert SENDABLE[(s, ConnPhase.READY)] == {
+        PullGrant,
+        BlocksGrant,
+        WriteGrant,
+        Location,
+        Table,
+        Ack,
+        Error,
+        Pong,
+        Bye,
+    }
     assert SENDABLE[(c, ConnPhase.AWAIT_HELLO)] == {Hello}
     assert SENDABLE[(s, ConnPhase.AWAIT_WELCOME)] == {Welcome, Error}
     assert SENDABLE[(s, ConnPhase.AWAIT_HELLO)] == set()

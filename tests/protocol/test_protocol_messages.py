@@ -25,12 +25,16 @@ from protocol.messages import (
     Bye,
     Error,
     Hello,
+    Location,
     Message,
     Ping,
     Pong,
     PullDone,
     PullGrant,
     PullRequest,
+    ResolveRequest,
+    Table,
+    TableRequest,
     Welcome,
     WriteGrant,
     WriteRequest,
@@ -71,6 +75,23 @@ def blocks_grants(draw: st.DrawFn) -> BlocksGrant:
     return BlocksGrant(
         draw(u32), draw(u64), draw(segment_names), segment_nbytes, tuple(offsets), block_nbytes, num_blocks
     )
+
+
+@st.composite
+def locations(draw: st.DrawFn) -> Location:
+    unit = draw(st.integers(1, 2**30))
+    units = draw(st.integers(1, 2**10))
+    slot = draw(st.integers(0, units - 1))
+    if draw(st.booleans()):
+        return Location(draw(u32), draw(u64), draw(u32), "", draw(u64), (draw(u64),), unit, units, slot)
+    segment_nbytes = draw(st.integers(unit * units, U64_MAX))
+    bases = draw(st.lists(st.integers(0, segment_nbytes - unit * units), min_size=1, max_size=20))
+    return Location(
+        draw(u32), draw(u64), draw(u32), draw(segment_names), segment_nbytes, tuple(bases), unit, units, slot
+    )
+
+
+TABLE_ENTRY = (7, True, (0, 1), "/llmdd.0.1.2.x", 4097 * 64, (0, 4097 * 32), 4097, 32)
 
 
 @st.composite
@@ -126,6 +147,27 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     BlocksGrant: blocks_grants(),
     WriteRequest: write_requests(),
     WriteGrant: write_grants(),
+    ResolveRequest: st.builds(
+        ResolveRequest,
+        u32,
+        st.sampled_from([1, 2, 3, 4]),
+        u64,
+        u64,
+        u32,
+        u32,
+        st.integers(1, U32_MAX),
+        st.booleans(),
+        st.booleans(),
+        st.booleans(),
+    ),
+    Location: locations(),
+    TableRequest: st.builds(TableRequest, u32),
+    Table: st.builds(
+        Table,
+        u32,
+        u32,
+        st.lists(st.just(TABLE_ENTRY), max_size=3).map(tuple),  # type: ignore[arg-type]
+    ),
 }
 any_message = st.one_of(*MESSAGES.values())
 
@@ -146,6 +188,10 @@ VALID: list[Message] = [
     BlocksGrant(1, 2, "/llmdd.0.1.2.x", 4097 * 3333 * 2, (0, 4097 * 3333), 4097, 3333),
     WriteRequest(3333, (4097, 2**47 + 3333), (3333, 4097)),
     WriteGrant(4097, 3333, ("/a", "/b"), (3333, 4097), (1, 0, 1), (0, 3333, 4097)),
+    ResolveRequest(3333, 4, 0, 4097, 1, 2, 3333, False, True, False),
+    Location(1, 2, 4097, "/seg", 4097 * 3333 * 2, (0, 4097 * 3333), 4097, 3333, 3332),
+    TableRequest(4097),
+    Table(3333, 4097, (TABLE_ENTRY, (1, False, (), "", 0, (2**47,), 3333, 1))),
 ]
 
 
@@ -159,6 +205,7 @@ def test_registry_is_complete() -> None:
     assert {cls.TYPE: cls for cls in MESSAGES} == MESSAGE_TYPES
     assert [Hello.TYPE, Welcome.TYPE, PullRequest.TYPE, PullGrant.TYPE, PullDone.TYPE] == [1, 2, 3, 4, 5]
     assert [Ack.TYPE, Error.TYPE, Bye.TYPE, Ping.TYPE, Pong.TYPE] == [6, 7, 8, 9, 10]
+    assert [ResolveRequest.TYPE, Location.TYPE, TableRequest.TYPE, Table.TYPE] == [16, 17, 18, 19]
     assert [Announce.TYPE, BlocksRequest.TYPE, BlocksGrant.TYPE, WriteRequest.TYPE, WriteGrant.TYPE] == [
         11,
         12,
@@ -295,6 +342,45 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
         "num_blocks": [0, 3334, *BAD_U64],
     },
     WriteRequest: {"seq": BAD_U32, "addrs": [*BAD_OFFSETS, [1]], "nbytes": [*BAD_OFFSETS, [1, 2, 3]]},
+    ResolveRequest: {
+        "seq": BAD_U32,
+        "key_kind": [0, 5, *BAD_U32],
+        "key_id": BAD_U64,
+        "model_id": BAD_U64,
+        "batch_index": BAD_U32,
+        "tensor_start": BAD_U32,
+        "tensor_count": [0, *BAD_U32],
+        "whole": BAD_BOOL,
+        "for_write": BAD_BOOL,
+        "consume": BAD_BOOL,
+    },
+    Location: {
+        "seq": BAD_U32,
+        "lease_id": BAD_U64,
+        "pid": BAD_U32,
+        "segment": [s for s in BAD_SEGMENT if s != ""],
+        "segment_nbytes": [*BAD_U64, 4097 * 3333 * 2 - 1],
+        "tensor_bases": [*BAD_OFFSETS, [1, 4097 * 3333 + 1]],
+        "unit_nbytes": [0, 4098, *BAD_U64],
+        "num_units": [0, 3334, 3332, *BAD_U64],  # 3332: the slot (3332) would be out of range
+        "slot": [3333, *BAD_U32],
+    },
+    TableRequest: {"seq": BAD_U32},
+    Table: {
+        "seq": BAD_U32,
+        "pid": BAD_U32,
+        "entries": [
+            None,
+            [[]],
+            [list(TABLE_ENTRY[:7])],
+            [[-1, *TABLE_ENTRY[1:]]],
+            [[TABLE_ENTRY[0], 1, *TABLE_ENTRY[2:]]],
+            [[*TABLE_ENTRY[:3], "a b", *TABLE_ENTRY[4:]]],
+            [[*TABLE_ENTRY[:4], 4097 * 64 - 1, *TABLE_ENTRY[5:]]],
+            [[*TABLE_ENTRY[:7], 0]],
+            [TABLE_ENTRY] * 4097,
+        ],
+    },
     WriteGrant: {
         "seq": BAD_U32,
         "lease_id": BAD_U64,
