@@ -7,6 +7,7 @@ plan is bounds-checked once before any byte moves.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Sequence
@@ -17,6 +18,14 @@ import numpy as np
 from shm.copyplan import Run, check_runs, execute, split_runs
 
 ENV_COPY_THREADS = "LLM_DATADIST_COPY_THREADS"
+
+
+def address_view(address: int, nbytes: int) -> np.ndarray:
+    """A uint8 array over `nbytes` of this process's memory at `address` (memory the user registered).
+
+    The caller guarantees the range is mapped where it is touched: only the planned runs are.
+    """
+    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(address))
 
 
 def _default_threads() -> int:

@@ -9,24 +9,30 @@ destination, and copies straight from the peer's mapped segment into it: one cop
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from protocol.messages import (
     Ack,
     BlocksGrant,
     BlocksRequest,
+    Location,
     Message,
     Ping,
     Pong,
     PullDone,
     PullGrant,
     PullRequest,
+    ResolveRequest,
+    Table,
+    TableRequest,
     WriteGrant,
     WriteRequest,
 )
@@ -36,24 +42,39 @@ from shm.pool import Pool
 from shm.reaper import reap
 from shm.segment import Segment
 
-from ._copy import Copier
+from ._copy import Copier, address_view
 from ._engine import CacheRecord, CacheTable
 from ._errors import PeerGone, StatusError
 from ._runtime import ensure_runtime_dir, parse_listen_ip_info, socket_path, socket_path_in_runtime
 from ._transport import ClientLink, PeerInfo, Server, ServerHooks
+from ._vm import VmError, VmNotPermitted, VmRun, read_from, write_to
 from .configs import LLMRole
 from .status import LLMStatusCode, make_error
 from .utils.log import log
 
-GrantT = TypeVar("GrantT", PullGrant, BlocksGrant, WriteGrant)
+PLACEMENT_HOST = 0  # Placement.HOST
+PLACEMENT_DEVICE = 1  # Placement.DEVICE
+
+GrantT = TypeVar("GrantT", PullGrant, BlocksGrant, WriteGrant, Location)
 
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_MEM_UTILIZATION = 0.95
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    """A v2 memory pool (`mem_pool_cfg` / `host_mem_pool_cfg`): `{"memory_size": N, "page_shift": S}`."""
+
+    memory_nbytes: int
+    page_shift: int
+
+
+HOST_POOL_LIMIT_NBYTES = 20 << 30  # the documented limit of host_mem_pool_cfg
+
+
+@dataclass(frozen=True)
 class Settings:
-    """What `init`'s option strings mean here (v1 KvCacheManager mode)."""
+    """What `init`'s option strings mean here."""
 
     role: LLMRole
     cluster_id: int
@@ -63,6 +84,42 @@ class Settings:
     pool_capacity_nbytes: int | None
     enable_switch_role: bool
     cache_manager_mode: bool
+    remote_cache_accessible: bool = False
+    device_pool: PoolConfig | None = None
+    host_pool: PoolConfig | None = None
+    local_comm_res: str | None = None
+    link_total_time_s: int = 0
+
+    @property
+    def timeout_code(self) -> LLMStatusCode:
+        """v1 reports a transfer timeout as LLM_WAIT_PROCESS_TIMEOUT, v2 as LLM_TIMEOUT."""
+        return (
+            LLMStatusCode.LLM_TIMEOUT if self.cache_manager_mode else LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
+        )
+
+
+def _pool_config(api: str, key: str, text: str | None, limit_nbytes: int | None) -> PoolConfig | None:
+    if text is None:
+        return None
+    try:
+        parsed = json.loads(text)
+    except ValueError as exc:
+        raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"{key} is not JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"{key} must be a JSON object")
+    size = parsed.get("memory_size")
+    shift = parsed.get("page_shift", 16)
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise make_error(
+            api, LLMStatusCode.LLM_PARAM_INVALID, f"{key}.memory_size must be a positive integer"
+        )
+    if limit_nbytes is not None and size > limit_nbytes:
+        raise make_error(
+            api, LLMStatusCode.LLM_PARAM_INVALID, f"{key}.memory_size exceeds {limit_nbytes} bytes"
+        )
+    if not isinstance(shift, int) or isinstance(shift, bool) or not 10 <= shift <= 30:
+        raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"{key}.page_shift must be in [10, 30]")
+    return PoolConfig(size, shift)
 
 
 def parse_options(role: LLMRole, cluster_id: int, options: dict[str, str]) -> Settings:
@@ -73,9 +130,28 @@ def parse_options(role: LLMRole, cluster_id: int, options: dict[str, str]) -> Se
             raise TypeError(
                 f"`options` only support [Dict[str, str]], but got {key!r}: {type(value).__name__}"
             )
-    cache_manager_mode = options.get("llm.EnableCacheManager") == "1" or "llm.LocalCommRes" in options
-    if "llm.EnableCacheManager" in options and options["llm.EnableCacheManager"] == "0":
-        cache_manager_mode = False
+    # The real init's mode switch: llm.EnableCacheManager, which llm.LocalCommRes turns on by default.
+    local_comm_res = options.get("llm.LocalCommRes")
+    enable_text = options.get("llm.EnableCacheManager", "1" if local_comm_res is not None else "0")
+    cache_manager_mode = enable_text == "1"
+    remote_text = options.get("llm.EnableRemoteCacheAccessible")
+    backend = options.get("llm.TransferBackend")
+    if remote_text is None and (local_comm_res is not None or backend is not None):
+        remote_text = "1"
+    if backend is not None:
+        if backend != "hixl":
+            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"unknown llm.TransferBackend {backend!r}")
+        if not cache_manager_mode or remote_text != "1" or "llm.listenIpInfo" not in options:
+            raise make_error(
+                api,
+                LLMStatusCode.LLM_PARAM_INVALID,
+                "transfer_backend needs cache-manager mode, remote cache access and listen_ip_info",
+            )
+    link_total_text = options.get("llm.LinkTotalTime", "0")
+    if not link_total_text.isdigit():
+        raise make_error(
+            api, LLMStatusCode.LLM_PARAM_INVALID, f"invalid llm.LinkTotalTime {link_total_text!r}"
+        )
 
     pool_capacity: int | None = None
     if "ge.flowGraphMemMaxSize" in options:
@@ -144,6 +220,13 @@ def parse_options(role: LLMRole, cluster_id: int, options: dict[str, str]) -> Se
         pool_capacity_nbytes=pool_capacity,
         enable_switch_role=options.get("llm.EnableSwitchRole") == "1",
         cache_manager_mode=cache_manager_mode,
+        remote_cache_accessible=cache_manager_mode and remote_text == "1",
+        device_pool=_pool_config(api, "llm.MemPoolConfig", options.get("llm.MemPoolConfig"), None),
+        host_pool=_pool_config(
+            api, "llm.HostMemPoolConfig", options.get("llm.HostMemPoolConfig"), HOST_POOL_LIMIT_NBYTES
+        ),
+        local_comm_res=local_comm_res,
+        link_total_time_s=int(link_total_text),
     )
 
 
@@ -204,14 +287,33 @@ class Core(ServerHooks):
         reaped = reap()
         if reaped:
             log.info("removed %d shared-memory segments left by dead processes", len(reaped))
-        self.pool = Pool(capacity_nbytes=settings.pool_capacity_nbytes)
-        self.table = CacheTable(self.pool, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
+        pools: dict[int, Pool] = {}
+        if not settings.cache_manager_mode:
+            pools[PLACEMENT_DEVICE] = Pool(capacity_nbytes=settings.pool_capacity_nbytes)
+            oom_code = LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
+        else:
+            # v2 allocates only from configured pools; registered memory needs none.
+            for placement, config in (
+                (PLACEMENT_DEVICE, settings.device_pool),
+                (PLACEMENT_HOST, settings.host_pool),
+            ):
+                if config is not None:
+                    pools[placement] = Pool(
+                        capacity_nbytes=config.memory_nbytes, alignment=max(1 << config.page_shift, 4096)
+                    )
+            oom_code = LLMStatusCode.LLM_OUT_OF_MEMORY
+        self.table = CacheTable(pools, oom_code=oom_code)
         self.copier = Copier()
         self._links: dict[int, ClientLink] = {}
         self._links_lock = threading.Lock()
         # Links back to peers that linked to us, used to push into their memory; keyed by cluster id.
         self._push_links: dict[int, ClientLink] = {}
         self._push_connect_lock = threading.Lock()
+        self._tables: dict[int, RemoteTable] = {}
+        # Set once a two-sided link() was made: memory registered later defaults to remote_accessible=False.
+        self.two_sided_links_made = False
+        self._comms: dict[int, Comm] = {}
+        self._next_comm_id = 1
         self._pushing: dict[int, int] = {}
         self.server = Server(
             cluster_id=settings.cluster_id, role=int(self.role), table=self.table, hooks=self
@@ -344,7 +446,7 @@ class Core(ServerHooks):
                 for i in range(spec.tensor_count)
             ]
             runs = plan_tensor_copy(grant.tensor_offsets, dst_offsets, spec.nbytes)
-            self.copier.run(runs, src.array, dst.block.segment.array)
+            self.copier.run(runs, src.array, dst.pool_block.segment.array)
 
         with link.exclusive(deadline):
             seq = link.next_seq()
@@ -392,7 +494,7 @@ class Core(ServerHooks):
                 dst.slot_nbytes,
                 dst.slot_nbytes,
             )
-            self.copier.run(runs, src.array, dst.block.segment.array)
+            self.copier.run(runs, src.array, dst.pool_block.segment.array)
 
         with link.exclusive(deadline):
             seq = link.next_seq()
@@ -422,7 +524,7 @@ class Core(ServerHooks):
                     Run(run.src_offset, offset + run.dst_offset, run.nbytes) for run in span.runs
                 )
             for index, runs in by_target.items():
-                self.copier.run(runs, src.block.segment.array, targets[index].array)
+                self.copier.run(runs, src.pool_block.segment.array, targets[index].array)
 
         with link.exclusive(deadline):
             seq = link.next_seq()
@@ -519,10 +621,285 @@ class Core(ServerHooks):
             raise StatusError(LLMStatusCode.LLM_FAILED, f"peer granted a segment it does not own: {name}")
         return link.mappings.get(name, min_nbytes=nbytes, writable=writable)
 
+    # ------------------------------------------------------------------ cache-manager (v2) transfers
+
+    def link_to(self, remote_cluster_id: int, deadline: float) -> ClientLink:
+        """A link to `remote_cluster_id`: ours if we linked to it, else the link back to its callback socket
+        when it linked to us (in v2 either side may pull and push)."""
+        with self._links_lock:
+            link = self._links.get(remote_cluster_id)
+        return link if link is not None else self.push_link(remote_cluster_id, deadline)
+
+    def remote_table(self, remote_cluster_id: int, *, refresh: bool = False) -> RemoteTable:
+        """The peer's table of remote-accessible caches, fetched on first use and cached per cluster."""
+        with self._links_lock:
+            table = None if refresh else self._tables.get(remote_cluster_id)
+        if table is not None:
+            return table
+        deadline = time.monotonic() + self.sync_kv_timeout_s
+        link = self.link_to(remote_cluster_id, deadline)
+        with link.exclusive(deadline):
+            seq = link.next_seq()
+            reply = link.request(TableRequest(seq), seq, deadline)
+        if not isinstance(reply, Table):
+            raise PeerGone(f"expected Table, got {type(reply).__name__}")
+        caches: dict[int, RemoteCache] = {}
+        blocks: dict[int, int] = {}
+        for entry in reply.entries:
+            # The protocol validated every entry's shape and ranges; this only restores the types.
+            cache_id, is_blocks, model_ids, segment, segment_nbytes, bases, unit, units = cast(
+                tuple[int, bool, tuple[int, ...], str, int, tuple[int, ...], int, int], entry
+            )
+            caches[cache_id] = RemoteCache(
+                cache_id, is_blocks, reply.pid, segment, segment_nbytes, bases, unit, units
+            )
+            for model_id in model_ids:
+                blocks[model_id] = cache_id
+        table = RemoteTable(caches, blocks)
+        with self._links_lock:
+            self._tables[remote_cluster_id] = table
+        return table
+
+    def transfer_one_sided(
+        self,
+        remote_cluster_id: int,
+        remote: RemoteCache,
+        remote_tensor_start: int,
+        local: CacheRecord,
+        local_tensor_start: int,
+        tensor_count: int,
+        runs: list[UnitRun],
+        *,
+        to_remote: bool,
+    ) -> None:
+        """Copy between a peer's cache (from its table) and ours with no round trip to the peer."""
+        deadline = time.monotonic() + self.sync_kv_timeout_s
+        link = self.link_to(remote_cluster_id, deadline)
+        bases = remote.tensor_bases[remote_tensor_start : remote_tensor_start + tensor_count]
+        with link.exclusive(deadline):
+            self._copy_units(
+                link,
+                remote.pid,
+                remote.segment,
+                remote.segment_nbytes,
+                bases,
+                local,
+                local_tensor_start,
+                runs,
+                to_remote=to_remote,
+            )
+
+    def transfer_resolved(
+        self,
+        remote_cluster_id: int,
+        request: ResolveRequest,
+        local: CacheRecord,
+        local_tensor_start: int,
+        plan: Callable[[Location], list[UnitRun]],
+    ) -> None:
+        """Ask the peer to pin the cache a key names, copy (a push when `request.for_write`), release."""
+        deadline = time.monotonic() + self.sync_kv_timeout_s
+        link = self.link_to(remote_cluster_id, deadline)
+
+        def copy(location: Location) -> None:
+            if len(location.tensor_bases) != request.tensor_count:
+                raise StatusError(LLMStatusCode.LLM_FAILED, "peer resolved a different tensor range")
+            runs = plan(location)
+            self._copy_units(
+                link,
+                location.pid,
+                location.segment,
+                location.segment_nbytes,
+                location.tensor_bases,
+                local,
+                local_tensor_start,
+                runs,
+                to_remote=request.for_write,
+            )
+
+        with link.exclusive(deadline):
+            seq = link.next_seq()
+            self._leased(link, replace(request, seq=seq), seq, Location, deadline, copy)
+
+    def _copy_units(
+        self,
+        link: ClientLink,
+        pid: int,
+        segment: str,
+        segment_nbytes: int,
+        remote_bases: tuple[int, ...],
+        local: CacheRecord,
+        local_tensor_start: int,
+        runs: list[UnitRun],
+        *,
+        to_remote: bool,
+    ) -> None:
+        local_addrs = local.tensor_addrs()[local_tensor_start : local_tensor_start + len(remote_bases)]
+        for run in runs:
+            if run.local_offset + run.nbytes > local.tensor_nbytes:
+                raise StatusError(
+                    LLMStatusCode.LLM_PARAM_INVALID, "the transfer does not fit the local tensors"
+                )
+        if not segment:
+            # The peer's registered memory: one kernel copy between the two address spaces.
+            if pid != link.peer.pid:
+                raise StatusError(
+                    LLMStatusCode.LLM_FAILED, f"peer {link.peer.pid} named memory of process {pid}"
+                )
+            vm_runs = [
+                VmRun(addr + run.local_offset, base + run.remote_offset, run.nbytes)
+                for addr, base in zip(local_addrs, remote_bases, strict=True)
+                for run in runs
+            ]
+            try:
+                (write_to if to_remote else read_from)(pid, vm_runs)
+            except VmNotPermitted as exc:
+                raise StatusError(
+                    LLMStatusCode.LLM_FAILED, f"cross-memory attach to pid {pid} refused: {exc}"
+                ) from exc
+            except VmError as exc:
+                raise StatusError(
+                    LLMStatusCode.LLM_PARAM_INVALID, f"cross-memory copy with pid {pid} failed: {exc}"
+                ) from exc
+            return
+        mapped = self._peer_segment(link, segment, segment_nbytes, writable=to_remote)
+        if local.block is not None:
+            local_array = local.block.segment.array
+            local_bases = [local.tensor_offset(local_tensor_start + i) for i in range(len(remote_bases))]
+        else:
+            low = min(local_addrs)
+            local_array = address_view(low, max(local_addrs) + local.tensor_nbytes - low)
+            local_bases = [addr - low for addr in local_addrs]
+        copy_runs = [
+            Run(base + run.remote_offset, local_base + run.local_offset, run.nbytes)
+            if not to_remote
+            else Run(local_base + run.local_offset, base + run.remote_offset, run.nbytes)
+            for base, local_base in zip(remote_bases, local_bases, strict=True)
+            for run in runs
+        ]
+        if to_remote:
+            self.copier.run(copy_runs, local_array, mapped.array)
+        else:
+            self.copier.run(copy_runs, mapped.array, local_array)
+
+    # ------------------------------------------------------------------ two-sided links (v2 `link`)
+
+    def link_comm(self, comm_name: str, members: dict[int, int]) -> int:
+        """Start a two-sided link: serve on this member's rendezvous socket and, in the background, connect
+        to every other member's until all are linked (status OK) or the link time runs out (FAILED)."""
+        own = members.get(self.settings.cluster_id)
+        if own is None:
+            raise StatusError(
+                LLMStatusCode.LLM_PARAM_INVALID, "cluster_rank_info must contain this cluster's id"
+            )
+        digest = hashlib.sha1(comm_name.encode()).hexdigest()[:16]
+        path = socket_path_in_runtime(f"comm-{digest}-r{own}.sock")
+        try:
+            self.server.listen(path)
+        except FileExistsError as exc:
+            raise StatusError(
+                LLMStatusCode.LLM_LINK_FAILED, f"rank {own} of {comm_name!r} is taken: {exc}"
+            ) from exc
+        total_s = self.settings.link_total_time_s or int(os.environ.get("HCCL_CONNECT_TIMEOUT", "120"))
+        with self._links_lock:
+            comm = Comm(self._next_comm_id, comm_name, dict(members), path, time.monotonic() + total_s)
+            self._next_comm_id += 1
+            self._comms[comm.comm_id] = comm
+        self.two_sided_links_made = True
+        others = {cluster: rank for cluster, rank in members.items() if cluster != self.settings.cluster_id}
+        thread = threading.Thread(
+            target=self._connect_comm,
+            args=(comm, others, digest),
+            name=f"llmdd-link-{comm.comm_id}",
+            daemon=True,
+        )
+        thread.start()
+        return comm.comm_id
+
+    def _connect_comm(self, comm: Comm, others: dict[int, int], digest: str) -> None:
+        pending = dict(others)
+        while pending and not comm.stop.is_set():
+            for cluster_id, rank in list(pending.items()):
+                with self._links_lock:
+                    if cluster_id in self._links:
+                        del pending[cluster_id]
+                        continue
+                path = socket_path_in_runtime(f"comm-{digest}-r{rank}.sock")
+                if not path.exists():
+                    continue
+                try:
+                    link = ClientLink.connect(
+                        path,
+                        cluster_id=self.settings.cluster_id,
+                        remote_cluster_id=cluster_id,
+                        role=int(self.role),
+                        deadline=min(comm.deadline, time.monotonic() + 5.0),
+                        callback=self.callback_name,
+                    )
+                except StatusError as exc:
+                    log.info("link %r: rank %d not reachable yet: %s", comm.name, rank, exc.detail)
+                    continue
+                with self._links_lock:
+                    if cluster_id in self._links:
+                        link.close(say_bye=True)
+                    else:
+                        self._links[cluster_id] = link
+                        comm.clusters.add(cluster_id)
+                del pending[cluster_id]
+            if pending:
+                if time.monotonic() >= comm.deadline:
+                    comm.status = COMM_FAILED
+                    log.error("link %r: members %s never came up", comm.name, sorted(pending))
+                    return
+                comm.stop.wait(0.02)
+        if not pending:
+            comm.status = COMM_OK
+
+    def comm_status(self, comm_id: int) -> int:
+        with self._links_lock:
+            comm = self._comms.get(comm_id)
+        if comm is None:
+            raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"no link with comm_id {comm_id}")
+        return comm.status
+
+    def unlink_comm(self, comm_id: int) -> None:
+        with self._links_lock:
+            comm = self._comms.get(comm_id)
+            if comm is None:
+                raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"no link with comm_id {comm_id}")
+            links = [self._links[c] for c in comm.clusters if c in self._links]
+        for link in links:
+            with link.exclusive(0.0, busy_fails=True):
+                pass
+        with self._links_lock:
+            del self._comms[comm_id]
+            for cluster_id in comm.clusters:
+                self._links.pop(cluster_id, None)
+        comm.stop.set()
+        self.server.unlisten(comm.path)
+        for link in links:
+            link.close(say_bye=True)
+        # The members' links to us belong to the same communicator: they go too.
+        for cluster_id in comm.members:
+            if cluster_id != self.settings.cluster_id:
+                self.drop_peer(cluster_id)
+
+    def drop_peer(self, remote_cluster_id: int) -> bool:
+        """Server side of an unlink: close every connection from `remote_cluster_id` and our link back."""
+        dropped = self.server.drop_cluster(remote_cluster_id)
+        with self._links_lock:
+            link = self._push_links.pop(remote_cluster_id, None)
+            self._tables.pop(remote_cluster_id, None)
+        if link is not None:
+            link.close(say_bye=True)
+        return dropped or link is not None
+
     # ------------------------------------------------------------------ teardown
 
     def close(self) -> None:
         with self._links_lock:
+            for comm in self._comms.values():
+                comm.stop.set()
             links = list(self._links.values())
             self._links.clear()
             links += list(self._push_links.values())
@@ -532,3 +909,56 @@ class Core(ServerHooks):
         self.server.close()
         self.copier.close()
         self.table.close()
+
+
+# ====================================================================== cache-manager (v2) transfers
+
+
+@dataclass(frozen=True)
+class RemoteCache:
+    """Where a peer's cache is: tensor bases as segment offsets, or as addresses in process `pid` when
+    `segment` is "" (memory the peer registered)."""
+
+    cache_id: int
+    is_blocks: bool
+    pid: int
+    segment: str
+    segment_nbytes: int
+    tensor_bases: tuple[int, ...]
+    unit_nbytes: int
+    num_units: int
+
+
+@dataclass
+class RemoteTable:
+    """A peer's remote-accessible caches, fetched once per link (as the real library caches it)."""
+
+    caches: dict[int, RemoteCache]
+    blocks: dict[int, int]
+
+
+COMM_OK, COMM_PREPARING, COMM_FAILED = 0, 1, 2  # RegisterMemStatus values
+
+
+@dataclass(eq=False)
+class Comm:
+    """One two-sided link (`link()`): its members, rendezvous socket and progress."""
+
+    comm_id: int
+    name: str
+    members: dict[int, int]
+    path: Path
+    deadline: float
+    status: int = COMM_PREPARING
+    clusters: set[int] = field(default_factory=set)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class UnitRun:
+    """`nbytes` between byte `remote_offset` of a remote tensor and byte `local_offset` of the matching
+    local tensor; the same runs apply to every tensor of a transfer."""
+
+    remote_offset: int
+    local_offset: int
+    nbytes: int

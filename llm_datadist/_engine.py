@@ -11,12 +11,14 @@ dead peer's leases can be dropped in one call without consuming its keys.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from shm.errors import OutOfPoolMemory
 from shm.pool import Block, Pool
+from shm.segment import Segment
 
 from ._errors import StatusError
 from .status import LLMStatusCode
@@ -24,6 +26,7 @@ from .status import LLMStatusCode
 KEY_REQ = 1
 KEY_PREFIX = 2
 KEY_CACHE_ID = 3
+KEY_BLOCKS = 4
 
 # (kind, req_id or prefix_id, model_id)
 KeyId = tuple[int, int, int]
@@ -38,14 +41,16 @@ def _align_up(value: int, alignment: int) -> int:
 
 @dataclass(eq=False)
 class CacheRecord:
-    """One cache: `num_tensors` tensors of `tensor_nbytes`, each `pitch_nbytes` apart in one pool block.
+    """One cache: `num_tensors` tensors of `tensor_nbytes` each.
 
-    Layout inside `block` (offsets relative to the block start)::
+    A pool cache has its tensors `pitch_nbytes` apart in one pool block (offsets relative to the block)::
 
         0                 pitch            2*pitch                 num_tensors*pitch
         | tensor 0 | pad  | tensor 1 | pad  | ... | tensor n-1 | pad |
 
-    Tensor t, slot b starts at block.offset + t*pitch + b*slot_nbytes within the segment.
+    so tensor t, slot b starts at block.offset + t*pitch + b*slot_nbytes within the segment. A registered
+    cache (v2 `register_cache`) has no block: its tensors are at the user's `addrs`, memory this process
+    owns but the library did not allocate; peers reach it by cross-memory attach, never through a segment.
     """
 
     cache_id: int
@@ -53,8 +58,11 @@ class CacheRecord:
     tensor_nbytes: int
     batch_size: int
     pitch_nbytes: int
-    block: Block
+    block: Block | None
     is_blocks: bool = False
+    addrs: tuple[int, ...] = ()
+    placement: int = 1
+    remote_accessible: bool = True
     external: bool = True
     keys: set[KeyId] = field(default_factory=set)
     leases: int = 0
@@ -64,11 +72,23 @@ class CacheRecord:
     def slot_nbytes(self) -> int:
         return self.tensor_nbytes // self.batch_size
 
+    @property
+    def registered(self) -> bool:
+        return self.block is None
+
+    @property
+    def pool_block(self) -> Block:
+        """The block of a pool cache (an invariant: callers only ask pool caches)."""
+        assert self.block is not None, f"cache {self.cache_id} is registered memory, not a pool block"
+        return self.block
+
     def tensor_offset(self, tensor_index: int) -> int:
-        """Offset of tensor `tensor_index` within the segment."""
-        return self.block.offset + tensor_index * self.pitch_nbytes
+        """Offset of tensor `tensor_index` within the segment (pool caches only)."""
+        return self.pool_block.offset + tensor_index * self.pitch_nbytes
 
     def tensor_addrs(self) -> list[int]:
+        if self.block is None:
+            return list(self.addrs)
         base = self.block.address
         return [base + t * self.pitch_nbytes for t in range(self.num_tensors)]
 
@@ -109,6 +129,45 @@ class Grant:
 
 
 @dataclass(frozen=True)
+class LocationData:
+    """Where tensors [tensor_start, +count) of a cache are: `segment` "" means addresses in this process."""
+
+    lease_id: int
+    segment_name: str
+    segment_nbytes: int
+    tensor_bases: tuple[int, ...]
+    unit_nbytes: int
+    num_units: int
+    slot: int
+
+
+def _location(
+    record: CacheRecord, lease_id: int, tensor_start: int, tensor_count: int, slot: int
+) -> LocationData:
+    tensors = range(tensor_start, tensor_start + tensor_count)
+    if record.block is None:
+        return LocationData(
+            lease_id,
+            "",
+            0,
+            tuple(record.addrs[t] for t in tensors),
+            record.slot_nbytes,
+            record.batch_size,
+            slot,
+        )
+    segment = record.block.segment
+    return LocationData(
+        lease_id,
+        segment.name,
+        segment.nbytes,
+        tuple(record.tensor_offset(t) for t in tensors),
+        record.slot_nbytes,
+        record.batch_size,
+        slot,
+    )
+
+
+@dataclass(frozen=True)
 class BlocksGrant:
     lease_id: int
     segment_name: str
@@ -130,8 +189,9 @@ class WriteGrant:
 class CacheTable:
     """Caches, keys and leases of one process, backed by one `shm.pool.Pool`."""
 
-    def __init__(self, pool: Pool, *, oom_code: LLMStatusCode) -> None:
-        self._pool = pool
+    def __init__(self, pools: dict[int, Pool], *, oom_code: LLMStatusCode) -> None:
+        # Pools by placement (Placement.DEVICE = 1, HOST = 0); a placement without a pool cannot allocate.
+        self._pools = pools
         self._oom_code = oom_code
         # Re-entrant: a KvCache finaliser run by the garbage collector may deallocate from inside a call.
         self._lock = threading.RLock()
@@ -155,29 +215,26 @@ class CacheTable:
         batch_size: int,
         keys: list[KeyId | None],
         is_blocks: bool = False,
+        placement: int = 1,
+        remote_accessible: bool = True,
+        unique_keys: bool = False,
     ) -> CacheRecord:
-        """Carve a cache from the pool and bind `keys[i]` (None: padding) to batch slot i."""
-        if num_tensors <= 0 or tensor_nbytes <= 0 or batch_size <= 0:
-            raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, "cache must have tensors of non-zero size")
-        if len(keys) > batch_size:
-            raise StatusError(
-                LLMStatusCode.LLM_PARAM_INVALID,
-                f"{len(keys)} cache keys for a batch of {batch_size}",
-            )
-        # Duplicates in one call: the last slot wins (the v1 documentation's rule).
-        bindings: dict[KeyId, int] = {}
-        for slot, key in enumerate(keys):
-            if key is not None:
-                bindings[key] = slot
+        """Carve a cache from the placement's pool and bind `keys[i]` (None: padding) to batch slot i.
+
+        `unique_keys` (v2): the same key twice in one call is refused; otherwise the last slot wins (v1).
+        """
+        bindings = self._bindings(num_tensors, tensor_nbytes, batch_size, keys, unique_keys)
         pitch = _align_up(tensor_nbytes, TENSOR_ALIGN_NBYTES)
         with self._lock:
-            for key in bindings:
-                if key in self._keys:
-                    raise StatusError(
-                        LLMStatusCode.LLM_PARAM_INVALID, f"cache key {_key_text(key)} is already bound"
-                    )
+            self._check_unbound(bindings)
+            pool = self._pools.get(placement)
+            if pool is None:
+                raise StatusError(
+                    LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                    "no memory pool for this placement: config memory pool firstly",
+                )
             try:
-                block = self._pool.allocate(pitch * num_tensors)
+                block = pool.allocate(pitch * num_tensors)
             except OutOfPoolMemory as exc:
                 raise StatusError(self._oom_code, str(exc)) from exc
             record = CacheRecord(
@@ -188,15 +245,104 @@ class CacheTable:
                 pitch_nbytes=pitch,
                 block=block,
                 is_blocks=is_blocks,
+                placement=placement,
+                remote_accessible=remote_accessible,
             )
-            self._next_cache_id += 1
-            self._caches[record.cache_id] = record
-            for key, slot in bindings.items():
-                self._keys[key] = KeyRecord(key, record.cache_id, slot, set(range(num_tensors)))
-                record.keys.add(key)
-                if key[0] == KEY_REQ:
-                    self._slot_req_key[(record.cache_id, slot)] = key
-            return record
+            return self._add(record, bindings)
+
+    def register(
+        self,
+        *,
+        num_tensors: int,
+        tensor_nbytes: int,
+        batch_size: int,
+        addrs: list[int],
+        keys: list[KeyId | None],
+        is_blocks: bool,
+        placement: int,
+        remote_accessible: bool,
+    ) -> CacheRecord:
+        """Record a cache over memory the user owns at `addrs` (one address per tensor). Its keys are never
+        consumed by pulls; overlapping another registered cache is refused."""
+        bindings = self._bindings(num_tensors, tensor_nbytes, batch_size, keys, True)
+        if len(addrs) != num_tensors:
+            raise StatusError(
+                LLMStatusCode.LLM_PARAM_INVALID, f"{len(addrs)} addresses for {num_tensors} tensors"
+            )
+        with self._lock:
+            self._check_unbound(bindings)
+            spans = sorted((addr, addr + tensor_nbytes) for addr in addrs)
+            for record in self._caches.values():
+                if record.registered:
+                    spans.extend((addr, addr + record.tensor_nbytes) for addr in record.addrs)
+            spans.sort()
+            for (_, end), (start, _) in itertools.pairwise(spans):
+                if start < end:
+                    raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, "registered addresses overlap")
+            record = CacheRecord(
+                cache_id=self._next_cache_id,
+                num_tensors=num_tensors,
+                tensor_nbytes=tensor_nbytes,
+                batch_size=batch_size,
+                pitch_nbytes=tensor_nbytes,
+                block=None,
+                is_blocks=is_blocks,
+                addrs=tuple(addrs),
+                placement=placement,
+                remote_accessible=remote_accessible,
+            )
+            return self._add(record, bindings)
+
+    def unregister(self, cache_id: int) -> bool:
+        """Forget a registered cache and its keys; False if `cache_id` is not a registered cache."""
+        with self._lock:
+            record = self._caches.get(cache_id)
+            if record is None or not record.registered:
+                return False
+            for key in list(record.keys):
+                self._unbind(key)
+            for model_id in [m for m, c in self._blocks_keys.items() if c == cache_id]:
+                del self._blocks_keys[model_id]
+            record.external = False
+            self._caches.pop(cache_id, None)
+            return True
+
+    @staticmethod
+    def _bindings(
+        num_tensors: int, tensor_nbytes: int, batch_size: int, keys: list[KeyId | None], unique: bool
+    ) -> dict[KeyId, int]:
+        if num_tensors <= 0 or tensor_nbytes <= 0 or batch_size <= 0:
+            raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, "cache must have tensors of non-zero size")
+        if len(keys) > batch_size:
+            raise StatusError(
+                LLMStatusCode.LLM_PARAM_INVALID, f"{len(keys)} cache keys for a batch of {batch_size}"
+            )
+        bindings: dict[KeyId, int] = {}
+        for slot, key in enumerate(keys):
+            if key is None:
+                continue
+            if unique and key in bindings:
+                raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"cache key {_key_text(key)} given twice")
+            # v1: the same key twice in one call, the last slot wins.
+            bindings[key] = slot
+        return bindings
+
+    def _check_unbound(self, bindings: dict[KeyId, int]) -> None:
+        for key in bindings:
+            if key in self._keys:
+                raise StatusError(
+                    LLMStatusCode.LLM_PARAM_INVALID, f"cache key {_key_text(key)} is already bound"
+                )
+
+    def _add(self, record: CacheRecord, bindings: dict[KeyId, int]) -> CacheRecord:
+        self._next_cache_id += 1
+        self._caches[record.cache_id] = record
+        for key, slot in bindings.items():
+            self._keys[key] = KeyRecord(key, record.cache_id, slot, set(range(record.num_tensors)))
+            record.keys.add(key)
+            if key[0] == KEY_REQ:
+                self._slot_req_key[(record.cache_id, slot)] = key
+        return record
 
     def bind_blocks_key(self, model_id: int, cache_id: int) -> None:
         with self._lock:
@@ -220,6 +366,12 @@ class CacheTable:
     def get(self, cache_id: int) -> CacheRecord | None:
         with self._lock:
             return self._caches.get(cache_id)
+
+    def key_on_registered(self, key: KeyId) -> bool:
+        """True if `key` is bound to a registered cache (whose keys nothing removes)."""
+        with self._lock:
+            key_record = self._keys.get(key)
+            return key_record is not None and self._caches[key_record.cache_id].registered
 
     def has_key(self, key: KeyId) -> bool:
         with self._lock:
@@ -307,8 +459,8 @@ class CacheTable:
             )
             return Grant(
                 lease_id=lease.lease_id,
-                segment_name=record.block.segment.name,
-                segment_nbytes=record.block.segment.nbytes,
+                segment_name=_segment_of(record).name,
+                segment_nbytes=_segment_of(record).nbytes,
                 tensor_offsets=offsets,
                 nbytes=nbytes,
             )
@@ -328,8 +480,8 @@ class CacheTable:
             lease = self._lease((record,), None, tensor_start, tensor_count, owner)
             return BlocksGrant(
                 lease_id=lease.lease_id,
-                segment_name=record.block.segment.name,
-                segment_nbytes=record.block.segment.nbytes,
+                segment_name=_segment_of(record).name,
+                segment_nbytes=_segment_of(record).nbytes,
                 tensor_offsets=tuple(
                     record.tensor_offset(t) for t in range(tensor_start, tensor_start + tensor_count)
                 ),
@@ -357,7 +509,7 @@ class CacheTable:
                         LLMStatusCode.LLM_PARAM_INVALID,
                         f"[{addr:#x}, +{length}) is not inside one tensor of a live cache of this process",
                     )
-                segment = record.block.segment
+                segment = _segment_of(record)
                 index = segments.setdefault(segment.name, len(segments))
                 if index == len(segment_nbytes):
                     segment_nbytes.append(segment.nbytes)
@@ -372,6 +524,73 @@ class CacheTable:
                 range_segments=tuple(range_segments),
                 range_offsets=tuple(range_offsets),
             )
+
+    def resolve_location(
+        self,
+        *,
+        key_kind: int,
+        key_id: int,
+        model_id: int,
+        batch_index: int,
+        tensor_start: int,
+        tensor_count: int,
+        whole: bool,
+        consume: bool,
+        owner: object,
+    ) -> LocationData:
+        """Cache-manager mode: pin the cache a key names and say where its tensors are (segment offsets
+        for pool caches, addresses for registered memory). Keys on registered memory are never consumed."""
+        with self._lock:
+            consume_key: KeyId | None = None
+            slot = 0
+            if key_kind == KEY_BLOCKS:
+                cache_id = self._blocks_keys.get(model_id)
+                record = self._caches.get(cache_id) if cache_id is not None else None
+                if record is None:
+                    raise StatusError(
+                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no blocks cache with model_id {model_id}"
+                    )
+            elif key_kind == KEY_CACHE_ID:
+                record = self._caches.get(key_id)
+                if record is None:
+                    raise StatusError(
+                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key_id} does not exist"
+                    )
+                if batch_index >= record.batch_size:
+                    raise StatusError(
+                        LLMStatusCode.LLM_PARAM_INVALID,
+                        f"batch index {batch_index} out of range for {record.batch_size} slots",
+                    )
+                slot = batch_index
+                consume_key = self._slot_req_key.get((record.cache_id, slot))
+            else:
+                key = (key_kind, key_id, model_id)
+                key_record = self._keys.get(key)
+                if key_record is None:
+                    raise StatusError(
+                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache key {_key_text(key)} does not exist"
+                    )
+                record = self._caches[key_record.cache_id]
+                slot = key_record.slot
+                consume_key = key if key_kind == KEY_REQ else None
+            self._check_tensors(record, tensor_start, tensor_count, whole)
+            if record.registered:
+                consume_key = None
+            lease = self._lease(
+                (record,), consume_key if consume else None, tensor_start, tensor_count, owner
+            )
+            return _location(record, lease.lease_id, tensor_start, tensor_count, slot)
+
+    def table(self) -> list[tuple[CacheRecord, LocationData, tuple[int, ...]]]:
+        """Remote-accessible live caches: each with its whole location and the blocks model ids naming it."""
+        with self._lock:
+            entries = []
+            for record in self._caches.values():
+                if not record.external or not record.remote_accessible:
+                    continue
+                model_ids = tuple(m for m, c in self._blocks_keys.items() if c == record.cache_id)
+                entries.append((record, _location(record, 0, 0, record.num_tensors, 0), model_ids))
+            return entries
 
     def release(self, lease_id: int, *, ok: bool, owner: object) -> None:
         """End a lease; after a successful pull, consume the key's pulled tensors (§9.4)."""
@@ -411,7 +630,7 @@ class CacheTable:
                 "caches": len(self._caches),
                 "keys": len(self._keys),
                 "leases": len(self._leases),
-                "pool_used_nbytes": self._pool.used_nbytes,
+                "pool_used_nbytes": sum(pool.used_nbytes for pool in self._pools.values()),
             }
 
     def close(self) -> None:
@@ -422,7 +641,8 @@ class CacheTable:
             self._slot_req_key.clear()
             self._blocks_keys.clear()
             self._leases.clear()
-            self._pool.close()
+            for pool in self._pools.values():
+                pool.close()
 
     # ----------------------------------------------------------------- helpers (lock held)
 
@@ -482,7 +702,8 @@ class CacheTable:
         if record.referenced or self._caches.get(record.cache_id) is not record:
             return
         del self._caches[record.cache_id]
-        self._pool.free(record.block)
+        if record.block is not None:
+            self._pools[record.placement].free(record.block)
 
 
 def _key_text(key: KeyId) -> str:
@@ -491,11 +712,24 @@ def _key_text(key: KeyId) -> str:
     return f"({name}={key_id}, model_id={model_id})"
 
 
+def _segment_of(record: CacheRecord) -> Segment:
+    if record.block is None:
+        raise StatusError(
+            LLMStatusCode.LLM_PARAM_INVALID,
+            f"cache {record.cache_id} is registered memory: only cache-manager mode transfers reach it",
+        )
+    return record.block.segment
+
+
 def _record_holding(records: list[CacheRecord], addr: int, nbytes: int) -> CacheRecord | None:
     """The cache one of whose tensors contains [addr, addr + nbytes), if any."""
     for record in records:
-        base = record.block.address
-        offset = addr - base
+        if record.block is None:
+            for base in record.addrs:
+                if base <= addr < base + record.tensor_nbytes:
+                    return record if nbytes > 0 and addr + nbytes <= base + record.tensor_nbytes else None
+            continue
+        offset = addr - record.block.address
         if offset < 0 or offset >= record.pitch_nbytes * record.num_tensors:
             continue
         within = offset % record.pitch_nbytes

@@ -31,12 +31,16 @@ from protocol.messages import (
     Bye,
     Error,
     Hello,
+    Location,
     Message,
     Ping,
     Pong,
     PullDone,
     PullGrant,
     PullRequest,
+    ResolveRequest,
+    Table,
+    TableRequest,
     Welcome,
     WriteGrant,
     WriteRequest,
@@ -121,6 +125,7 @@ class Server:
         # Selector changes requested by other threads, applied by the server thread (selectors are not
         # thread-safe).
         self._pending: list[tuple[str, Path, socket.socket | None]] = []
+        self._pending_drops: list[tuple[int, threading.Event]] = []
 
     def start(self) -> None:
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -164,6 +169,17 @@ class Server:
     def peers(self) -> list[PeerInfo]:
         with self._lock:
             return [c.peer for c in self._conns.values() if c.peer is not None]
+
+    def drop_cluster(self, cluster_id: int) -> bool:
+        """Close every connection from `cluster_id` (an unlink from the serving side); True if any."""
+        done = threading.Event()
+        with self._lock:
+            self._pending_drops.append((cluster_id, done))
+            found = any(c.peer is not None and c.peer.cluster_id == cluster_id for c in self._conns.values())
+        self._wake()
+        # The server thread closes them; wait so that the caller sees them gone (bounded, never a hang).
+        done.wait(5.0)
+        return found
 
     def peer_has_leases(self, cluster_id: int) -> bool:
         """True while a connection from `cluster_id` holds a lease (a pull from us is in progress)."""
@@ -224,6 +240,13 @@ class Server:
     def _apply_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
+            drops, self._pending_drops = self._pending_drops, []
+        clusters = {cluster_id for cluster_id, _ in drops}
+        for sconn in list(self._conns.values()):
+            if sconn.peer is not None and sconn.peer.cluster_id in clusters:
+                self._drop(sconn, "unlinked by this side")
+        for _, done in drops:
+            done.set()
         for action, path, listener in pending:
             assert listener is not None
             if action == "add":
@@ -359,6 +382,44 @@ class Server:
                 write.range_segments,
                 write.range_offsets,
             )
+        if isinstance(msg, ResolveRequest):
+            loc = self._table.resolve_location(
+                key_kind=msg.key_kind,
+                key_id=msg.key_id,
+                model_id=msg.model_id,
+                batch_index=msg.batch_index,
+                tensor_start=msg.tensor_start,
+                tensor_count=msg.tensor_count,
+                whole=msg.whole,
+                consume=msg.consume and not msg.for_write,
+                owner=sconn,
+            )
+            return Location(
+                msg.seq,
+                loc.lease_id,
+                os.getpid(),
+                loc.segment_name,
+                loc.segment_nbytes,
+                loc.tensor_bases,
+                loc.unit_nbytes,
+                loc.num_units,
+                loc.slot,
+            )
+        if isinstance(msg, TableRequest):
+            entries = tuple(
+                (
+                    record.cache_id,
+                    record.is_blocks,
+                    model_ids,
+                    loc.segment_name,
+                    loc.segment_nbytes,
+                    loc.tensor_bases,
+                    loc.unit_nbytes,
+                    loc.num_units,
+                )
+                for record, loc, model_ids in self._table.table()
+            )
+            return Table(msg.seq, os.getpid(), entries)
         if isinstance(msg, PullDone):
             self._table.release(msg.lease_id, ok=msg.ok, owner=sconn)
             return Ack(msg.seq)

@@ -24,7 +24,7 @@ def tensor_views(cache: KvCache) -> list[np.ndarray]:
         raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"cache {cache.cache_id} is not a live cache")
     desc = cache.cache_desc
     dtype = numpy_dtype(desc.data_type)
-    segment = record.block.segment
+    segment = record.pool_block.segment
     views = []
     for t in range(record.num_tensors):
         start = record.tensor_offset(t)

@@ -67,6 +67,16 @@ class _Synchronizer(LayerSynchronizer):
         return True
 
 
+def tensor_views_v2(cache: Any) -> list[np.ndarray]:
+    """uint8 views of a v2 Cache's tensors, through its (real) addresses."""
+    import ctypes
+
+    nbytes = cache.cache_desc.size
+    return [
+        np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(addr)) for addr in cache.tensor_addrs
+    ]
+
+
 def _prompt_main(
     pipe: Connection, cluster_id: int, port: int, seed: int, extra: dict[str, str], layer_queue: Any = None
 ) -> None:
@@ -78,7 +88,9 @@ def _prompt_main(
     except Exception:
         pipe.send(("err", traceback.format_exc()))
         return
-    manager = datadist.kv_cache_manager
+    v2 = extra.get("llm.EnableCacheManager") == "1"
+    manager: Any = datadist.cache_manager if v2 else datadist.kv_cache_manager
+    owned: dict[int, list[np.ndarray]] = {}  # memory this process registered (v2), kept alive here
     caches: dict[int, Any] = {}
     tasks: list[Any] = []
     pipe.send(("ok", os.getpid()))
@@ -136,6 +148,46 @@ def _prompt_main(
                 result = [
                     None if code is None else int(code) for code in tasks[index].get_results(timeout_ms)
                 ]
+            elif command == "v2_register_blocks":
+                # Blocks cache over numpy memory this process owns, filled like `pattern` (cache index
+                # = the cache id the registration returns).
+                num_tensors, shape, model_id, remote_accessible = args
+                desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)
+                arrays = [np.zeros(int(np.prod(shape)), dtype=np.float16) for _ in range(num_tensors)]
+                key = None if model_id is None else BlocksCacheKey(cluster_id, model_id)
+                cache = manager.register_blocks_cache(
+                    desc, [a.ctypes.data for a in arrays], key, remote_accessible
+                )
+                for t, array in enumerate(arrays):
+                    array.view(np.uint8)[:] = pattern(seed, cache.cache_id, t, array.nbytes)
+                owned[cache.cache_id] = arrays
+                caches[cache.cache_id] = cache
+                result = cache.cache_id
+            elif command == "v2_alloc":
+                num_tensors, shape, keys, blocks_model_id = args
+                desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)
+                if blocks_model_id is None:
+                    cache = manager.allocate_cache(desc, [CacheKey(*key) for key in keys])
+                else:
+                    cache = manager.allocate_blocks_cache(desc, BlocksCacheKey(cluster_id, blocks_model_id))
+                for t, view in enumerate(tensor_views_v2(cache)):
+                    view[:] = pattern(seed, cache.cache_id, t, view.nbytes)
+                caches[cache.cache_id] = cache
+                result = cache.cache_id
+            elif command == "v2_rewrite":
+                # New data in the same memory (one-sided readers must see it): pattern of cache index + 1000.
+                cache_id = args
+                for t, view in enumerate(tensor_views_v2(caches[cache_id])):
+                    view[:] = pattern(seed, cache_id + 1000, t, view.nbytes)
+                result = None
+            elif command == "v2_bytes":
+                cache_id, tensor_index = args
+                result = bytes(tensor_views_v2(caches[cache_id])[tensor_index])
+            elif command == "link":
+                comm_name, members, table = args
+                result = datadist.link(comm_name, dict(members), table)
+            elif command == "query":
+                result = int(datadist.query_register_mem_status(args).value)
             elif command == "remove_key":
                 manager.remove_cache_key(CacheKey(*args))
                 result = None

@@ -146,7 +146,7 @@ def copy_cache(
             nbytes,
         )
         with api_errors(api):
-            core.copier.run(runs, src_pinned.block.segment.array, dst_pinned.block.segment.array)
+            core.copier.run(runs, src_pinned.pool_block.segment.array, dst_pinned.pool_block.segment.array)
 
 
 def copy_blocks(api: str, core: Core, cache: KvCache, copy_block_info: dict[int, list[int]]) -> None:
@@ -199,7 +199,7 @@ def copy_blocks(api: str, core: Core, cache: KvCache, copy_block_info: dict[int,
         runs = plan_block_copy(
             offsets, offsets, src_blocks, dst_blocks_flat, block_nbytes, block_nbytes, block_nbytes
         )
-        array = pinned.block.segment.array
+        array = pinned.pool_block.segment.array
         with api_errors(api):
             core.copier.run(runs, array, array)
 
@@ -283,7 +283,7 @@ def swap_blocks(api: str, core: Core, src: KvCache, dst: KvCache, src_to_dst: di
         "[%s] %s %d blocks of %d bytes", api, "in" if src_is_host else "out", len(src_blocks), block_nbytes
     )
     with _pinned(api, core, record) as (pinned,):
-        segment_array = pinned.block.segment.array
+        segment_array = pinned.pool_block.segment.array
         for tensor_index, host_view in enumerate(host_views):
             device_offset = pinned.tensor_offset(tensor_index)
             src_offset, dst_offset = (0, device_offset) if src_is_host else (device_offset, 0)

@@ -12,16 +12,18 @@ import atexit
 import contextlib
 import threading
 import time
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from .._core import Core, parse_options
 from .._errors import api_errors
+from .._rank_table import check_link_args
 from .._runtime import parse_listen_ip_info
-from .._validate import check_dict, check_int32, check_isinstance, check_uint64
+from .._validate import check_dict, check_int32, check_int64, check_isinstance, check_uint64
 from ..configs import LLMClusterInfo, LLMRole, ip_int_to_str
 from ..status import LLMException, LLMStatusCode, make_error
 from ..utils.log import log
 from ..v1.kv_cache_manager import KvCacheManager
+from .cache_manager import CacheManager
 from .llm_types import RegisterMemStatus
 
 MAX_CLUSTERS_PER_CALL = 16
@@ -52,6 +54,7 @@ class LLMDataDist:
         self._cluster_id = cluster_id
         self._core: Core | None = None
         self._kv_cache_manager: KvCacheManager | None = None
+        self._cache_manager: CacheManager | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -62,11 +65,9 @@ class LLMDataDist:
             return
         check_isinstance("options", options, dict)
         settings = parse_options(self._role, self._cluster_id, dict(options))
-        if settings.cache_manager_mode:
+        if settings.cache_manager_mode and len(settings.device_ids) > 1:
             raise make_error(
-                "init",
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                "cache-manager (v2) mode is not implemented yet on this host; use the KvCacheManager mode",
+                "init", LLMStatusCode.LLM_PARAM_INVALID, "cache-manager mode takes one device_id"
             )
         with LLMDataDist._instance_lock:
             current = LLMDataDist.llm_engine_instance
@@ -75,7 +76,10 @@ class LLMDataDist:
             with api_errors("init"):
                 core = Core(settings)
             self._core = core
-            self._kv_cache_manager = KvCacheManager(core, self._role)
+            if settings.cache_manager_mode:
+                self._cache_manager = CacheManager(core)
+            else:
+                self._kv_cache_manager = KvCacheManager(core, self._role)
             LLMDataDist.llm_engine_instance = self
             if not _atexit_registered:
                 atexit.register(_finalize_at_exit)
@@ -90,6 +94,9 @@ class LLMDataDist:
                 return
             if self._kv_cache_manager is not None:
                 self._kv_cache_manager._finalize()
+            if self._cache_manager is not None:
+                self._cache_manager._finalize()
+            self._kv_cache_manager = self._cache_manager = None
             if LLMDataDist.llm_engine_instance is self:
                 LLMDataDist.llm_engine_instance = None
         core.close()
@@ -108,18 +115,28 @@ class LLMDataDist:
 
     @property
     def kv_cache_manager(self) -> KvCacheManager:
+        """The v1 manager; LLMException(LLM_PARAM_INVALID) in cache-manager mode."""
         self._require_core()
-        assert self._kv_cache_manager is not None
+        if self._kv_cache_manager is None:
+            raise make_error(
+                "kv_cache_manager", LLMStatusCode.LLM_PARAM_INVALID, "not available in cache-manager mode"
+            )
         return self._kv_cache_manager
 
     @property
-    def cache_manager(self) -> Any:
+    def cache_manager(self) -> CacheManager:
+        """The v2 manager; LLMException(LLM_PARAM_INVALID) in KvCacheManager mode."""
         self._require_core()
-        raise make_error(
-            "cache_manager",
-            LLMStatusCode.LLM_PARAM_INVALID,
-            "cache_manager is only available in cache-manager mode",
-        )
+        if self._cache_manager is None:
+            raise make_error(
+                "cache_manager",
+                LLMStatusCode.LLM_PARAM_INVALID,
+                "cache_manager is only available in cache-manager mode",
+            )
+        return self._cache_manager
+
+    def _v2(self, core: Core) -> bool:
+        return core.settings.cache_manager_mode
 
     # ------------------------------------------------------------------ one-sided links
 
@@ -143,8 +160,16 @@ class LLMDataDist:
         api = "link_clusters"
         core = self._require_core()
         infos = self._check_clusters(clusters, timeout, api)
-        if self._role == LLMRole.PROMPT:
+        if not self._v2(core) and self._role == LLMRole.PROMPT:
             raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, "in v1 only the DECODER (client) links")
+        if self._v2(core) and not core.settings.local_comm_res:
+            for info in infos:
+                if not info.local_ip_info_list:
+                    raise make_error(
+                        api,
+                        LLMStatusCode.LLM_PARAM_INVALID,
+                        "v2 link_clusters needs local ip info (or local_comm_res)",
+                    )
         if len(infos) > MAX_CLUSTERS_PER_CALL:
             code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
             return code, [code] * len(infos)
@@ -179,7 +204,15 @@ class LLMDataDist:
             if info.remote_cluster_id is None:
                 results.append(LLMStatusCode.LLM_PARAM_INVALID)
                 continue
-            results.append(core.unlink(info.remote_cluster_id, force=force))
+            code = core.unlink(info.remote_cluster_id, force=force)
+            if (
+                code == LLMStatusCode.LLM_NOT_YET_LINK
+                and self._v2(core)
+                and core.drop_peer(info.remote_cluster_id)
+            ):
+                # v2: the serving side unlinks a client that linked to it.
+                code = LLMStatusCode.LLM_SUCCESS
+            results.append(code)
         return _overall(results), results
 
     def check_link_status(self, remote_cluster_id: int) -> None:
@@ -188,31 +221,37 @@ class LLMDataDist:
         api = "check_link_status"
         core = self._require_core()
         check_uint64("remote_cluster_id", remote_cluster_id)
+        if self._v2(core):
+            raise make_error(
+                api, LLMStatusCode.LLM_PARAM_INVALID, "check_link_status is a KvCacheManager-mode API"
+            )
         with api_errors(api):
             core.check_link(remote_cluster_id)
 
     def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
-        """Change this instance's role (v1: needs `enable_switch_role`). Switching to PROMPT needs
-        `switch_options["llm.listenIpInfo"]` and starts serving there; leaving PROMPT stops serving on the
-        old address. LLM_EXIST_LINK while any link remains (ours or a peer's to us)."""
+        """Change this instance's role. v1: needs `enable_switch_role`, refuses the current role, and a
+        PROMPT needs `switch_options["llm.listenIpInfo"]`. v2: no same-role check; giving
+        `llm.listenIpInfo` makes this side serve there (or moves it), leaving it out stops serving. Either
+        way the old listen socket goes, and any remaining link (ours or a peer's to us) is LLM_EXIST_LINK."""
         api = "switch_role"
         core = self._require_core()
         check_isinstance("role", role, LLMRole)
         if switch_options is not None:
             check_dict("switch_options", switch_options, str, str)
-        if not core.settings.enable_switch_role:
+        v2 = self._v2(core)
+        if not v2 and not core.settings.enable_switch_role:
             raise make_error(
                 api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "init with enable_switch_role=True first"
             )
-        if role == self._role:
+        if not v2 and role == self._role:
             raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"the role is already {role}")
         if len(core.settings.device_ids) > 1:
             raise make_error(
                 api, LLMStatusCode.LLM_PARAM_INVALID, "not supported with several devices in one process"
             )
         listen: tuple[str, int] | None = None
-        if role == LLMRole.PROMPT:
-            text = (switch_options or {}).get("llm.listenIpInfo")
+        text = (switch_options or {}).get("llm.listenIpInfo")
+        if role == LLMRole.PROMPT or (v2 and text):
             if not text:
                 raise make_error(
                     api, LLMStatusCode.LLM_PARAM_INVALID, "switching to PROMPT needs llm.listenIpInfo"
@@ -229,30 +268,48 @@ class LLMDataDist:
                 core.listen_public(listen)
             core.set_role(role)
         self._role = role
-        assert self._kv_cache_manager is not None
-        self._kv_cache_manager._role = role
+        if self._kv_cache_manager is not None:
+            self._kv_cache_manager._role = role
 
     # ------------------------------------------------------------------ two-sided links (v2 only)
 
     def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
-        self._require_core()
-        raise make_error(
-            "link", LLMStatusCode.LLM_PARAM_INVALID, "link is only available in cache-manager mode"
+        """Two-sided link (v2): every member calls it at about the same time with the same name and table;
+        it returns a comm_id at once and links in the background. Poll `query_register_mem_status(comm_id)`
+        until OK (FAILED after `link_total_time` seconds, or HCCL_CONNECT_TIMEOUT, default 120)."""
+        api = "link"
+        core = self._require_core()
+        if not self._v2(core):
+            raise make_error(
+                api, LLMStatusCode.LLM_PARAM_INVALID, "link is only available in cache-manager mode"
+            )
+        name, members, _ = check_link_args(
+            comm_name, cluster_rank_info, rank_table, local_cluster_id=self._cluster_id
         )
+        with api_errors(api):
+            return core.link_comm(name, members)
 
     def unlink(self, comm_id: int) -> None:
-        self._require_core()
-        raise make_error(
-            "unlink", LLMStatusCode.LLM_PARAM_INVALID, "unlink is only available in cache-manager mode"
-        )
+        """Tear down a two-sided link; LLM_LINK_BUSY while one of its links is transferring."""
+        api = "unlink"
+        core = self._require_core()
+        if not self._v2(core):
+            raise make_error(
+                api, LLMStatusCode.LLM_PARAM_INVALID, "unlink is only available in cache-manager mode"
+            )
+        check_int64("comm_id", comm_id)
+        with api_errors(api):
+            core.unlink_comm(comm_id)
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
-        self._require_core()
-        raise make_error(
-            "query_register_mem_status",
-            LLMStatusCode.LLM_PARAM_INVALID,
-            "query_register_mem_status is only available in cache-manager mode",
-        )
+        """PREPARING until every member of the two-sided link is linked, then OK; FAILED when it timed out."""
+        api = "query_register_mem_status"
+        core = self._require_core()
+        if not self._v2(core):
+            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, "only available in cache-manager mode")
+        check_int64("comm_id", comm_id)
+        with api_errors(api):
+            return RegisterMemStatus(core.comm_status(comm_id))
 
 
 def _overall(results: list[LLMStatusCode]) -> LLMStatusCode:

@@ -15,7 +15,7 @@ from shm.pool import Pool
 
 @pytest.fixture
 def table() -> Iterator[CacheTable]:
-    t = CacheTable(Pool(capacity_nbytes=1 << 20), oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
+    t = CacheTable({1: Pool(capacity_nbytes=1 << 20)}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
     yield t
     t.close()
 

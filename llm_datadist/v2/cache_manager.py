@@ -1,0 +1,678 @@
+"""`CacheManager`: the v2 ("cache-manager mode") cache API.
+
+Rules: no role checks (the role is only a label in v2). Memory comes from the configured pools
+(`mem_pool_cfg` for DEVICE, `host_mem_pool_cfg` for HOST) or is the user's own, registered by address;
+registered memory is reached by peers through cross-memory attach, checked when it is registered. With
+`enable_remote_cache_accessible` transfers are one-sided: the peer's table of caches is fetched once per
+link and then read or written with no round trip to the peer. Transfer timeouts raise `LLM_TIMEOUT`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from .._core import PLACEMENT_DEVICE, PLACEMENT_HOST, RemoteCache, UnitRun
+from .._engine import KEY_BLOCKS, KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
+from .._errors import api_errors
+from .._validate import check_int64, check_isinstance, check_range_step1, check_uint32, check_uint64
+from .._vm import allow_peers_to_attach, cross_memory_supported
+from ..status import LLMStatusCode, make_error
+from ..v1.kv_cache_manager import LayerArgs, TensorSelection, parse_layer_kwargs
+from .cache import Cache
+from .llm_types import (
+    U64_MAX,
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    MemInfo,
+    Memtype,
+    Placement,
+)
+
+if TYPE_CHECKING:
+    from .._core import Core
+
+from protocol.messages import ResolveRequest
+
+# The real library caps the addresses registered over all register calls (240; 256 before 8.1).
+MAX_REGISTERED_ADDRS = 240
+_PULL_KWARGS = frozenset(
+    {"src_layer_range", "dst_layer_range", "tensor_num_per_layer", "src_cache_offset", "dst_cache_offset"}
+)
+_BLOCK_KWARGS = frozenset({"src_layer_range", "dst_layer_range", "tensor_num_per_layer"})
+
+
+def _invalid(api: str, context: str) -> NoReturn:
+    raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, context)
+
+
+def _owner_key(key: CacheKey) -> KeyId | None:
+    if key.prefix_id != U64_MAX:
+        return (KEY_PREFIX, key.prefix_id, key.model_id)
+    if key.req_id != U64_MAX:
+        return (KEY_REQ, key.req_id, key.model_id)
+    return None
+
+
+class CacheManager:
+    """The v2 manager, reached through `LLMDataDist.cache_manager` in cache-manager mode."""
+
+    def __init__(self, core: Core) -> None:
+        self._core: Core | None = core
+        self._registered_addrs = 0
+
+    def _require_core(self, api: str) -> Core:
+        if self._core is None:
+            raise make_error(api, LLMStatusCode.LLM_FAILED, "cache manager is not initialized")
+        return self._core
+
+    def _finalize(self) -> None:
+        self._core = None
+
+    def _record_of(self, api: str, core: Core, cache: Cache, name: str = "cache") -> CacheRecord:
+        check_isinstance(name, cache, Cache)
+        record = core.table.get(cache.cache_id) if cache.tensor_addrs else None
+        if record is None or not record.external or getattr(cache, "_manager", None) is not self:
+            _invalid(api, f"{name} (cache {cache.cache_id}) is not a live cache of this process")
+        return record
+
+    def _handle(self, record: CacheRecord, desc: CacheDesc) -> Cache:
+        cache = Cache(record.cache_id, desc, record.tensor_addrs(), record.is_blocks)
+        cache._manager = self  # type: ignore[attr-defined]
+        return cache
+
+    # ------------------------------------------------------------------ pool allocation
+
+    @staticmethod
+    def _check_desc(api: str, desc: CacheDesc) -> None:
+        check_isinstance("cache_desc", desc, CacheDesc)
+        if desc.num_tensors <= 0:
+            _invalid(api, "num_tensors must be > 0")
+        shape = list(desc.shape)
+        if not shape or any(dim <= 0 for dim in shape):
+            _invalid(api, f"shape {shape} must have positive dimensions")
+
+    def _pool_allocate(
+        self, api: str, desc: CacheDesc, keys: list[KeyId | None], *, is_blocks: bool
+    ) -> Cache:
+        core = self._require_core(api)
+        placement = int(desc.placement)
+        pool = core.settings.device_pool if placement == PLACEMENT_DEVICE else core.settings.host_pool
+        if pool is None:
+            raise make_error(
+                api,
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                f"{desc.placement} needs a memory pool: config memory pool firstly "
+                f"({'mem_pool_cfg' if placement == PLACEMENT_DEVICE else 'host_mem_pool_cfg'})",
+            )
+        with api_errors(api, timeout_code=LLMStatusCode.LLM_TIMEOUT):
+            record = core.table.allocate(
+                num_tensors=desc.num_tensors,
+                tensor_nbytes=desc.size,
+                batch_size=desc.shape[0],
+                keys=keys,
+                is_blocks=is_blocks,
+                placement=placement,
+                remote_accessible=placement == PLACEMENT_DEVICE,
+                unique_keys=True,
+            )
+        return self._handle(record, desc)
+
+    def allocate_cache(
+        self, cache_desc: CacheDesc, cache_keys: list[CacheKey] | tuple[CacheKey, ...] = ()
+    ) -> Cache:
+        """Allocate from the placement's pool; `cache_keys[i]` binds slot i (at most `shape[0]` keys, no key
+        twice, none already bound: LLM_PARAM_INVALID). Pool exhausted: LLM_OUT_OF_MEMORY."""
+        api = "allocate_cache"
+        self._require_core(api)
+        self._check_desc(api, cache_desc)
+        check_isinstance("cache_keys", cache_keys, (list, tuple))
+        for key in cache_keys:
+            check_isinstance("cache_keys", key, CacheKey)
+        return self._pool_allocate(api, cache_desc, [_owner_key(k) for k in cache_keys], is_blocks=False)
+
+    def allocate_blocks_cache(
+        self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
+    ) -> Cache:
+        """A pool-backed paged cache (`shape[0]` blocks), indexed by `blocks_cache_key.model_id` if given."""
+        api = "allocate_blocks_cache"
+        core = self._require_core(api)
+        self._check_desc(api, cache_desc)
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
+        cache = self._pool_allocate(api, cache_desc, [], is_blocks=True)
+        cache_desc._is_blocks = True
+        if blocks_cache_key is not None:
+            core.table.bind_blocks_key(blocks_cache_key.model_id, cache.cache_id)
+        return cache
+
+    def deallocate_cache(self, cache: Cache) -> None:
+        """Free a pool cache (deferred while keys remain). Blocks caches: use deallocate_blocks_cache.
+        Registered caches are ignored (use unregister_cache)."""
+        api = "deallocate_cache"
+        core = self._require_core(api)
+        check_isinstance("cache", cache, Cache)
+        if cache.is_blocks_cache:
+            _invalid(api, "deallocate_cache does not take a blocks cache; use deallocate_blocks_cache")
+        self._release(core, cache)
+
+    def deallocate_blocks_cache(self, cache: Cache) -> None:
+        """Free a pool blocks cache at once and drop its model_id index entry."""
+        api = "deallocate_blocks_cache"
+        core = self._require_core(api)
+        check_isinstance("cache", cache, Cache)
+        if not cache.is_blocks_cache:
+            _invalid(api, "deallocate_blocks_cache takes a blocks cache only")
+        self._release(core, cache)
+
+    def _release(self, core: Core, cache: Cache) -> None:
+        record = core.table.get(cache.cache_id)
+        if record is None or record.registered or getattr(cache, "_manager", None) is not self:
+            return
+        core.table.deallocate(cache.cache_id)
+        cache._tensor_addrs = []
+
+    # ------------------------------------------------------------------ registration
+
+    def _register(
+        self,
+        api: str,
+        desc: CacheDesc,
+        addrs: object,
+        keys: list[KeyId | None],
+        remote_accessible: object,
+        *,
+        is_blocks: bool,
+    ) -> Cache:
+        core = self._require_core(api)
+        self._check_desc(api, desc)
+        check_isinstance("addrs", addrs, (list, tuple))
+        assert isinstance(addrs, (list, tuple))
+        for addr in addrs:
+            check_uint64("addrs", addr)
+        check_isinstance("remote_accessible", remote_accessible, bool, allow_none=True)
+        if not addrs or len(addrs) != desc.num_tensors:
+            _invalid(
+                api, f"{len(addrs)} addresses for {desc.num_tensors} tensors (one per tensor, non-empty)"
+            )
+        if any(addr == 0 for addr in addrs):
+            _invalid(api, "addresses must not be 0")
+        if self._registered_addrs + len(addrs) > MAX_REGISTERED_ADDRS:
+            _invalid(api, f"at most {MAX_REGISTERED_ADDRS} addresses may be registered in all")
+        linked = core.two_sided_links_made
+        if remote_accessible is None:
+            remote_accessible = desc.placement == Placement.DEVICE and not linked
+        elif remote_accessible and linked:
+            _invalid(api, "remote_accessible=True is not allowed after link()")
+        # Peers reach registered memory by cross-memory attach: check now, not at the first pull.
+        reason = cross_memory_supported()
+        if reason is not None:
+            raise make_error(
+                api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, f"peers cannot reach this memory: {reason}"
+            )
+        allow_peers_to_attach()
+        with api_errors(api):
+            record = core.table.register(
+                num_tensors=desc.num_tensors,
+                tensor_nbytes=desc.size,
+                batch_size=desc.shape[0],
+                addrs=list(addrs),
+                keys=keys,
+                is_blocks=is_blocks,
+                placement=int(desc.placement),
+                remote_accessible=bool(remote_accessible),
+            )
+        self._registered_addrs += len(addrs)
+        return self._handle(record, desc)
+
+    def register_cache(
+        self,
+        cache_desc: CacheDesc,
+        addrs: list[int],
+        cache_keys: list[CacheKey] | tuple[CacheKey, ...] = (),
+        remote_accessible: bool | None = None,
+    ) -> Cache:
+        """Register memory the caller owns (`tensor.data_ptr()`, numpy `ctypes.data`), one address per tensor.
+
+        `remote_accessible` defaults to True for DEVICE (False after `link()`) and False for HOST. Keys on
+        registered memory are never consumed. Addresses must not overlap another registered cache.
+        """
+        api = "register_cache"
+        check_isinstance("cache_keys", cache_keys, (list, tuple))
+        for key in cache_keys:
+            check_isinstance("cache_keys", key, CacheKey)
+        keys = [_owner_key(k) for k in cache_keys]
+        return self._register(api, cache_desc, addrs, keys, remote_accessible, is_blocks=False)
+
+    def register_blocks_cache(
+        self,
+        cache_desc: CacheDesc,
+        addrs: list[int],
+        blocks_cache_key: BlocksCacheKey | None = None,
+        remote_accessible: bool | None = None,
+    ) -> Cache:
+        """The paged form of `register_cache`; `blocks_cache_key.model_id` indexes it."""
+        api = "register_blocks_cache"
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
+        cache = self._register(api, cache_desc, addrs, [], remote_accessible, is_blocks=True)
+        cache_desc._is_blocks = True
+        if blocks_cache_key is not None:
+            self._require_core(api).table.bind_blocks_key(blocks_cache_key.model_id, cache.cache_id)
+        return cache
+
+    def unregister_cache(self, cache_id: int) -> None:
+        """Forget a registered cache by id (unknown ids are ignored); its keys then give
+        LLM_KV_CACHE_NOT_EXIST."""
+        api = "unregister_cache"
+        core = self._require_core(api)
+        check_int64("cache_id", cache_id)
+        record = core.table.get(cache_id)
+        if record is not None and core.table.unregister(cache_id):
+            self._registered_addrs -= record.num_tensors
+
+    def remove_cache_key(self, cache_key: CacheKey) -> None:
+        """Unbind a key of a pool cache; unknown keys and keys of registered caches are ignored."""
+        api = "remove_cache_key"
+        core = self._require_core(api)
+        check_isinstance("cache_key", cache_key, CacheKey)
+        key = _owner_key(cache_key)
+        if key is not None and not core.table.key_on_registered(key):
+            core.table.remove_key(key)
+
+    def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
+        """Validated as the real one (device memory, addr != 0, size > 0); memory here never moves, so a
+        valid remap has nothing to do."""
+        api = "remap_registered_memory"
+        self._require_core(api)
+        infos = [mem_infos] if isinstance(mem_infos, MemInfo) else mem_infos
+        check_isinstance("mem_infos", infos, (list, tuple))
+        if not infos:
+            _invalid(api, "mem_infos must not be empty")
+        for info in infos:
+            check_isinstance("mem_infos", info, MemInfo)
+            if info.mem_type != Memtype.MEM_TYPE_DEVICE:
+                _invalid(api, "only device memory can be remapped")
+            if info.addr == 0 or info.size <= 0:
+                _invalid(api, "addr must not be 0 and size must be > 0")
+
+    # ------------------------------------------------------------------ transfers
+
+    def _timeout_errors(self, api: str) -> Any:
+        return api_errors(api, timeout_code=LLMStatusCode.LLM_TIMEOUT)
+
+    def _layers(self, api: str, layers: LayerArgs, num_tensors: int) -> TensorSelection:
+        return layers.select(api, num_tensors)
+
+    def _remote(
+        self, api: str, core: Core, cluster_id: int, cache_id: int | None, model_id: int | None
+    ) -> RemoteCache:
+        """A cache from the peer's table (one-sided mode), refetching the table once on a miss."""
+        for refresh in (False, True):
+            table = core.remote_table(cluster_id, refresh=refresh)
+            wanted = table.blocks.get(model_id) if model_id is not None else cache_id
+            if wanted is not None and wanted in table.caches:
+                return table.caches[wanted]
+        name = f"model_id {model_id}" if model_id is not None else f"cache id {cache_id}"
+        raise make_error(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no remote-accessible cache with {name}")
+
+    def pull_cache(
+        self,
+        cache_key: CacheKey | CacheKeyByIdAndIndex,
+        cache: Cache,
+        batch_index: int = 0,
+        size: int = -1,
+        **kwargs: Any,
+    ) -> None:
+        """Pull the remote slot into slot `batch_index` of `cache` (not a blocks cache). `size` -1 means the
+        local slot; the remote slot must hold it. v1's offset kwargs are accepted and ignored, as in v2.
+        With remote cache access on, the key must be a CacheKeyByIdAndIndex (TypeError otherwise)."""
+        api = "pull_cache"
+        core = self._require_core(api)
+        check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
+        check_uint32("batch_index", batch_index)
+        check_int64("size", size)
+        layers = parse_layer_kwargs(api, kwargs, _PULL_KWARGS)
+        if core.settings.remote_cache_accessible and not isinstance(cache_key, CacheKeyByIdAndIndex):
+            raise TypeError(
+                "cache_key only support ['CacheKeyByIdAndIndex'] when remote cache access is enabled"
+            )
+        record = self._record_of(api, core, cache)
+        if record.is_blocks:
+            _invalid(api, "the destination of pull_cache must not be a blocks cache")
+        if size != -1 and size <= 0:
+            _invalid(api, f"size must be -1 or > 0, got {size}")
+        if batch_index >= record.batch_size:
+            _invalid(api, f"batch_index {batch_index} out of range for {record.batch_size} slots")
+        selection = self._layers(api, layers, record.num_tensors)
+        nbytes = record.slot_nbytes if size == -1 else size
+        if nbytes > record.slot_nbytes:
+            _invalid(api, f"size {nbytes} exceeds the local slot of {record.slot_nbytes} bytes")
+        local_offset = batch_index * record.slot_nbytes
+
+        def runs_for(slot: int, unit_nbytes: int, num_units: int) -> list[UnitRun]:
+            if nbytes > unit_nbytes:
+                raise make_error(
+                    api, LLMStatusCode.LLM_PARAM_INVALID, f"{nbytes} bytes exceed the remote slot"
+                )
+            if slot >= num_units:
+                raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"remote slot {slot} out of range")
+            return [UnitRun(slot * unit_nbytes, local_offset, nbytes)]
+
+        with self._timeout_errors(api), core.table.pinned(record.cache_id) as pinned:
+            if core.settings.remote_cache_accessible:
+                assert isinstance(cache_key, CacheKeyByIdAndIndex)
+                self._one_sided(api, pinned)
+                remote = self._remote(api, core, cache_key.cluster_id, cache_key.cache_id, None)
+                if remote.is_blocks:
+                    _invalid(api, "the source of pull_cache must not be a blocks cache")
+                self._check_remote_tensors(api, remote, selection)
+                runs = runs_for(cache_key.batch_index, remote.unit_nbytes, remote.num_units)
+                core.transfer_one_sided(
+                    cache_key.cluster_id,
+                    remote,
+                    selection.src_start,
+                    pinned,
+                    selection.dst_start,
+                    selection.count,
+                    runs,
+                    to_remote=False,
+                )
+                return
+            cluster_id, kind, key_id, model_id, slot = self._key_fields(api, cache_key)
+            request = ResolveRequest(
+                0,
+                kind,
+                key_id,
+                model_id,
+                slot,
+                selection.src_start,
+                selection.count,
+                selection.whole,
+                False,
+                True,
+            )
+            core.transfer_resolved(
+                cluster_id,
+                request,
+                pinned,
+                selection.dst_start,
+                lambda loc: runs_for(loc.slot, loc.unit_nbytes, loc.num_units),
+            )
+
+    def pull_blocks(
+        self,
+        src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
+        dst_cache: Cache,
+        src_blocks: list[int] | tuple[int, ...] = (),
+        dst_blocks: list[int] | tuple[int, ...] = (),
+        **kwargs: Any,
+    ) -> None:
+        """Into a blocks cache: with a BlocksCacheKey, remote block `src_blocks[k]` to local `dst_blocks[k]`;
+        with a CacheKey / CacheKeyByIdAndIndex (a continuous remote slot, `src_blocks` empty), the slot cut
+        into local-block-sized pieces, piece k to `dst_blocks[k]`."""
+        api = "pull_blocks"
+        core = self._require_core(api)
+        check_isinstance("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
+        for name, blocks in (("src_blocks", src_blocks), ("dst_blocks", dst_blocks)):
+            check_isinstance(name, blocks, (list, tuple))
+            for block in blocks:
+                check_uint64(name, block)
+        layers = parse_layer_kwargs(api, kwargs, _BLOCK_KWARGS)
+        record = self._record_of(api, core, dst_cache, "dst_cache")
+        if not record.is_blocks:
+            _invalid(api, "the destination of pull_blocks must be a blocks cache")
+        if not dst_blocks:
+            _invalid(api, "dst_blocks must not be empty")
+        if max(dst_blocks) >= record.batch_size:
+            _invalid(api, f"dst block {max(dst_blocks)} >= the cache's {record.batch_size} blocks")
+        by_blocks = isinstance(src_cache_key, BlocksCacheKey)
+        if by_blocks and len(src_blocks) != len(dst_blocks):
+            _invalid(api, "src_blocks and dst_blocks must have the same length")
+        if not by_blocks and src_blocks:
+            _invalid(api, "src_blocks must be empty when pulling a continuous cache into blocks")
+        if core.settings.remote_cache_accessible and isinstance(src_cache_key, CacheKey):
+            raise TypeError(
+                "src_cache_key only support CacheKeyByIdAndIndex or BlocksCacheKey with remote access"
+            )
+        selection = self._layers(api, layers, record.num_tensors)
+        block = record.slot_nbytes
+
+        def runs_for(slot: int, unit_nbytes: int, num_units: int) -> list[UnitRun]:
+            if by_blocks:
+                if unit_nbytes != block:
+                    _invalid(api, f"remote blocks are {unit_nbytes} bytes, local blocks {block}")
+                if max(src_blocks) >= num_units:
+                    _invalid(api, f"src block {max(src_blocks)} >= the remote cache's {num_units} blocks")
+                return [
+                    UnitRun(s * block, d * block, block) for s, d in zip(src_blocks, dst_blocks, strict=True)
+                ]
+            if slot >= num_units:
+                _invalid(api, f"remote slot {slot} out of range")
+            pieces = -(-unit_nbytes // block)
+            if pieces > len(dst_blocks):
+                _invalid(api, f"a {unit_nbytes}-byte slot needs {pieces} blocks, {len(dst_blocks)} given")
+            base = slot * unit_nbytes
+            return [
+                UnitRun(base + k * block, d * block, min(block, unit_nbytes - k * block))
+                for k, d in enumerate(dst_blocks[:pieces])
+            ]
+
+        with self._timeout_errors(api), core.table.pinned(record.cache_id) as pinned:
+            if core.settings.remote_cache_accessible:
+                self._one_sided(api, pinned)
+                if isinstance(src_cache_key, BlocksCacheKey):
+                    remote = self._remote(api, core, src_cache_key.cluster_id, None, src_cache_key.model_id)
+                    slot = 0
+                else:
+                    assert isinstance(src_cache_key, CacheKeyByIdAndIndex)
+                    remote = self._remote(api, core, src_cache_key.cluster_id, src_cache_key.cache_id, None)
+                    slot = src_cache_key.batch_index
+                self._check_remote_tensors(api, remote, selection)
+                runs = runs_for(slot, remote.unit_nbytes, remote.num_units)
+                core.transfer_one_sided(
+                    src_cache_key.cluster_id,
+                    remote,
+                    selection.src_start,
+                    pinned,
+                    selection.dst_start,
+                    selection.count,
+                    runs,
+                    to_remote=False,
+                )
+                return
+            if isinstance(src_cache_key, BlocksCacheKey):
+                cluster_id, kind, key_id, model_id, slot = (
+                    src_cache_key.cluster_id,
+                    KEY_BLOCKS,
+                    0,
+                    src_cache_key.model_id,
+                    0,
+                )
+            else:
+                cluster_id, kind, key_id, model_id, slot = self._key_fields(api, src_cache_key)
+            request = ResolveRequest(
+                0,
+                kind,
+                key_id,
+                model_id,
+                slot,
+                selection.src_start,
+                selection.count,
+                selection.whole,
+                False,
+                True,
+            )
+            core.transfer_resolved(
+                cluster_id,
+                request,
+                pinned,
+                selection.dst_start,
+                lambda loc: runs_for(loc.slot, loc.unit_nbytes, loc.num_units),
+            )
+
+    def push_cache(
+        self,
+        dst_cache_key: CacheKeyByIdAndIndex,
+        src_cache: Cache,
+        src_batch_index: int = 0,
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        size: int = -1,
+        tensor_num_per_layer: int = 2,
+    ) -> None:
+        """Write slot `src_batch_index` of `src_cache` into the remote slot the key names, layer by layer
+        (one synchronous transfer per layer). Needs remote cache access."""
+        api = "push_cache"
+        core = self._require_core(api)
+        check_isinstance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
+        check_uint32("src_batch_index", src_batch_index)
+        check_int64("size", size)
+        self._require_remote_access(api, core)
+        record = self._record_of(api, core, src_cache, "src_cache")
+        if record.is_blocks:
+            _invalid(api, "the source of push_cache must not be a blocks cache")
+        if size != -1:
+            _invalid(api, "size must be -1")
+        if src_batch_index >= record.batch_size:
+            _invalid(api, f"src_batch_index {src_batch_index} out of range")
+        src_layers, dst_layers = self._push_layers(
+            api, record, src_layer_range, dst_layer_range, tensor_num_per_layer
+        )
+        with self._timeout_errors(api), core.table.pinned(record.cache_id) as pinned:
+            remote = self._remote(api, core, dst_cache_key.cluster_id, dst_cache_key.cache_id, None)
+            if remote.is_blocks:
+                _invalid(api, "the destination of push_cache must not be a blocks cache")
+            if dst_cache_key.batch_index >= remote.num_units or remote.unit_nbytes < record.slot_nbytes:
+                _invalid(api, "the remote slot cannot hold the local slot")
+            runs = [
+                UnitRun(
+                    dst_cache_key.batch_index * remote.unit_nbytes,
+                    src_batch_index * record.slot_nbytes,
+                    record.slot_nbytes,
+                )
+            ]
+            for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
+                n = tensor_num_per_layer
+                self._check_remote_tensors(
+                    api, remote, TensorSelection(dst_layer * n, n, False, src_layer * n)
+                )
+                core.transfer_one_sided(
+                    dst_cache_key.cluster_id,
+                    remote,
+                    dst_layer * n,
+                    pinned,
+                    src_layer * n,
+                    n,
+                    runs,
+                    to_remote=True,
+                )
+
+    def push_blocks(
+        self,
+        dst_cache_key: BlocksCacheKey,
+        src_cache: Cache,
+        src_blocks: list[int] | tuple[int, ...] = (),
+        dst_blocks: list[int] | tuple[int, ...] = (),
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+    ) -> None:
+        """Write local blocks `src_blocks[k]` into remote blocks `dst_blocks[k]` of the blocks cache the key
+        names, layer by layer. Needs remote cache access; the source is a blocks cache."""
+        api = "push_blocks"
+        core = self._require_core(api)
+        check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey)
+        for name, blocks in (("src_blocks", src_blocks), ("dst_blocks", dst_blocks)):
+            check_isinstance(name, blocks, (list, tuple))
+            for block in blocks:
+                check_uint64(name, block)
+        self._require_remote_access(api, core)
+        record = self._record_of(api, core, src_cache, "src_cache")
+        if not record.is_blocks:
+            _invalid(api, "the source of push_blocks must be a blocks cache")
+        if not dst_blocks or len(src_blocks) != len(dst_blocks):
+            _invalid(api, "dst_blocks must be non-empty and as long as src_blocks")
+        if max(src_blocks) >= record.batch_size:
+            _invalid(api, f"src block {max(src_blocks)} >= the cache's {record.batch_size} blocks")
+        src_layers, dst_layers = self._push_layers(
+            api, record, src_layer_range, dst_layer_range, tensor_num_per_layer
+        )
+        block = record.slot_nbytes
+        with self._timeout_errors(api), core.table.pinned(record.cache_id) as pinned:
+            remote = self._remote(api, core, dst_cache_key.cluster_id, None, dst_cache_key.model_id)
+            if remote.unit_nbytes != block or max(dst_blocks) >= remote.num_units:
+                _invalid(api, "remote block size or block index does not match")
+            runs = [UnitRun(d * block, s * block, block) for s, d in zip(src_blocks, dst_blocks, strict=True)]
+            for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
+                n = tensor_num_per_layer
+                self._check_remote_tensors(
+                    api, remote, TensorSelection(dst_layer * n, n, False, src_layer * n)
+                )
+                core.transfer_one_sided(
+                    dst_cache_key.cluster_id,
+                    remote,
+                    dst_layer * n,
+                    pinned,
+                    src_layer * n,
+                    n,
+                    runs,
+                    to_remote=True,
+                )
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _require_remote_access(api: str, core: Core) -> None:
+        if not core.settings.remote_cache_accessible:
+            raise make_error(
+                api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "needs enable_remote_cache_accessible at init"
+            )
+
+    @staticmethod
+    def _one_sided(api: str, local: CacheRecord) -> None:
+        # The real one-sided path needs the local side registered for remote access too (HIXL connector).
+        if not local.remote_accessible:
+            _invalid(api, "with remote cache access, the local cache must be remote_accessible too")
+
+    @staticmethod
+    def _check_remote_tensors(api: str, remote: RemoteCache, selection: TensorSelection) -> None:
+        count = len(remote.tensor_bases)
+        if selection.whole and selection.count != count:
+            _invalid(api, f"the remote cache has {count} tensors, the local selection {selection.count}")
+        if selection.src_start + selection.count > count:
+            _invalid(api, f"remote tensors [{selection.src_start}, +{selection.count}) exceed its {count}")
+
+    @staticmethod
+    def _push_layers(
+        api: str, record: CacheRecord, src: range | None, dst: range | None, per_layer: int
+    ) -> tuple[range, range]:
+        check_range_step1("src_layer_range", src, allow_none=True)
+        check_range_step1("dst_layer_range", dst, allow_none=True)
+        check_uint32("tensor_num_per_layer", per_layer)
+        if per_layer < 1 or record.num_tensors % per_layer:
+            _invalid(api, f"tensor_num_per_layer {per_layer} must divide the {record.num_tensors} tensors")
+        layers = range(record.num_tensors // per_layer)
+        src = layers if src is None else src
+        dst = layers if dst is None else dst
+        if len(src) != len(dst) or not src or src.stop > len(layers):
+            _invalid(
+                api, f"layer ranges {src} and {dst} must be non-empty, of equal length, within the cache"
+            )
+        return src, dst
+
+    @staticmethod
+    def _key_fields(api: str, key: CacheKey | CacheKeyByIdAndIndex) -> tuple[int, int, int, int, int]:
+        """(cluster id, key kind, key id, model id, batch index) of a pull key."""
+        if isinstance(key, CacheKeyByIdAndIndex):
+            if key.cache_id < 0:
+                raise make_error(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key.cache_id}")
+            return key.cluster_id, KEY_CACHE_ID, key.cache_id, 0, key.batch_index
+        req_valid, prefix_valid = key.req_id != U64_MAX, key.prefix_id != U64_MAX
+        if req_valid == prefix_valid:
+            _invalid(api, "exactly one of req_id and prefix_id must be set in the cache key")
+        if req_valid:
+            return key.prompt_cluster_id, KEY_REQ, key.req_id, key.model_id, 0
+        return key.prompt_cluster_id, KEY_PREFIX, key.prefix_id, key.model_id, 0
+
+
+__all__ = ["PLACEMENT_HOST", "CacheManager"]

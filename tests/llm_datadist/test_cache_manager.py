@@ -1,0 +1,228 @@
+"""Cache-manager (v2) mode between a real Prompt process and this process: pools, registered memory the
+library did not allocate (numpy arrays in both processes), one-sided and two-sided links, pulls and pushes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import numpy as np
+import pytest
+
+from llm_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+    RegisterMemStatus,
+)
+from llm_datadist._rank_table import default_rank_table
+from tests._peer import PROMPT_IP, PromptPeer, tensor_views_v2
+
+P, D = 1, 2
+_ports = itertools.count(22000)
+POOL = json.dumps({"memory_size": 64 << 20, "page_shift": 16})
+
+
+def _v2_options(
+    *, remote_access: bool, pools: bool = True, extra: dict[str, str] | None = None
+) -> dict[str, str]:
+    options = {
+        "llm.EnableCacheManager": "1",
+        "llm.EnableRemoteCacheAccessible": "1" if remote_access else "0",
+    }
+    if pools:
+        options["llm.MemPoolConfig"] = POOL
+        options["llm.HostMemPoolConfig"] = POOL
+    options.update(extra or {})
+    return options
+
+
+class _Decoder:
+    """This process as a v2 DECODER; finalized on exit."""
+
+    def __init__(
+        self, *, remote_access: bool, pools: bool = True, extra: dict[str, str] | None = None
+    ) -> None:
+        self.dd = LLMDataDist(LLMRole.DECODER, D)
+        config = LLMConfig()
+        config.device_id = 0
+        config.sync_kv_timeout = 5000
+        options = dict(config.generate_options())
+        options.update(_v2_options(remote_access=remote_access, pools=pools, extra=extra))
+        self.dd.init(options)
+
+    def __enter__(self) -> LLMDataDist:
+        return self.dd
+
+    def __exit__(self, *exc: object) -> None:
+        self.dd.finalize()
+
+
+def _link_one_sided(dd: LLMDataDist, peer: PromptPeer) -> None:
+    info = LLMClusterInfo()
+    info.remote_cluster_id = P
+    info.append_local_ip_info(PROMPT_IP, 0)
+    info.append_remote_ip_info(PROMPT_IP, peer.port)
+    assert dd.link_clusters([info], 5000) == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])
+
+
+def _numpy_blocks_cache(
+    dd: LLMDataDist, num_tensors: int, shape: list[int], *, remote_accessible: bool | None = True
+):  # type: ignore[no-untyped-def]
+    arrays = [np.zeros(int(np.prod(shape)), dtype=np.float16) for _ in range(num_tensors)]
+    desc = CacheDesc(num_tensors, shape, DataType.DT_FLOAT16)
+    cache = dd.cache_manager.register_blocks_cache(
+        desc, [a.ctypes.data for a in arrays], None, remote_accessible
+    )
+    return cache, [a.view(np.uint8) for a in arrays]
+
+
+@pytest.mark.parametrize("owner_memory", ["registered numpy", "pool"])
+def test_one_sided_block_pull_from_the_owners_memory(seed: int, owner_memory: str) -> None:
+    extra = _v2_options(remote_access=True)
+    with PromptPeer(P, next(_ports), seed, extra=extra) as peer, _Decoder(remote_access=True) as dd:
+        if owner_memory == "pool":
+            cache_id = peer.call("v2_alloc", (4, [16, 3, 7, 5], [], 0))
+        else:
+            cache_id = peer.call("v2_register_blocks", (4, [16, 3, 7, 5], 0, True))
+        _link_one_sided(dd, peer)
+        local, arrays = _numpy_blocks_cache(dd, 4, [10, 3, 7, 5])  # 210-byte blocks
+        src_blocks, dst_blocks = [15, 2, 7, 0], [9, 0, 4, 5]
+        dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), local, src_blocks, dst_blocks)
+        for t, array in enumerate(arrays):
+            remote = peer.expected(cache_id, t, 16 * 210).reshape(16, 210)
+            got = array.reshape(10, 210)
+            np.testing.assert_array_equal(got[dst_blocks], remote[src_blocks])
+            assert not got[[1, 2, 3, 6, 7, 8]].any()
+        # One-sided reads see the owner's new data in the same blocks (no stale copy anywhere).
+        peer.call("v2_rewrite", cache_id)
+        dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), local, [3], [1])
+        for t, array in enumerate(arrays):
+            np.testing.assert_array_equal(
+                array.reshape(10, 210)[1], peer.expected(cache_id + 1000, t, 16 * 210).reshape(16, 210)[3]
+            )
+        assert peer.call("stats")["leases"] == 0  # one-sided: the owner pinned nothing
+
+
+def test_two_sided_link_then_block_pull_by_request(seed: int) -> None:
+    extra = _v2_options(remote_access=False, extra={"llm.LinkTotalTime": "20"})
+    with (
+        PromptPeer(P, next(_ports), seed, extra=extra) as peer,
+        _Decoder(remote_access=False, extra={"llm.LinkTotalTime": "20"}) as dd,
+    ):
+        cache_id = peer.call("v2_register_blocks", (2, [8, 64], 3, None))
+        local, arrays = _numpy_blocks_cache(dd, 2, [8, 64], remote_accessible=None)
+        members = {P: 0, D: 1}
+        table = default_rank_table(members)
+        name = "pd_comm_127.0.0.1_127.0.0.1"
+        prompt_comm = peer.call("link", (name, list(members.items()), table))
+        comm_id = dd.link(name, members, table)
+        deadline = time.monotonic() + 20
+        while dd.query_register_mem_status(comm_id) != RegisterMemStatus.OK:
+            assert time.monotonic() < deadline, "the two-sided link never came up"
+            time.sleep(0.01)
+        while peer.call("query", prompt_comm) != RegisterMemStatus.OK.value:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        dd.cache_manager.pull_blocks(BlocksCacheKey(P, 3), local, [7, 1], [0, 6])
+        for t, array in enumerate(arrays):
+            remote = peer.expected(cache_id, t, 8 * 128).reshape(8, 128)
+            np.testing.assert_array_equal(array.reshape(8, 128)[[0, 6]], remote[[7, 1]])
+        assert peer.call("stats")["leases"] == 0
+        dd.unlink(comm_id)
+        with pytest.raises(LLMException) as exc_info:
+            dd.cache_manager.pull_blocks(BlocksCacheKey(P, 3), local, [7], [0])
+        assert exc_info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+
+
+def test_pull_cache_by_key_from_a_pool_consumes_the_key(seed: int) -> None:
+    extra = _v2_options(remote_access=False)
+    with PromptPeer(P, next(_ports), seed, extra=extra) as peer, _Decoder(remote_access=False) as dd:
+        cache_id = peer.call("v2_alloc", (4, [2, 3333], [(P, 5), (P, 6)], None))
+        _link_one_sided(dd, peer)
+        local = dd.cache_manager.allocate_cache(CacheDesc(4, [1, 3333], DataType.DT_FLOAT16))
+        dd.cache_manager.pull_cache(CacheKey(P, 6), local, src_cache_offset=5)  # v2 ignores the offsets
+        for t, view in enumerate(tensor_views_v2(local)):
+            np.testing.assert_array_equal(view, peer.expected(cache_id, t, 2 * 6666)[6666:])
+        with pytest.raises(LLMException) as exc_info:
+            dd.cache_manager.pull_cache(CacheKey(P, 6), local)
+        assert exc_info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        dd.cache_manager.pull_cache(CacheKeyByIdAndIndex(P, cache_id, 0), local)
+
+
+def test_push_blocks_writes_into_the_owners_registered_memory(seed: int) -> None:
+    extra = _v2_options(remote_access=True)
+    with PromptPeer(P, next(_ports), seed, extra=extra) as peer, _Decoder(remote_access=True) as dd:
+        cache_id = peer.call("v2_register_blocks", (2, [6, 50], 4, True))
+        _link_one_sided(dd, peer)
+        local, arrays = _numpy_blocks_cache(dd, 2, [6, 50])
+        rng = np.random.default_rng(1)
+        for array in arrays:
+            array[:] = rng.integers(0, 256, array.nbytes, dtype=np.uint8)
+        dd.cache_manager.push_blocks(BlocksCacheKey(P, 4), local, [0, 5], [2, 3], tensor_num_per_layer=1)
+        for t, array in enumerate(arrays):
+            remote = np.frombuffer(peer.call("v2_bytes", (cache_id, t)), dtype=np.uint8).reshape(6, 100)
+            np.testing.assert_array_equal(remote[2], array.reshape(6, 100)[0])
+            np.testing.assert_array_equal(remote[3], array.reshape(6, 100)[5])
+            np.testing.assert_array_equal(remote[0], peer.expected(cache_id, t, 600).reshape(6, 100)[0])
+
+
+def test_documented_errors() -> None:
+    with _Decoder(remote_access=True, pools=False) as dd:
+        with pytest.raises(LLMException) as exc_info:
+            _ = dd.kv_cache_manager
+        assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        with pytest.raises(LLMException) as exc_info:
+            dd.check_link_status(P)
+        assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        with pytest.raises(LLMException) as exc_info:
+            dd.cache_manager.allocate_cache(CacheDesc(1, [1, 8], DataType.DT_FLOAT16))
+        assert exc_info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+        local, _ = _numpy_blocks_cache(dd, 2, [4, 8])
+        with pytest.raises(TypeError):
+            dd.cache_manager.pull_blocks(CacheKey(P, 1), local, [], [0])
+        with pytest.raises(LLMException) as exc_info:
+            dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), local, [0], [0])
+        assert exc_info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+        with pytest.raises(LLMException) as exc_info:
+            dd.cache_manager.register_blocks_cache(CacheDesc(2, [4, 8], DataType.DT_FLOAT16), [0, 1])
+        assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID  # address 0
+        info = LLMClusterInfo()
+        info.remote_cluster_id = P
+        info.append_remote_ip_info(PROMPT_IP, 1)
+        with pytest.raises(LLMException):
+            dd.link_clusters([info])  # v2 needs local ip info
+        with pytest.raises(LLMException) as exc_info:
+            dd.link("x", {D: 0}, default_rank_table({D: 0, P: 1}))
+        assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID  # one member
+        with pytest.raises(LLMException) as exc_info:
+            dd.link("x", {P: 0, D: 1}, "{not json")
+        assert exc_info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+
+
+def test_pools_and_out_of_memory() -> None:
+    small = json.dumps({"memory_size": 1 << 20, "page_shift": 12})
+    with _Decoder(remote_access=False, pools=False, extra={"llm.MemPoolConfig": small}) as dd:
+        cm = dd.cache_manager
+        first = cm.allocate_cache(CacheDesc(3, [1, 1024, 128], DataType.DT_FLOAT16))  # 768 KiB of 1 MiB
+        with pytest.raises(LLMException) as exc_info:
+            cm.allocate_cache(CacheDesc(3, [1, 1024, 128], DataType.DT_FLOAT16))
+        assert exc_info.value.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY
+        with pytest.raises(LLMException) as exc_info:
+            cm.allocate_cache(CacheDesc(1, [1, 8], DataType.DT_FLOAT16, Placement.HOST))
+        assert exc_info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED  # no host pool
+        with pytest.raises(LLMException):
+            cm.allocate_cache(CacheDesc(1, [2, 8], DataType.DT_FLOAT16), [CacheKey(D, 1), CacheKey(D, 1)])
+        cm.deallocate_cache(first)
+        assert first.tensor_addrs == []
+        cm.allocate_cache(CacheDesc(3, [1, 1024, 128], DataType.DT_FLOAT16))
