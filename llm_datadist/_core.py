@@ -507,7 +507,7 @@ class Core(ServerHooks):
         Goes over the link back to a peer that linked to us (its callback socket).
         """
         deadline = time.monotonic() + self.sync_kv_timeout_s
-        link = self.push_link(remote_cluster_id, deadline)
+        link = self.link_to(remote_cluster_id, deadline)
 
         def copy(grant: WriteGrant) -> None:
             if len(grant.range_offsets) != len(spans):

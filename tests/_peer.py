@@ -19,6 +19,7 @@ from llm_datadist import (
     BlocksCacheKey,
     CacheDesc,
     CacheKey,
+    CacheKeyByIdAndIndex,
     DataType,
     LayerSynchronizer,
     LLMClusterInfo,
@@ -26,6 +27,7 @@ from llm_datadist import (
     LLMDataDist,
     LLMRole,
     TransferConfig,
+    TransferWithCacheKeyConfig,
 )
 
 PROMPT_IP = "127.0.0.1"
@@ -183,6 +185,24 @@ def _prompt_main(
             elif command == "v2_bytes":
                 cache_id, tensor_index = args
                 result = bytes(tensor_views_v2(caches[cache_id])[tensor_index])
+            elif command == "v2_transfer":
+                # TransferWithCacheKeyConfig pushes: configs are (cluster, model_id or (cache_id, slot),
+                # src layer (start, stop), dst layer (start, stop)).
+                cache_id, configs, src_blocks, dst_blocks = args
+                key_configs = []
+                for cluster, target, src_layers, dst_layers in configs:
+                    key = (
+                        BlocksCacheKey(cluster, target)
+                        if isinstance(target, int)
+                        else CacheKeyByIdAndIndex(cluster, target[0], target[1])
+                    )
+                    key_configs.append(
+                        TransferWithCacheKeyConfig(key, range(*src_layers), range(*dst_layers))
+                    )
+                task = manager.transfer_cache_async(
+                    caches[cache_id], _Synchronizer("go", None), key_configs, src_blocks, dst_blocks
+                )
+                result = int(task.synchronize(int(CALL_TIMEOUT_S * 1000)))
             elif command == "link":
                 comm_name, members, table = args
                 result = datadist.link(comm_name, dict(members), table)

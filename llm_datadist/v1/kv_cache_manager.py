@@ -478,38 +478,53 @@ class KvCacheManager:
             _param_invalid(api, "transfer_configs must not be empty")
         record = self._record_of(api, core, src_cache)
         plans = [
-            _plan_transfer(api, record, config, src_block_indices, dst_block_indices, dst_block_memory_size)
+            plan_transfer(api, record, config, src_block_indices, dst_block_indices, dst_block_memory_size)
             for config in transfer_configs
         ]
-        clusters = {config.dst_cluster_id for config in transfer_configs}
-        linked = {peer.cluster_id for peer in core.server.peers()}
-        for cluster_id in sorted(clusters):
-            if cluster_id not in linked:
-                raise make_error(
-                    api, LLMStatusCode.LLM_NOT_YET_LINK, f"cluster {cluster_id} has not linked to us"
-                )
-            if core.server.peer_has_leases(cluster_id):
-                raise make_error(api, LLMStatusCode.LLM_LINK_BUSY, f"cluster {cluster_id} is pulling from us")
-
-        with api_errors(api):
-            pinned = core.table.pin(record.cache_id)
-        core.start_pushing(clusters)
-
-        def finish() -> None:
-            core.stop_pushing(clusters)
-            core.table.unpin(pinned)
-
         pushes = [
-            LayerPush(plan.dst_cluster_id, plan.layers, functools.partial(plan.push, core, pinned))
+            LayerPush(plan.dst_cluster_id, plan.layers, functools.partial(plan.push, core, record))
             for plan in plans
         ]
-        job = TransferJob(layer_synchronizer, pushes, record.num_tensors // 2, on_exit=finish)
-        job.start()
-        return CacheTask(
-            job,
+        return start_transfer(
+            api,
+            core,
+            record,
+            layer_synchronizer,
+            pushes,
             [config.dst_cluster_id for config in transfer_configs],
-            timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
+            LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
         )
+
+
+def start_transfer(
+    api: str,
+    core: Core,
+    record: CacheRecord,
+    synchronizer: LayerSynchronizer,
+    pushes: list[LayerPush],
+    dst_cluster_ids: list[int],
+    timeout_code: LLMStatusCode,
+) -> CacheTask:
+    """Start a transfer_cache_async job (both modes): every destination must be linked (either way) and
+    not pulling from us; the source stays pinned and pulls from the destinations are busy until it ends."""
+    clusters = set(dst_cluster_ids)
+    linked = {peer.cluster_id for peer in core.server.peers()} | set(core.linked_clusters())
+    for cluster_id in sorted(clusters):
+        if cluster_id not in linked:
+            raise make_error(api, LLMStatusCode.LLM_NOT_YET_LINK, f"cluster {cluster_id} is not linked")
+        if core.server.peer_has_leases(cluster_id):
+            raise make_error(api, LLMStatusCode.LLM_LINK_BUSY, f"cluster {cluster_id} is pulling from us")
+    with api_errors(api):
+        pinned = core.table.pin(record.cache_id)
+    core.start_pushing(clusters)
+
+    def finish() -> None:
+        core.stop_pushing(clusters)
+        core.table.unpin(pinned)
+
+    job = TransferJob(synchronizer, pushes, record.num_tensors // 2, on_exit=finish)
+    job.start()
+    return CacheTask(job, dst_cluster_ids, timeout_code=timeout_code)
 
 
 @dataclass(frozen=True)
@@ -538,7 +553,7 @@ class _TransferPlan:
         core.push(self.dst_cluster_id, record, spans)
 
 
-def _plan_transfer(
+def plan_transfer(
     api: str,
     record: CacheRecord,
     config: TransferConfig,
@@ -547,6 +562,10 @@ def _plan_transfer(
     dst_block_memory_size: int | None,
 ) -> _TransferPlan:
     """Validate one config against the source cache (reference §9.6) and plan its per-layer copies."""
+    if record.registered:
+        _param_invalid(
+            api, "a TransferConfig push reads a pool cache (a registered one needs remote cache access)"
+        )
     if record.num_tensors % 2:
         _param_invalid(
             api, f"the source cache must hold K, V per layer (an even tensor count), not {record.num_tensors}"

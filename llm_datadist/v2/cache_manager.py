@@ -9,15 +9,25 @@ link and then read or written with no round trip to the peer. Transfer timeouts 
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from shm.copyplan import plan_block_copy
+
+from .._copy import address_view
 from .._core import PLACEMENT_DEVICE, PLACEMENT_HOST, RemoteCache, UnitRun
 from .._engine import KEY_BLOCKS, KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
 from .._errors import api_errors
 from .._validate import check_int64, check_isinstance, check_range_step1, check_uint32, check_uint64
 from .._vm import allow_peers_to_attach, cross_memory_supported
 from ..status import LLMStatusCode, make_error
-from ..v1.kv_cache_manager import LayerArgs, TensorSelection, parse_layer_kwargs
+from ..v1.kv_cache_manager import (
+    LayerArgs,
+    TensorSelection,
+    parse_layer_kwargs,
+    plan_transfer,
+    start_transfer,
+)
 from .cache import Cache
 from .llm_types import (
     U64_MAX,
@@ -25,10 +35,14 @@ from .llm_types import (
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
+    LayerSynchronizer,
     MemInfo,
     Memtype,
     Placement,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
 )
+from .llm_utils import CacheTask, LayerPush
 
 if TYPE_CHECKING:
     from .._core import Core
@@ -619,6 +633,266 @@ class CacheManager:
                     to_remote=True,
                 )
 
+    # ------------------------------------------------------------------ layer-wise push
+
+    def transfer_cache_async(
+        self,
+        src_cache: Cache,
+        layer_synchronizer: LayerSynchronizer,
+        transfer_configs: list[TransferConfig] | list[TransferWithCacheKeyConfig],
+        src_block_indices: list[int] | None = None,
+        dst_block_indices: list[int] | None = None,
+        dst_block_memory_size: int | None = None,
+    ) -> CacheTask:
+        """Push `src_cache` layer by layer as its synchronizer releases the layers. Without remote cache
+        access the configs are `TransferConfig`s (raw destination addresses, as in v1); with it they are
+        `TransferWithCacheKeyConfig`s naming the destination cache, written one-sided. A timeout reports
+        LLM_TIMEOUT. The source must not be a HOST cache."""
+        api = "transfer_cache_async"
+        core = self._require_core(api)
+        check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer)
+        check_isinstance("transfer_configs", transfer_configs, (list, tuple))
+        remote_access = core.settings.remote_cache_accessible
+        expected = TransferWithCacheKeyConfig if remote_access else TransferConfig
+        for config in transfer_configs:
+            check_isinstance("transfer_configs", config, expected)
+        for name, indices in (
+            ("src_block_indices", src_block_indices),
+            ("dst_block_indices", dst_block_indices),
+        ):
+            if indices is not None:
+                check_isinstance(name, indices, (list, tuple))
+                for index in indices:
+                    check_uint64(name, index)
+        if dst_block_memory_size is not None:
+            check_uint64("dst_block_memory_size", dst_block_memory_size)
+        if not transfer_configs:
+            _invalid(api, "transfer_configs must not be empty")
+        record = self._record_of(api, core, src_cache, "src_cache")
+        if record.placement == PLACEMENT_HOST:
+            _invalid(api, "the source of transfer_cache_async must not be a HOST cache")
+        if record.num_tensors % 2:
+            _invalid(
+                api, f"the source must hold K, V per layer (an even tensor count), not {record.num_tensors}"
+            )
+        if not remote_access:
+            plans = [
+                plan_transfer(
+                    api, record, config, src_block_indices, dst_block_indices, dst_block_memory_size
+                )
+                for config in transfer_configs
+                if isinstance(config, TransferConfig)  # checked above; narrows the type
+            ]
+            pushes = [
+                LayerPush(plan.dst_cluster_id, plan.layers, functools.partial(plan.push, core, record))
+                for plan in plans
+            ]
+        else:
+            pushes = [
+                self._key_push(api, core, record, config, src_block_indices, dst_block_indices)
+                for config in transfer_configs
+                if isinstance(config, TransferWithCacheKeyConfig)  # checked above; narrows the type
+            ]
+        dst_clusters = [config.dst_cluster_id for config in transfer_configs]
+        return start_transfer(
+            api, core, record, layer_synchronizer, pushes, dst_clusters, LLMStatusCode.LLM_TIMEOUT
+        )
+
+    def _key_push(
+        self,
+        api: str,
+        core: Core,
+        record: CacheRecord,
+        config: TransferWithCacheKeyConfig,
+        src_blocks: list[int] | None,
+        dst_blocks: list[int] | None,
+    ) -> LayerPush:
+        """One TransferWithCacheKeyConfig as a layer push: source layer l goes to destination layer
+        dst_layer_range[l - src_layer_range.start] of the cache the key names, one-sided."""
+        layers, dst_layers = config.src_layer_range, config.dst_layer_range
+        if layers.stop > record.num_tensors // 2:
+            _invalid(api, f"src_layer_range {layers} exceeds the source's {record.num_tensors // 2} layers")
+        key = config.cache_key
+        to_blocks = isinstance(key, BlocksCacheKey)
+        if to_blocks != record.is_blocks:
+            _invalid(
+                api, "a BlocksCacheKey destination needs a blocks source, and a cache id a continuous one"
+            )
+        unit = record.slot_nbytes
+        if to_blocks:
+            if not src_blocks or dst_blocks is None or len(src_blocks) != len(dst_blocks):
+                _invalid(api, "blocks to blocks needs src and dst block indices of the same length")
+            if max(src_blocks) >= record.batch_size:
+                _invalid(api, f"src block {max(src_blocks)} >= the source's {record.batch_size} blocks")
+        elif config.src_batch_index >= record.batch_size:
+            _invalid(api, f"src_batch_index {config.src_batch_index} out of range")
+
+        def push_layer(layer: int) -> None:
+            dst_layer = dst_layers[layer - layers.start]
+            if isinstance(key, BlocksCacheKey):
+                remote = self._remote(api, core, key.cluster_id, None, key.model_id)
+                assert src_blocks is not None and dst_blocks is not None
+                if remote.unit_nbytes != unit or max(dst_blocks) >= remote.num_units:
+                    _invalid(api, "remote block size or block index does not match")
+                runs = [
+                    UnitRun(d * unit, s * unit, unit) for s, d in zip(src_blocks, dst_blocks, strict=True)
+                ]
+            else:
+                remote = self._remote(api, core, key.cluster_id, key.cache_id, None)
+                if key.batch_index >= remote.num_units or remote.unit_nbytes < unit:
+                    _invalid(api, "the remote slot cannot hold the local slot")
+                runs = [UnitRun(key.batch_index * remote.unit_nbytes, config.src_batch_index * unit, unit)]
+            self._check_remote_tensors(api, remote, TensorSelection(2 * dst_layer, 2, False, 2 * layer))
+            with api_errors(api, timeout_code=LLMStatusCode.LLM_TIMEOUT):
+                core.transfer_one_sided(
+                    key.cluster_id, remote, 2 * dst_layer, record, 2 * layer, 2, runs, to_remote=True
+                )
+
+        return LayerPush(config.dst_cluster_id, layers, push_layer)
+
+    # ------------------------------------------------------------------ local copies
+
+    def copy_cache(
+        self,
+        dst: Cache,
+        src: Cache,
+        dst_batch_index: int = 0,
+        src_batch_index: int = 0,
+        offset: int = 0,
+        size: int = -1,
+        req_id: int | None = None,
+    ) -> None:
+        """Copy one slot of every tensor between two non-blocks caches of this process (pool or registered);
+        `offset` < slot; `size` -1 means slot - offset. `req_id` is only logged."""
+        api = "copy_cache"
+        core = self._require_core(api)
+        check_uint32("dst_batch_index", dst_batch_index)
+        check_uint32("src_batch_index", src_batch_index)
+        check_uint64("offset", offset)
+        check_int64("size", size)
+        if req_id is not None:
+            check_uint64("req_id", req_id)
+        dst_record = self._record_of(api, core, dst, "dst")
+        src_record = self._record_of(api, core, src, "src")
+        if dst_record.is_blocks or src_record.is_blocks:
+            _invalid(api, "copy_cache does not take blocks caches")
+        if (
+            dst_record.num_tensors != src_record.num_tensors
+            or dst_record.slot_nbytes != src_record.slot_nbytes
+        ):
+            _invalid(api, "the caches differ in tensor count or slot size")
+        slot = src_record.slot_nbytes
+        if dst_batch_index >= dst_record.batch_size or src_batch_index >= src_record.batch_size:
+            _invalid(api, "batch index out of range")
+        if offset >= slot:
+            _invalid(api, f"offset {offset} must be smaller than the slot ({slot} bytes)")
+        nbytes = slot - offset if size == -1 else size
+        if nbytes <= 0 or offset + nbytes > slot:
+            _invalid(api, f"size {size} does not fit the slot after offset {offset}")
+        with (
+            self._timeout_errors(api),
+            core.table.pinned(src_record.cache_id),
+            core.table.pinned(dst_record.cache_id),
+        ):
+            _addr_copy(
+                core.copier,
+                src_record.tensor_addrs(),
+                dst_record.tensor_addrs(),
+                src_record.tensor_nbytes,
+                dst_record.tensor_nbytes,
+                [src_batch_index],
+                [dst_batch_index],
+                slot,
+                slot,
+                nbytes,
+                offset,
+            )
+
+    def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
+        """Within one blocks cache, copy block `src` to each listed destination block, in every tensor."""
+        api = "copy_blocks"
+        core = self._require_core(api)
+        check_isinstance("copy_block_info", copy_block_info, dict)
+        pairs: list[tuple[int, int]] = []
+        for src_block, dst_blocks in copy_block_info.items():
+            check_uint64("copy_block_info", src_block)
+            check_isinstance("copy_block_info", dst_blocks, list)
+            for dst_block in dst_blocks:
+                check_uint64("copy_block_info", dst_block)
+                pairs.append((src_block, dst_block))
+        record = self._record_of(api, core, cache)
+        if not record.is_blocks:
+            _invalid(api, "copy_blocks takes a blocks cache")
+        if any(max(pair) >= record.batch_size for pair in pairs):
+            _invalid(api, f"block index out of range ({record.batch_size} blocks)")
+        destinations = [d for _, d in pairs]
+        if len(set(destinations)) != len(destinations) or set(destinations) & set(copy_block_info):
+            _invalid(api, "a destination block is listed twice or is also a source")
+        if not pairs:
+            return
+        block = record.slot_nbytes
+        with self._timeout_errors(api), core.table.pinned(record.cache_id):
+            addrs = record.tensor_addrs()
+            _addr_copy(
+                core.copier,
+                addrs,
+                addrs,
+                record.tensor_nbytes,
+                record.tensor_nbytes,
+                [s for s, _ in pairs],
+                destinations,
+                block,
+                block,
+                block,
+            )
+
+    def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> None:
+        """Copy blocks between a HOST cpu cache (`Cache.create_cpu_cache`, memory the caller owns) and a
+        cache of this process, either way: same block size and tensor count, indices in range."""
+        api = "swap_blocks"
+        core = self._require_core(api)
+        check_isinstance("src_cache", src_cache, Cache)
+        check_isinstance("dst_cache", dst_cache, Cache)
+        check_isinstance("src_to_dst", src_to_dst, dict)
+        for src_block, dst_block in src_to_dst.items():
+            check_uint64("src_to_dst", src_block)
+            check_uint64("src_to_dst", dst_block)
+        cpu_src, cpu_dst = src_cache.cache_id == -1, dst_cache.cache_id == -1
+        if cpu_src == cpu_dst:
+            _invalid(
+                api, "one side must be a cpu cache (Cache.create_cpu_cache) and the other a cache of ours"
+            )
+        ours = self._record_of(api, core, dst_cache if cpu_src else src_cache)
+        cpu = src_cache if cpu_src else dst_cache
+        cpu_desc = cpu.cache_desc
+        cpu_block = cpu_desc.size // cpu_desc.shape[0]
+        if cpu_block != ours.slot_nbytes or cpu_desc.num_tensors != ours.num_tensors:
+            _invalid(api, "the caches differ in block size or tensor count")
+        src_units, dst_units = list(src_to_dst), list(src_to_dst.values())
+        src_count = cpu_desc.shape[0] if cpu_src else ours.batch_size
+        dst_count = ours.batch_size if cpu_src else cpu_desc.shape[0]
+        if any(s >= src_count for s in src_units) or any(d >= dst_count for d in dst_units):
+            _invalid(api, "block index out of range")
+        if len(set(dst_units)) != len(dst_units):
+            _invalid(api, "a destination block is named twice")
+        if not src_units:
+            return
+        cpu_addrs, our_addrs = list(cpu.tensor_addrs), ours.tensor_addrs()
+        with self._timeout_errors(api), core.table.pinned(ours.cache_id):
+            src_addrs, dst_addrs = (cpu_addrs, our_addrs) if cpu_src else (our_addrs, cpu_addrs)
+            _addr_copy(
+                core.copier,
+                src_addrs,
+                dst_addrs,
+                cpu_desc.size,
+                cpu_desc.size,
+                src_units,
+                dst_units,
+                cpu_block,
+                cpu_block,
+                cpu_block,
+            )
+
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
@@ -676,3 +950,25 @@ class CacheManager:
 
 
 __all__ = ["PLACEMENT_HOST", "CacheManager"]
+
+
+def _addr_copy(
+    copier: Any,
+    src_addrs: list[int],
+    dst_addrs: list[int],
+    src_span_nbytes: int,
+    dst_span_nbytes: int,
+    src_units: list[int],
+    dst_units: list[int],
+    src_unit_nbytes: int,
+    dst_unit_nbytes: int,
+    nbytes: int,
+    offset: int = 0,
+) -> None:
+    """Copy unit `src_units[k]` to unit `dst_units[k]` of every tensor pair, through address views (pool
+    caches, registered memory and cpu caches alike); one numpy-built plan per tensor."""
+    for src_addr, dst_addr in zip(src_addrs, dst_addrs, strict=True):
+        runs = plan_block_copy(
+            [offset], [offset], src_units, dst_units, src_unit_nbytes, dst_unit_nbytes, nbytes
+        )
+        copier.run(runs, address_view(src_addr, src_span_nbytes), address_view(dst_addr, dst_span_nbytes))

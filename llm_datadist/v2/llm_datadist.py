@@ -251,7 +251,7 @@ class LLMDataDist:
             )
         listen: tuple[str, int] | None = None
         text = (switch_options or {}).get("llm.listenIpInfo")
-        if role == LLMRole.PROMPT or (v2 and text):
+        if (not v2 and role == LLMRole.PROMPT) or (v2 and text):
             if not text:
                 raise make_error(
                     api, LLMStatusCode.LLM_PARAM_INVALID, "switching to PROMPT needs llm.listenIpInfo"

@@ -12,6 +12,7 @@ import pytest
 
 from llm_datadist import (
     BlocksCacheKey,
+    Cache,
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
@@ -226,3 +227,85 @@ def test_pools_and_out_of_memory() -> None:
         cm.deallocate_cache(first)
         assert first.tensor_addrs == []
         cm.allocate_cache(CacheDesc(3, [1, 1024, 128], DataType.DT_FLOAT16))
+
+
+def test_layer_wise_push_by_key_into_registered_memory(seed: int) -> None:
+    extra = _v2_options(remote_access=True)
+    with PromptPeer(P, next(_ports), seed, extra=extra) as peer, _Decoder(remote_access=True) as dd:
+        cache_id = peer.call("v2_alloc", (4, [4, 64], [], 0))  # 2 layers, 4 blocks of 128 bytes
+        _link_one_sided(dd, peer)
+        local, arrays = _numpy_blocks_cache(dd, 4, [6, 64])
+        # This process's cache must be named by a model id for a BlocksCacheKey push.
+        dd._require_core().table.bind_blocks_key(9, local.cache_id)
+        code = peer.call("v2_transfer", (cache_id, [(D, 9, (0, 2), (0, 2))], [3, 0], [5, 1]))
+        assert code == int(LLMStatusCode.LLM_SUCCESS)
+        for t, array in enumerate(arrays):
+            remote = peer.expected(cache_id, t, 4 * 128).reshape(4, 128)
+            got = array.reshape(6, 128)
+            np.testing.assert_array_equal(got[5], remote[3])
+            np.testing.assert_array_equal(got[1], remote[0])
+            assert not got[[0, 2, 3, 4]].any()
+
+
+def test_local_copies_between_pool_registered_and_cpu_caches() -> None:
+    with _Decoder(remote_access=False) as dd:
+        cm = dd.cache_manager
+        pool = cm.allocate_blocks_cache(CacheDesc(2, [4, 33], DataType.DT_FLOAT16))
+        registered, arrays = _numpy_blocks_cache(dd, 2, [4, 33], remote_accessible=False)
+        rng = np.random.default_rng(3)
+        for array in arrays:
+            array[:] = rng.integers(0, 256, array.nbytes, dtype=np.uint8)
+        cm.copy_blocks(registered, {0: [2, 3]})
+        for array in arrays:
+            blocks = array.reshape(4, 66)
+            np.testing.assert_array_equal(blocks[2], blocks[0])
+            np.testing.assert_array_equal(blocks[3], blocks[0])
+        host = [np.zeros(4 * 66, dtype=np.uint8) for _ in range(2)]
+        cpu = Cache.create_cpu_cache(
+            CacheDesc(2, [4, 33], DataType.DT_FLOAT16, Placement.HOST), [h.ctypes.data for h in host]
+        )
+        cm.swap_blocks(registered, cpu, {1: 0, 0: 3})  # swap out
+        for array, h in zip(arrays, host, strict=True):
+            np.testing.assert_array_equal(h.reshape(4, 66)[0], array.reshape(4, 66)[1])
+            np.testing.assert_array_equal(h.reshape(4, 66)[3], array.reshape(4, 66)[0])
+        cm.swap_blocks(cpu, pool, {3: 2})  # swap in
+        for t, view in enumerate(tensor_views_v2(pool)):
+            np.testing.assert_array_equal(view.reshape(4, 66)[2], host[t].reshape(4, 66)[3])
+        with pytest.raises(LLMException):
+            cm.swap_blocks(registered, pool, {0: 0})  # neither side is a cpu cache
+        with pytest.raises(LLMException):
+            cm.copy_blocks(registered, {0: [9]})
+        continuous = cm.allocate_cache(CacheDesc(2, [3, 50], DataType.DT_FLOAT16))
+        other = cm.allocate_cache(CacheDesc(2, [2, 50], DataType.DT_FLOAT16))
+        for view in tensor_views_v2(continuous):
+            view[:] = rng.integers(0, 256, view.nbytes, dtype=np.uint8)
+        cm.copy_cache(other, continuous, 1, 2, offset=7, size=33)
+        for src, dst in zip(tensor_views_v2(continuous), tensor_views_v2(other), strict=True):
+            np.testing.assert_array_equal(dst[100 + 7 : 100 + 40], src[200 + 7 : 200 + 40])
+        with pytest.raises(LLMException):
+            cm.copy_cache(other, pool)  # blocks caches are not copy_cache's
+
+
+def test_remote_accessible_defaults_and_switch_role(seed: int) -> None:
+    with _Decoder(remote_access=False, extra={"llm.LinkTotalTime": "1"}) as dd:
+        cm = dd.cache_manager
+        device, _ = _numpy_blocks_cache(dd, 1, [2, 8], remote_accessible=None)
+        assert dd._require_core().table.get(device.cache_id).remote_accessible  # DEVICE default: True
+        comm_id = dd.link("alone", {D: 0, P: 1}, default_rank_table({D: 0, P: 1}))
+        arrays = [np.zeros(16, dtype=np.float16)]
+        desc = CacheDesc(1, [2, 8], DataType.DT_FLOAT16)
+        later = cm.register_blocks_cache(desc, [arrays[0].ctypes.data])
+        assert not dd._require_core().table.get(later.cache_id).remote_accessible  # after link(): False
+        with pytest.raises(LLMException):
+            cm.register_blocks_cache(desc, [arrays[0].ctypes.data + 64], remote_accessible=True)
+        deadline = time.monotonic() + 10
+        while dd.query_register_mem_status(comm_id) == RegisterMemStatus.PREPARING:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert dd.query_register_mem_status(comm_id) == RegisterMemStatus.FAILED  # nobody else came
+        dd.unlink(comm_id)
+        # v2 switch_role: no same-role check; the listen address decides whether this side serves.
+        dd.switch_role(LLMRole.DECODER, {"llm.listenIpInfo": f"{PROMPT_IP}:{next(_ports)}"})
+        assert dd._require_core().public_path is not None
+        dd.switch_role(LLMRole.PROMPT)
+        assert dd._require_core().public_path is None
