@@ -417,38 +417,141 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
         )
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.small:
-        shape = Shape(layers=4, tokens=256, kv_heads=8, head_dim=128)
-    else:
-        shape = Shape(layers=args.layers, tokens=args.tokens, kv_heads=args.kv_heads, head_dim=args.head_dim)
-    port = args.port or 20000 + os.getpid() % 40000
+COMM_NAME = "pd_comm_demo"
+V2_MEMBERS = {PROMPT_CLUSTER: 0, DECODER_CLUSTER: 1}
+
+
+def _v2_options(timeout_ms: int) -> dict[str, str]:
+    """Cache-manager mode as vllm-ascend's LLMDataDistCMgrConnector set it up."""
+    options = _options(None, timeout_ms)
+    options.update(
+        {"llm.EnableCacheManager": "1", "llm.EnableRemoteCacheAccessible": "1", "llm.LinkTotalTime": "60"}
+    )
+    return options
+
+
+def _registered_blocks(shape: Shape) -> list[np.ndarray]:
+    """Memory this process owns (as a framework's KV tensors would be), one array per tensor."""
+    return [
+        np.zeros(shape.pool_blocks * shape.block_nbytes, dtype=np.uint8) for _ in range(shape.num_tensors)
+    ]
+
+
+def _two_sided_link(datadist: Any, deadline_s: float) -> int:
+    from llm_datadist import RegisterMemStatus
+    from llm_datadist._rank_table import default_rank_table
+
+    comm_id: int = datadist.link(COMM_NAME, dict(V2_MEMBERS), default_rank_table(V2_MEMBERS))
+    deadline = time.monotonic() + deadline_s
+    while (status := datadist.query_register_mem_status(comm_id)) != RegisterMemStatus.OK:
+        if status == RegisterMemStatus.FAILED or time.monotonic() > deadline:
+            raise RuntimeError(f"two-sided link failed: {status}")
+        time.sleep(0.01)
+    return comm_id
+
+
+def _prompt_v2(pipe: Connection, peer: Connection, shape: Shape, port: int, timeout_ms: int) -> None:
+    from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole
+
+    datadist = LLMDataDist(LLMRole.PROMPT, PROMPT_CLUSTER)
+    try:
+        datadist.init(_v2_options(timeout_ms))
+        manager = datadist.cache_manager
+        arrays = _registered_blocks(shape)
+        for t, array in enumerate(arrays):
+            array[:] = expected_slot(t, PAGED_SLOT, array.nbytes)
+        desc = CacheDesc(
+            shape.num_tensors,
+            [shape.pool_blocks, BLOCK_TOKENS, shape.kv_heads, shape.head_dim],
+            DataType.DT_FLOAT16,
+        )
+        cache = manager.register_blocks_cache(
+            desc, [a.ctypes.data for a in arrays], BlocksCacheKey(PROMPT_CLUSTER, PAGED_MODEL_ID)
+        )
+        comm_id = _two_sided_link(datadist, 120)
+        pipe.send(("ready", None))
+        pipe.poll(3600)
+        pipe.recv()
+        datadist.unlink(comm_id)
+        manager.unregister_cache(cache.cache_id)
+        pipe.send(("done", None))
+    except Exception:
+        pipe.send(("error", traceback.format_exc()))
+    finally:
+        datadist.finalize()
+
+
+def _decoder_v2(pipe: Connection, peer: Connection, shape: Shape, port: int, timeout_ms: int) -> None:
+    from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole
+
+    datadist = LLMDataDist(LLMRole.DECODER, DECODER_CLUSTER)
+    rows: list[dict[str, Any]] = []
+    mismatches = 0
+    try:
+        datadist.init(_v2_options(timeout_ms))
+        manager = datadist.cache_manager
+        arrays = _registered_blocks(shape)
+        desc = CacheDesc(
+            shape.num_tensors,
+            [shape.pool_blocks, BLOCK_TOKENS, shape.kv_heads, shape.head_dim],
+            DataType.DT_FLOAT16,
+        )
+        cache = manager.register_blocks_cache(desc, [a.ctypes.data for a in arrays])
+        comm_id = _two_sided_link(datadist, 120)
+        prompt_blocks, decoder_blocks = block_order(shape, 1), block_order(shape, 2)
+        nbytes = shape.table_blocks * shape.block_nbytes * shape.num_tensors
+        key = BlocksCacheKey(PROMPT_CLUSTER, PAGED_MODEL_ID)
+        for name in ("v2 pull_blocks, registered memory, first", "v2 pull_blocks, registered memory"):
+            for array in arrays:
+                array[:] = 0
+            started = time.perf_counter()
+            manager.pull_blocks(key, cache, prompt_blocks, decoder_blocks)
+            seconds = time.perf_counter() - started
+            rows.append({"name": name, "nbytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9})
+            for t, array in enumerate(arrays):
+                blocks = array.reshape(shape.pool_blocks, -1)
+                want = expected_slot(t, PAGED_SLOT, array.nbytes).reshape(shape.pool_blocks, -1)
+                mismatches += int(np.count_nonzero(blocks[decoder_blocks] != want[prompt_blocks]))
+                untouched = sorted(set(range(shape.pool_blocks)) - set(decoder_blocks))
+                mismatches += int(np.count_nonzero(blocks[untouched]))
+        datadist.unlink(comm_id)
+        manager.unregister_cache(cache.cache_id)
+        pipe.send(("done", {"rows": rows, "mismatches": mismatches}))
+    except Exception:
+        pipe.send(("error", traceback.format_exc()))
+    finally:
+        datadist.finalize()
+
+
+def _run_pair(
+    prompt_target: Any, decoder_target: Any, shape: Shape, port: int, timeout_ms: int, *, together: bool
+) -> dict[str, Any] | None:
+    """Run a Prompt and a Decoder process; `together` starts both at once (a two-sided link needs both)."""
     ctx = mp.get_context("spawn")
     prompt_pipe, prompt_child = ctx.Pipe()
     decoder_pipe, decoder_child = ctx.Pipe()
     # The Decoder asks the Prompt for the layer-wise push directly, over its own pipe.
     prompt_peer, decoder_peer = ctx.Pipe()
     prompt = ctx.Process(
-        target=_prompt, args=(prompt_child, prompt_peer, shape, port, args.timeout_ms), name="prompt"
+        target=prompt_target, args=(prompt_child, prompt_peer, shape, port, timeout_ms), name="prompt"
     )
     decoder = ctx.Process(
-        target=_decoder, args=(decoder_child, decoder_peer, shape, port, args.timeout_ms), name="decoder"
-    )
-    total = shape.slot_nbytes * shape.num_tensors
-    print(
-        f"KV cache: {shape.layers} layers x (K, V), {shape.tokens} tokens, {shape.kv_heads} KV heads x "
-        f"{shape.head_dim}, fp16: {_format_nbytes(total)} per request, {os.cpu_count()} CPUs"
+        target=decoder_target, args=(decoder_child, decoder_peer, shape, port, timeout_ms), name="decoder"
     )
     result: dict[str, Any] | None = None
     try:
         prompt.start()
+        if together:
+            decoder.start()
         _wait(prompt_pipe, "prompt", 600)
-        decoder.start()
+        if not together:
+            decoder.start()
         result = _wait(decoder_pipe, "decoder", 1800)
         prompt_pipe.send(("stop", None))
         _wait(prompt_pipe, "prompt", 120)
     except (TimeoutError, RuntimeError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
+        result = None
     finally:
         for process in (decoder, prompt):
             process.join(30)
@@ -458,11 +561,30 @@ def run(args: argparse.Namespace) -> int:
         from shm.reaper import reap
 
         reap()
-    if result is None:
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.small:
+        shape = Shape(layers=4, tokens=256, kv_heads=8, head_dim=128)
+    else:
+        shape = Shape(layers=args.layers, tokens=args.tokens, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    port = args.port or 20000 + os.getpid() % 40000
+    total = shape.slot_nbytes * shape.num_tensors
+    print(
+        f"KV cache: {shape.layers} layers x (K, V), {shape.tokens} tokens, {shape.kv_heads} KV heads x "
+        f"{shape.head_dim}, fp16: {_format_nbytes(total)} per request, {os.cpu_count()} CPUs"
+    )
+    v1 = _run_pair(_prompt, _decoder, shape, port, args.timeout_ms, together=False)
+    # Cache-manager mode, shaped like vllm-ascend's connector: both sides register memory they own,
+    # link two-sided, and the Decoder pulls a block table.
+    v2 = _run_pair(_prompt_v2, _decoder_v2, shape, port, args.timeout_ms, together=True)
+    if v1 is None or v2 is None:
         return 1
-    print_table(result["rows"])
-    if result["mismatches"]:
-        print(f"FAILED: {result['mismatches']} bytes differ", file=sys.stderr)
+    print_table(v1["rows"] + v2["rows"])
+    mismatches = v1["mismatches"] + v2["mismatches"]
+    if mismatches:
+        print(f"FAILED: {mismatches} bytes differ", file=sys.stderr)
         return 1
     print("every byte verified")
     return 0

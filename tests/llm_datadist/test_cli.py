@@ -26,6 +26,7 @@ def test_small_demo_verifies_every_byte_and_leaves_nothing() -> None:
         "numpy.copyto, 2 threads",
         "transfer_cache_async",
         "pull_blocks",
+        "v2 pull_blocks, registered memory",
     ):
         assert row in result.stdout
     assert set(os.listdir("/dev/shm")) <= before
