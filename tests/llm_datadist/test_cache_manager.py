@@ -309,3 +309,89 @@ def test_remote_accessible_defaults_and_switch_role(seed: int) -> None:
         assert dd._require_core().public_path is not None
         dd.switch_role(LLMRole.PROMPT)
         assert dd._require_core().public_path is None
+
+
+def test_push_cache_and_continuous_slot_into_blocks(seed: int) -> None:
+    extra = _v2_options(remote_access=True)
+    with PromptPeer(P, next(_ports), seed, extra=extra) as peer, _Decoder(remote_access=True) as dd:
+        cont_id = peer.call("v2_alloc", (2, [3, 300], [], None))  # 600-byte slots
+        _link_one_sided(dd, peer)
+        cm = dd.cache_manager
+        local = cm.allocate_cache(CacheDesc(2, [2, 300], DataType.DT_FLOAT16))
+        rng = np.random.default_rng(5)
+        for view in tensor_views_v2(local):
+            view[:] = rng.integers(0, 256, view.nbytes, dtype=np.uint8)
+        cm.push_cache(CacheKeyByIdAndIndex(P, cont_id, 2), local, 1)
+        for t, view in enumerate(tensor_views_v2(local)):
+            remote = np.frombuffer(peer.call("v2_bytes", (cont_id, t)), dtype=np.uint8)
+            np.testing.assert_array_equal(remote[1200:1800], view[600:1200])
+            np.testing.assert_array_equal(remote[:1200], peer.expected(cont_id, t, 1800)[:1200])
+        with pytest.raises(LLMException):
+            cm.push_cache(CacheKeyByIdAndIndex(P, cont_id, 3), local)  # no slot 3 over there
+        # A continuous remote slot cut into local blocks of 256 bytes: 600 = 256 + 256 + 88.
+        blocks = cm.allocate_blocks_cache(CacheDesc(2, [5, 128], DataType.DT_FLOAT16))
+        cm.pull_blocks(CacheKeyByIdAndIndex(P, cont_id, 0), blocks, [], [4, 0, 2])
+        for t, view in enumerate(tensor_views_v2(blocks)):
+            source = peer.expected(cont_id, t, 1800)[:600]
+            np.testing.assert_array_equal(view[1024:1280], source[:256])
+            np.testing.assert_array_equal(view[0:256], source[256:512])
+            np.testing.assert_array_equal(view[512:600], source[512:600])
+
+
+def test_v2_timeout_is_llm_timeout(seed: int) -> None:
+    import os
+    import signal
+
+    import psutil
+
+    extra = _v2_options(remote_access=False)
+    with PromptPeer(P, next(_ports), seed, extra=extra) as peer:
+        dd_ctx = _Decoder(remote_access=False, extra={"llm.SyncKvCacheWaitTime": "300"})
+        with dd_ctx as dd:
+            cache_id = peer.call("v2_alloc", (2, [1, 64], [(P, 1)], None))
+            _link_one_sided(dd, peer)
+            local = dd.cache_manager.allocate_cache(CacheDesc(2, [1, 64], DataType.DT_FLOAT16))
+            os.kill(peer.pid, signal.SIGSTOP)
+            try:
+                while psutil.Process(peer.pid).status() != psutil.STATUS_STOPPED:
+                    time.sleep(0.001)
+                with pytest.raises(LLMException) as exc_info:
+                    dd.cache_manager.pull_cache(CacheKeyByIdAndIndex(P, cache_id, 0), local)
+            finally:
+                os.kill(peer.pid, signal.SIGCONT)
+            assert exc_info.value.status_code == LLMStatusCode.LLM_TIMEOUT
+
+
+def test_forged_requests_are_refused_without_touching_memory(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    from llm_datadist._transport import ClientLink
+    from protocol.messages import KEY_BLOCKS, ResolveRequest, WriteRequest
+
+    extra = _v2_options(remote_access=False)
+    port = next(_ports)
+    with PromptPeer(P, port, seed, extra=extra) as peer:
+        cache_id = peer.call("v2_register_blocks", (2, [4, 64], 0, True))
+        before = [peer.call("v2_bytes", (cache_id, t)) for t in range(2)]
+        link = ClientLink.connect(
+            _runtime_dir / f"{PROMPT_IP}_{port}.sock",
+            cluster_id=66,
+            remote_cluster_id=P,
+            role=2,
+            deadline=time.monotonic() + 5,
+        )
+        try:
+            deadline = time.monotonic() + 5
+            # Addresses that are not inside one registered tensor: refused, nothing pinned or written.
+            for addrs, sizes in (((0x1000,), (64,)), ((2**47,), (1 << 20,))):
+                seq = link.next_seq()
+                with pytest.raises(Exception, match="not inside one tensor"):
+                    link.request(WriteRequest(seq, addrs, sizes), seq, deadline)
+            # A tensor range beyond the cache: refused.
+            seq = link.next_seq()
+            with pytest.raises(Exception, match="exceed"):
+                link.request(
+                    ResolveRequest(seq, KEY_BLOCKS, 0, 0, 0, 1, 5, False, False, False), seq, deadline
+                )
+        finally:
+            link.close(say_bye=True)
+        assert [peer.call("v2_bytes", (cache_id, t)) for t in range(2)] == before
+        assert peer.call("stats")["leases"] == 0
