@@ -419,31 +419,12 @@ class CacheTable:
     ) -> Grant:
         """Find the slot a pull names, check the ranges against it and pin it with a lease."""
         with self._lock:
-            consume_key: KeyId | None = None
-            if key_kind == KEY_CACHE_ID:
-                record = self._caches.get(key_id)
-                if record is None or record.is_blocks:
-                    raise StatusError(
-                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key_id} does not exist"
-                    )
-                if batch_index >= record.batch_size:
-                    raise StatusError(
-                        LLMStatusCode.LLM_PARAM_INVALID,
-                        f"batch index {batch_index} out of range for batch size {record.batch_size}",
-                    )
-                slot = batch_index
-                consume_key = self._slot_req_key.get((record.cache_id, slot))
-            else:
-                key = (key_kind, key_id, model_id)
-                key_record = self._keys.get(key)
-                if key_record is None:
-                    raise StatusError(
-                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache key {_key_text(key)} does not exist"
-                    )
-                record = self._caches[key_record.cache_id]
-                slot = key_record.slot
-                # Prefix keys are never consumed by a pull.
-                consume_key = key if key_kind == KEY_REQ else None
+            record, slot, consume_key = self._find(key_kind, key_id, model_id, batch_index)
+            if key_kind == KEY_CACHE_ID and record.is_blocks:
+                # v1 pulls a continuous slot by cache id; a paged cache is pulled by its blocks key.
+                raise StatusError(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key_id} is a blocks cache"
+                )
             self._check_tensors(record, tensor_start, tensor_count, whole)
             if src_offset + nbytes > record.slot_nbytes:
                 raise StatusError(
@@ -470,12 +451,7 @@ class CacheTable:
     ) -> BlocksGrant:
         """Pin the blocks cache a BlocksCacheKey's model_id names (blocks keys are never consumed)."""
         with self._lock:
-            cache_id = self._blocks_keys.get(model_id)
-            record = self._caches.get(cache_id) if cache_id is not None else None
-            if record is None:
-                raise StatusError(
-                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no blocks cache with model_id {model_id}"
-                )
+            record, _, _ = self._find(KEY_BLOCKS, 0, model_id, 0)
             self._check_tensors(record, tensor_start, tensor_count, whole)
             lease = self._lease((record,), None, tensor_start, tensor_count, owner)
             return BlocksGrant(
@@ -541,38 +517,7 @@ class CacheTable:
         """Cache-manager mode: pin the cache a key names and say where its tensors are (segment offsets
         for pool caches, addresses for registered memory). Keys on registered memory are never consumed."""
         with self._lock:
-            consume_key: KeyId | None = None
-            slot = 0
-            if key_kind == KEY_BLOCKS:
-                cache_id = self._blocks_keys.get(model_id)
-                record = self._caches.get(cache_id) if cache_id is not None else None
-                if record is None:
-                    raise StatusError(
-                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no blocks cache with model_id {model_id}"
-                    )
-            elif key_kind == KEY_CACHE_ID:
-                record = self._caches.get(key_id)
-                if record is None:
-                    raise StatusError(
-                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key_id} does not exist"
-                    )
-                if batch_index >= record.batch_size:
-                    raise StatusError(
-                        LLMStatusCode.LLM_PARAM_INVALID,
-                        f"batch index {batch_index} out of range for {record.batch_size} slots",
-                    )
-                slot = batch_index
-                consume_key = self._slot_req_key.get((record.cache_id, slot))
-            else:
-                key = (key_kind, key_id, model_id)
-                key_record = self._keys.get(key)
-                if key_record is None:
-                    raise StatusError(
-                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache key {_key_text(key)} does not exist"
-                    )
-                record = self._caches[key_record.cache_id]
-                slot = key_record.slot
-                consume_key = key if key_kind == KEY_REQ else None
+            record, slot, consume_key = self._find(key_kind, key_id, model_id, batch_index)
             self._check_tensors(record, tensor_start, tensor_count, whole)
             if record.registered:
                 consume_key = None
@@ -645,6 +590,37 @@ class CacheTable:
                 pool.close()
 
     # ----------------------------------------------------------------- helpers (lock held)
+
+    def _find(
+        self, key_kind: int, key_id: int, model_id: int, batch_index: int
+    ) -> tuple[CacheRecord, int, KeyId | None]:
+        """The cache a key names, the slot it is bound to, and the req key a successful pull of that slot
+        consumes (none for prefix and blocks keys: those are never consumed)."""
+        if key_kind == KEY_BLOCKS:
+            cache_id = self._blocks_keys.get(model_id)
+            record = self._caches.get(cache_id) if cache_id is not None else None
+            if record is None:
+                raise StatusError(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no blocks cache with model_id {model_id}"
+                )
+            return record, 0, None
+        if key_kind == KEY_CACHE_ID:
+            record = self._caches.get(key_id)
+            if record is None:
+                raise StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key_id} does not exist")
+            if batch_index >= record.batch_size:
+                raise StatusError(
+                    LLMStatusCode.LLM_PARAM_INVALID,
+                    f"batch index {batch_index} out of range for batch size {record.batch_size}",
+                )
+            return record, batch_index, self._slot_req_key.get((record.cache_id, batch_index))
+        key = (key_kind, key_id, model_id)
+        key_record = self._keys.get(key)
+        if key_record is None:
+            raise StatusError(
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache key {_key_text(key)} does not exist"
+            )
+        return self._caches[key_record.cache_id], key_record.slot, key if key_kind == KEY_REQ else None
 
     def _lease(
         self,
