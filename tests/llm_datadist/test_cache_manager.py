@@ -395,3 +395,29 @@ def test_forged_requests_are_refused_without_touching_memory(seed: int, _runtime
             link.close(say_bye=True)
         assert [peer.call("v2_bytes", (cache_id, t)) for t in range(2)] == before
         assert peer.call("stats")["leases"] == 0
+
+
+def test_mode_specific_arguments() -> None:
+    from llm_datadist import TransferConfig, TransferWithCacheKeyConfig
+    from tests._peer import _Synchronizer
+
+    with _Decoder(remote_access=False) as dd:
+        cm = dd.cache_manager
+        source = cm.allocate_cache(CacheDesc(2, [1, 64], DataType.DT_FLOAT16))
+        with pytest.raises(LLMException) as exc_info:
+            cm.push_cache(CacheKeyByIdAndIndex(P, 1, 0), source)
+        assert exc_info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED  # needs remote access
+        key_config = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(P, 1, 0), range(0, 1), range(0, 1))
+        with pytest.raises(TypeError):
+            cm.transfer_cache_async(source, _Synchronizer("go", None), [key_config])
+        with pytest.raises(LLMException) as exc_info:
+            cm.transfer_cache_async(source, _Synchronizer("go", None), [TransferConfig(P, [1, 2])])
+        assert exc_info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+    with _Decoder(remote_access=True) as dd:
+        source = dd.cache_manager.allocate_cache(CacheDesc(2, [1, 64], DataType.DT_FLOAT16))
+        with pytest.raises(TypeError):
+            dd.cache_manager.transfer_cache_async(
+                source, _Synchronizer("go", None), [TransferConfig(P, [1, 2])]
+            )
+        with pytest.raises(TypeError):
+            dd.cache_manager.pull_cache(CacheKey(P, 1), source)  # one-sided pulls take a cache id
