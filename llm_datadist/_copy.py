@@ -15,9 +15,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from shm.copyplan import Run, check_runs, execute, split_runs
+from shm.copyplan import BlockPlan, Run, check_runs, execute, execute_blocks, split_runs
 
 ENV_COPY_THREADS = "LLM_DATADIST_COPY_THREADS"
+# Below this much per thread a hand-off to another thread costs more than it saves.
+_MIN_PART_NBYTES = 4 << 20
 
 
 def address_view(address: int, nbytes: int) -> np.ndarray:
@@ -53,6 +55,26 @@ class Copier:
         futures: list[Future[None]] = [executor.submit(execute, part, src, dst) for part in parts[1:]]
         try:
             execute(parts[0], src, dst)
+        finally:
+            for future in futures:
+                future.result()
+
+    def run_blocks(self, plan: BlockPlan, src: np.ndarray, dst: np.ndarray) -> None:
+        """Execute a paged plan, its tensors split over the copy threads when it is large."""
+        plan.check(src.nbytes, dst.nbytes)
+        count = len(plan.src_tensor_offsets)
+        parts = min(self.threads, count) if plan.total_nbytes >= 2 * _MIN_PART_NBYTES else 1
+        if parts <= 1:
+            execute_blocks(plan, src, dst)
+            return
+        bounds = [count * i // parts for i in range(parts + 1)]
+        executor = self._get_executor()
+        futures = [
+            executor.submit(execute_blocks, plan, src, dst, range(bounds[i], bounds[i + 1]))
+            for i in range(1, parts)
+        ]
+        try:
+            execute_blocks(plan, src, dst, range(bounds[0], bounds[1]))
         finally:
             for future in futures:
                 future.result()

@@ -36,7 +36,7 @@ from protocol.messages import (
     WriteGrant,
     WriteRequest,
 )
-from shm.copyplan import Run, plan_block_copy, plan_tensor_copy
+from shm.copyplan import BlockPlan, Run, plan_tensor_copy
 from shm.names import parse_segment_name
 from shm.pool import Pool
 from shm.reaper import reap
@@ -485,7 +485,7 @@ class Core(ServerHooks):
                 )
             src = self._peer_segment(link, grant.segment, grant.segment_nbytes, writable=False)
             dst_offsets = [dst.tensor_offset(spec.dst_tensor_start + i) for i in range(spec.tensor_count)]
-            runs = plan_block_copy(
+            plan = BlockPlan.make(
                 grant.tensor_offsets,
                 dst_offsets,
                 spec.src_blocks,
@@ -494,7 +494,7 @@ class Core(ServerHooks):
                 dst.slot_nbytes,
                 dst.slot_nbytes,
             )
-            self.copier.run(runs, src.array, dst.pool_block.segment.array)
+            self.copier.run_blocks(plan, src.array, dst.pool_block.segment.array)
 
         with link.exclusive(deadline):
             seq = link.next_seq()

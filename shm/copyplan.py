@@ -182,3 +182,94 @@ def execute(runs: Sequence[Run], src: npt.NDArray[np.uint8], dst: npt.NDArray[np
             dst[run.dst_offset : run.dst_offset + run.nbytes],
             src[run.src_offset : run.src_offset + run.nbytes],
         )
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """A paged copy kept as index arrays rather than runs: in tensor pair i, unit `src_units[k]` (of
+    `src_unit_nbytes`, starting at `src_tensor_offsets[i]`) goes to unit `dst_units[k]` of the destination,
+    `nbytes` from each. Executed with one numpy gather/scatter per tensor, not a Python call per block."""
+
+    src_tensor_offsets: tuple[int, ...]
+    dst_tensor_offsets: tuple[int, ...]
+    src_units: npt.NDArray[np.int64]
+    dst_units: npt.NDArray[np.int64]
+    src_unit_nbytes: int
+    dst_unit_nbytes: int
+    nbytes: int
+
+    @classmethod
+    def make(
+        cls,
+        src_tensor_offsets: Sequence[int],
+        dst_tensor_offsets: Sequence[int],
+        src_units: Sequence[int],
+        dst_units: Sequence[int],
+        src_unit_nbytes: int,
+        dst_unit_nbytes: int,
+        nbytes: int,
+    ) -> BlockPlan:
+        if len(src_tensor_offsets) != len(dst_tensor_offsets) or len(src_units) != len(dst_units):
+            raise ValueError("tensor offsets and unit lists must pair up")
+        if nbytes <= 0 or nbytes > src_unit_nbytes or nbytes > dst_unit_nbytes:
+            raise ValueError(
+                f"{nbytes} bytes per unit do not fit units of {src_unit_nbytes}/{dst_unit_nbytes}"
+            )
+        src = np.asarray(src_units, dtype=np.int64)
+        dst = np.asarray(dst_units, dtype=np.int64)
+        if (src.size and src.min() < 0) or (dst.size and dst.min() < 0):
+            raise ValueError("unit indices must be >= 0")
+        return cls(
+            tuple(src_tensor_offsets),
+            tuple(dst_tensor_offsets),
+            src,
+            dst,
+            src_unit_nbytes,
+            dst_unit_nbytes,
+            nbytes,
+        )
+
+    @property
+    def total_nbytes(self) -> int:
+        return len(self.src_tensor_offsets) * int(self.src_units.size) * self.nbytes
+
+    def check(self, src_nbytes: int, dst_nbytes: int) -> None:
+        """InvalidRange unless every unit of every tensor lies inside the arrays."""
+        if not self.src_units.size:
+            return
+        src_end = (
+            max(self.src_tensor_offsets) + int(self.src_units.max()) * self.src_unit_nbytes + self.nbytes
+        )
+        dst_end = (
+            max(self.dst_tensor_offsets) + int(self.dst_units.max()) * self.dst_unit_nbytes + self.nbytes
+        )
+        if min(self.src_tensor_offsets) < 0 or min(self.dst_tensor_offsets) < 0:
+            raise InvalidRange("negative tensor offset")
+        if src_end > src_nbytes or dst_end > dst_nbytes:
+            raise InvalidRange(
+                f"block plan reaches {src_end}/{dst_end} beyond {src_nbytes}/{dst_nbytes} bytes"
+            )
+
+
+def execute_blocks(
+    plan: BlockPlan, src: npt.NDArray[np.uint8], dst: npt.NDArray[np.uint8], tensors: range | None = None
+) -> None:
+    """Copy the plan's units for `tensors` (all by default): per tensor one gather and one scatter over
+    strided 2-D views (numpy releases the GIL, so a caller can run disjoint tensor ranges on threads)."""
+    plan.check(src.nbytes, dst.nbytes)
+    if not plan.src_units.size:
+        return
+    src_rows = int(plan.src_units.max()) + 1
+    dst_rows = int(plan.dst_units.max()) + 1
+    for i in tensors if tensors is not None else range(len(plan.src_tensor_offsets)):
+        src_2d = np.lib.stride_tricks.as_strided(
+            src[plan.src_tensor_offsets[i] :],
+            shape=(src_rows, plan.nbytes),
+            strides=(plan.src_unit_nbytes, 1),
+        )
+        dst_2d = np.lib.stride_tricks.as_strided(
+            dst[plan.dst_tensor_offsets[i] :],
+            shape=(dst_rows, plan.nbytes),
+            strides=(plan.dst_unit_nbytes, 1),
+        )
+        dst_2d[plan.dst_units] = src_2d[plan.src_units]
