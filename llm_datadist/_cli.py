@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import _demo
+from . import _bench, _demo
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="pull real-sized KV cache between two processes and verify it")
     _demo.add_arguments(demo)
     demo.set_defaults(func=_demo.run)
+    bench = sub.add_parser("bench", help="measure transfers against memcpy and the alternatives")
+    _bench.add_arguments(bench)
+    bench.set_defaults(func=_bench.run)
     sub.add_parser("gc", help="unlink shared memory left by dead processes").set_defaults(func=_gc)
     sub.add_parser("ls", help="list this user's llm_datadist shared memory").set_defaults(func=_ls)
     args = parser.parse_args(argv)

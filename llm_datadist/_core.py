@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import threading
@@ -310,6 +311,7 @@ class Core(ServerHooks):
         self._push_links: dict[int, ClientLink] = {}
         self._push_connect_lock = threading.Lock()
         self._tables: dict[int, RemoteTable] = {}
+        self.last_pull_breakdown: dict[str, float] = {}
         # Set once a two-sided link() was made: memory registered later defaults to remote_accessible=False.
         self.two_sided_links_made = False
         self._comms: dict[int, Comm] = {}
@@ -436,8 +438,10 @@ class Core(ServerHooks):
         """Resolve at the owner, copy from its segment into `dst`, release (consuming the key if asked)."""
         deadline = time.monotonic() + self.sync_kv_timeout_s
         link = self.get_link(spec.remote_cluster_id)
+        marks = [time.perf_counter()]
 
         def copy(grant: PullGrant) -> None:
+            marks.append(time.perf_counter())
             if len(grant.tensor_offsets) != spec.tensor_count or grant.nbytes != spec.nbytes:
                 raise StatusError(LLMStatusCode.LLM_FAILED, "peer granted a different range than requested")
             src = self._peer_segment(link, grant.segment, grant.segment_nbytes, writable=False)
@@ -446,7 +450,9 @@ class Core(ServerHooks):
                 for i in range(spec.tensor_count)
             ]
             runs = plan_tensor_copy(grant.tensor_offsets, dst_offsets, spec.nbytes)
+            marks.append(time.perf_counter())
             self.copier.run(runs, src.array, dst.pool_block.segment.array)
+            marks.append(time.perf_counter())
 
         with link.exclusive(deadline):
             seq = link.next_seq()
@@ -464,6 +470,15 @@ class Core(ServerHooks):
                 spec.consume,
             )
             self._leased(link, request, seq, PullGrant, deadline, copy)
+        marks.append(time.perf_counter())
+        # Where the last pull's time went (bench reads it): resolve round trip, planning, copy, release.
+        self.last_pull_breakdown = dict(
+            zip(
+                ("resolve", "plan", "copy", "release"),
+                (b - a for a, b in itertools.pairwise(marks)),
+                strict=False,
+            )
+        )
 
     def pull_blocks(self, spec: BlocksSpec, dst: CacheRecord) -> None:
         """Pin the owner's paged cache, copy block src_blocks[k] to dst_blocks[k] of every tensor, release."""

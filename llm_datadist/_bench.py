@@ -1,0 +1,627 @@
+"""`llm-datadist bench`: this engine side by side with memcpy and with what a user would pick instead.
+
+Rules: every figure comes from this run on this machine; throughput is reported as GB/s and as a ratio to
+`numpy.copyto` over two threads between warm buffers measured in the same run; latency as p50/p99 of many
+repetitions. The owner side of every transfer is a real process (spawned), the measuring side is this one.
+Peers that are not installed (NIXL, Mooncake) are reported as skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+OWNER, MEASURER = 1, 2
+IP = "127.0.0.1"
+U64_MAX = 2**64 - 1
+PREFIX = 7  # the owner binds every benchmark cache to this prefix key: prefix keys are never consumed
+
+
+# ====================================================================== helpers
+
+
+class Results:
+    def __init__(self, quiet: bool) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.quiet = quiet
+        self.reference_gbps: float | None = None
+
+    def add(self, group: str, name: str, nbytes: int, seconds: list[float], **extra: Any) -> None:
+        ordered = sorted(seconds)
+        p50 = statistics.median(ordered)
+        p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+        row = {
+            "group": group,
+            "name": name,
+            "nbytes": nbytes,
+            "gbps": nbytes / p50 / 1e9 if nbytes else None,
+            "p50_us": p50 * 1e6,
+            "p99_us": p99 * 1e6,
+            "samples": len(seconds),
+            **extra,
+        }
+        self.rows.append(row)
+        if not self.quiet:
+            print(
+                f"  {group:<10} {name:<48} {_fmt_nbytes(nbytes):>9}  p50 {p50 * 1e6:10.1f} us",
+                file=sys.stderr,
+            )
+
+    def skip(self, group: str, name: str, reason: str) -> None:
+        self.rows.append({"group": group, "name": name, "skipped": reason})
+        if not self.quiet:
+            print(f"  {group:<10} {name:<48} skipped: {reason}", file=sys.stderr)
+
+
+def _fmt_nbytes(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def _timed(action: Callable[[], object], repeats: int) -> list[float]:
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def _repeats(nbytes: int, quick: bool) -> int:
+    budget = (64 << 20) if quick else (512 << 20)
+    return max(3, min(200, budget // max(nbytes, 1)))
+
+
+# ====================================================================== baselines
+
+
+def _copy_samples(nbytes: int, threads: int, repeats: int) -> list[float]:
+    src = np.full(nbytes, 7, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    np.copyto(dst, src)  # warm: both buffers faulted in
+    bounds = np.linspace(0, nbytes, threads + 1, dtype=np.int64)
+
+    def part(i: int) -> None:
+        np.copyto(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]])
+
+    def once() -> None:
+        workers = [threading.Thread(target=part, args=(i,)) for i in range(1, threads)]
+        for worker in workers:
+            worker.start()
+        part(0)
+        for worker in workers:
+            worker.join()
+
+    return _timed(once, repeats)
+
+
+def _memcpy_step(results: Results, name: str, nbytes: int, threads: int, quick: bool) -> None:
+    results.add("memcpy", name, nbytes, _copy_samples(nbytes, threads, _repeats(nbytes, quick)))
+
+
+def _socket_server(path: str, mode: str, nbytes: int) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    conn, _ = listener.accept()
+    payload = b"\x07" * nbytes
+    try:
+        while True:
+            header = conn.recv(4, socket.MSG_WAITALL)
+            if len(header) < 4:
+                return
+            (length,) = struct.unpack("!I", header)
+            request = msgpack.unpackb(conn.recv(length, socket.MSG_WAITALL))
+            if mode == "msgpack":
+                reply = msgpack.packb([4, request[1], 1, "/llmdd.0.1.2.0123456789abcdef", 1 << 30, [0], 4096])
+                conn.sendall(struct.pack("!I", len(reply)) + reply)
+            else:
+                conn.sendall(payload)
+    finally:
+        conn.close()
+        listener.close()
+
+
+def _socket_baseline(results: Results, runtime: Path, mode: str, nbytes: int, repeats: int) -> None:
+    ctx = mp.get_context("spawn")
+    path = os.fspath(runtime / f"bench-{mode}-{os.getpid()}.sock")
+    server = ctx.Process(target=_socket_server, args=(path, mode, nbytes), daemon=True)
+    server.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError("baseline socket server did not start")
+            time.sleep(0.01)
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(path)
+        buffer = bytearray(max(nbytes, 64))
+        view = memoryview(buffer)
+
+        def once(seq: int = 0) -> None:
+            request = msgpack.packb([3, seq, 1, 5, 0, 0, 0, 1, True, 4096, 0, True])
+            client.sendall(struct.pack("!I", len(request)) + request)
+            if mode == "msgpack":
+                (length,) = struct.unpack("!I", client.recv(4, socket.MSG_WAITALL))
+                msgpack.unpackb(client.recv(length, socket.MSG_WAITALL))
+            else:
+                got = 0
+                while got < nbytes:
+                    got += client.recv_into(view[got:], nbytes - got)
+
+        once()
+        samples = _timed(once, repeats)
+        client.close()
+        if mode == "msgpack":
+            results.add("baseline", "bare msgpack request/response, Unix socket", 0, samples)
+        else:
+            results.add("baseline", "bytes over a Unix socket", nbytes, samples)
+    finally:
+        server.join(10)
+        if server.is_alive():
+            server.kill()
+            server.join(10)
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def _pipe_sender(conn: Connection, nbytes: int, count: int) -> None:
+    payload = b"\x07" * nbytes
+    for _ in range(count):
+        conn.send_bytes(payload)
+    conn.close()
+
+
+def _pipe_baseline(results: Results, nbytes: int, repeats: int) -> None:
+    ctx = mp.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_pipe_sender, args=(sender, nbytes, repeats + 1), daemon=True)
+    process.start()
+    sender.close()
+    buffer = bytearray(nbytes)
+    receiver.recv_bytes_into(buffer)
+    samples = _timed(lambda: receiver.recv_bytes_into(buffer), repeats)
+    process.join(30)
+    receiver.close()
+    results.add("baseline", "multiprocessing Pipe (send_bytes)", nbytes, samples)
+
+
+def _queue_sender(queue: Any, nbytes: int, count: int) -> None:
+    array = np.full(nbytes, 7, dtype=np.uint8)
+    for _ in range(count):
+        queue.put(array)
+
+
+def _queue_baseline(results: Results, nbytes: int, repeats: int) -> None:
+    # A Queue's semaphore lives in /dev/shm while the queue exists; it is gone when the queue is.
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue(maxsize=2)
+    process = ctx.Process(target=_queue_sender, args=(queue, nbytes, repeats + 1), daemon=True)
+    process.start()
+    queue.get(timeout=60)
+    samples = _timed(lambda: queue.get(timeout=60), repeats)
+    process.join(30)
+    queue.close()
+    queue.join_thread()
+    results.add("baseline", "multiprocessing Queue of numpy arrays", nbytes, samples)
+
+
+def _peers(results: Results) -> None:
+    for name, module, hint in (
+        ("NIXL", "nixl", "pip install nixl (pulls in about 3 GB of CUDA libraries)"),
+        (
+            "Mooncake Transfer Engine",
+            "mooncake",
+            "pip install mooncake-transfer-engine-non-cuda; apt libibverbs1",
+        ),
+    ):
+        try:
+            __import__(module)
+        except Exception as exc:
+            results.skip("peer", name, f"not installed ({type(exc).__name__}); {hint}")
+            continue
+        results.skip("peer", name, "installed, but its benchmark is not written yet")
+
+
+# ====================================================================== the owner process
+
+
+def _owner(pipe: Connection, mode: str, port: int, timeout_ms: int) -> None:
+    """Owns the caches; answers commands until told to stop."""
+    from llm_datadist import (
+        BlocksCacheKey,
+        CacheDesc,
+        CacheKey,
+        DataType,
+        LLMConfig,
+        LLMDataDist,
+        LLMRole,
+    )
+
+    datadist = LLMDataDist(LLMRole.PROMPT, OWNER)
+    config = LLMConfig()
+    config.device_id = 0
+    config.sync_kv_timeout = timeout_ms
+    config.listen_ip_info = f"{IP}:{port}"
+    options = dict(config.generate_options())
+    if mode == "v2":
+        options.update({"llm.EnableCacheManager": "1", "llm.EnableRemoteCacheAccessible": "1"})
+    keep: list[Any] = []
+    try:
+        datadist.init(options)
+        pipe.send(("ok", os.getpid()))
+        while True:
+            if not pipe.poll(3600):
+                break
+            command, args = pipe.recv()
+            if command == "stop":
+                break
+            if command == "alloc":  # v1: a continuous cache bound to the prefix key
+                num_tensors, shape = args
+                desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)
+                cache = datadist.kv_cache_manager.allocate_cache(desc, [CacheKey(OWNER, U64_MAX, 0, PREFIX)])
+                keep.append(cache)
+                pipe.send(("ok", cache.cache_id))
+            elif command == "alloc_blocks":
+                num_tensors, shape, model_id = args
+                desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)
+                cache = datadist.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(OWNER, model_id))
+                keep.append(cache)
+                pipe.send(("ok", cache.cache_id))
+            elif command == "free":
+                manager = datadist.kv_cache_manager
+                manager.remove_cache_key(CacheKey(OWNER, U64_MAX, 0, PREFIX))
+                for cache in keep:
+                    manager.deallocate_cache(cache)
+                keep.clear()
+                pipe.send(("ok", None))
+            elif command == "register_blocks":  # v2: memory this process owns, registered
+                num_tensors, shape, model_id = args
+                arrays = [np.ones(int(np.prod(shape)), dtype=np.float16) for _ in range(num_tensors)]
+                desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)
+                registered = datadist.cache_manager.register_blocks_cache(
+                    desc, [a.ctypes.data for a in arrays], BlocksCacheKey(OWNER, model_id)
+                )
+                keep.append((registered, arrays))
+                pipe.send(("ok", registered.cache_id))
+            else:
+                pipe.send(("error", f"unknown command {command}"))
+    except Exception:
+        pipe.send(("error", traceback.format_exc()))
+    finally:
+        keep.clear()
+        datadist.finalize()
+
+
+class _Owner:
+    def __init__(self, mode: str, port: int, timeout_ms: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.pipe, child = ctx.Pipe()
+        self.process = ctx.Process(target=_owner, args=(child, mode, port, timeout_ms), daemon=True)
+        self.process.start()
+        child.close()
+        self.port = port
+        self.call_reply(600)
+
+    def call_reply(self, timeout_s: float) -> Any:
+        if not self.pipe.poll(timeout_s):
+            raise TimeoutError("the owner process did not answer")
+        status, value = self.pipe.recv()
+        if status != "ok":
+            raise RuntimeError(f"owner failed: {value}")
+        return value
+
+    def call(self, command: str, args: Any = None) -> Any:
+        self.pipe.send((command, args))
+        return self.call_reply(600)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.pipe.send(("stop", None))
+            self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+        self.pipe.close()
+
+
+def _measurer(mode: str, timeout_ms: int) -> Any:
+    from llm_datadist import LLMConfig, LLMDataDist, LLMRole
+
+    datadist = LLMDataDist(LLMRole.DECODER, MEASURER)
+    config = LLMConfig()
+    config.device_id = 0
+    config.sync_kv_timeout = timeout_ms
+    options = dict(config.generate_options())
+    if mode == "v2":
+        options.update(
+            {
+                "llm.EnableCacheManager": "1",
+                "llm.EnableRemoteCacheAccessible": "1",
+                "llm.MemPoolConfig": json.dumps({"memory_size": 1 << 30, "page_shift": 16}),
+            }
+        )
+    datadist.init(options)
+    return datadist
+
+
+def _link(datadist: Any, port: int) -> None:
+    from llm_datadist import LLMClusterInfo, LLMStatusCode
+
+    info = LLMClusterInfo()
+    info.remote_cluster_id = OWNER
+    info.append_local_ip_info(IP, 0)
+    info.append_remote_ip_info(IP, port)
+    ret, codes = datadist.link_clusters([info], timeout=10000)
+    if ret != LLMStatusCode.LLM_SUCCESS:
+        raise RuntimeError(f"link_clusters failed: {codes}")
+
+
+# ====================================================================== our engine
+
+
+def _bench_v1(results: Results, port: int, args: argparse.Namespace) -> None:
+    from llm_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType
+
+    owner = _Owner("v1", port, args.timeout_ms)
+    datadist = _measurer("v1", args.timeout_ms)
+    try:
+        _link(datadist, port)
+        manager = datadist.kv_cache_manager
+        core = datadist._require_core()
+        key = CacheKey(OWNER, U64_MAX, 0, PREFIX)
+        total = (64 << 20) if args.quick else (512 << 20)
+        sizes = [4 << 10, 64 << 10, 1 << 20, 16 << 20] + ([] if args.quick else [256 << 20])
+        for slice_nbytes in sizes:
+            tensors = max(2, min(64, total // slice_nbytes))
+            shape = [1, slice_nbytes // 2]
+            owner.call("alloc", (tensors, shape))
+            dst = manager.allocate_cache(CacheDesc(tensors, shape, DataType.DT_FLOAT16))
+            nbytes = tensors * slice_nbytes
+            manager.pull_cache(key, dst)  # maps the owner's segment once
+            repeats = _repeats(nbytes, args.quick)
+            breakdowns: list[dict[str, float]] = []
+
+            def pull_and_record(dst: Any = dst, breakdowns: list[dict[str, float]] = breakdowns) -> None:
+                manager.pull_cache(key, dst)
+                breakdowns.append(dict(core.last_pull_breakdown))
+
+            samples = _timed(pull_and_record, repeats)
+            breakdown = {k: statistics.median(b[k] for b in breakdowns) * 1e6 for k in breakdowns[0]}
+            results.add(
+                "pull_cache",
+                f"whole, {tensors} x {_fmt_nbytes(slice_nbytes)}",
+                nbytes,
+                samples,
+                breakdown_us=breakdown,
+            )
+            if slice_nbytes == 1 << 20:
+                layers = tensors // 2
+
+                def by_layer(dst: Any = dst, layers: int = layers) -> None:
+                    for layer in range(layers):
+                        manager.pull_cache(
+                            key,
+                            dst,
+                            src_layer_range=range(layer, layer + 1),
+                            dst_layer_range=range(layer, layer + 1),
+                        )
+
+                results.add(
+                    "pull_cache", f"layer by layer, {layers} layers", nbytes, _timed(by_layer, repeats)
+                )
+            manager.deallocate_cache(dst)
+            owner.call("free")
+        # Small pulls by key: latency.
+        owner.call("alloc", (1, [1, 2048]))
+        small = manager.allocate_cache(CacheDesc(1, [1, 2048], DataType.DT_FLOAT16))
+        manager.pull_cache(key, small)
+        results.add(
+            "latency",
+            "pull_cache 1 tensor x 4 KiB",
+            4096,
+            _timed(lambda: manager.pull_cache(key, small), 300 if args.quick else 2000),
+        )
+        manager.deallocate_cache(small)
+        owner.call("free")
+        # Paged pulls: scattered blocks over a pool, 64 tensors.
+        rng = np.random.default_rng(0)
+        for block_nbytes in (16 << 10, 64 << 10, 256 << 10):
+            tensors = 64
+            table = max(4, min(256, (total // tensors) // block_nbytes))
+            pool_blocks = 2 * table
+            shape = [pool_blocks, block_nbytes // 2]
+            owner.call("alloc_blocks", (tensors, shape, 0))
+            local = manager.allocate_blocks_cache(CacheDesc(tensors, shape, DataType.DT_FLOAT16))
+            src_blocks = [int(b) for b in rng.permutation(pool_blocks)[:table]]
+            dst_blocks = [int(b) for b in rng.permutation(pool_blocks)[:table]]
+            blocks_key = BlocksCacheKey(OWNER, 0)
+            manager.pull_blocks(blocks_key, local, src_blocks, dst_blocks)
+            nbytes = tensors * table * block_nbytes
+            samples = _timed(
+                functools.partial(manager.pull_blocks, blocks_key, local, src_blocks, dst_blocks),
+                _repeats(nbytes, args.quick),
+            )
+            results.add(
+                "pull_blocks",
+                f"{table} scattered blocks x {_fmt_nbytes(block_nbytes)} x {tensors}",
+                nbytes,
+                samples,
+            )
+            manager.deallocate_cache(local)
+            owner.call("free")
+    finally:
+        datadist.finalize()
+        owner.close()
+
+
+def _bench_v2(results: Results, port: int, args: argparse.Namespace) -> None:
+    from llm_datadist import BlocksCacheKey, CacheDesc, DataType
+
+    owner = _Owner("v2", port, args.timeout_ms)
+    datadist = _measurer("v2", args.timeout_ms)
+    try:
+        _link(datadist, port)
+        manager = datadist.cache_manager
+        for block_nbytes in (64 << 10, 1 << 20):
+            shape = [4, block_nbytes // 2]
+            model_id = block_nbytes >> 10
+            owner.call("register_blocks", (1, shape, model_id))
+            local = manager.allocate_blocks_cache(CacheDesc(1, shape, DataType.DT_FLOAT16))
+            key = BlocksCacheKey(OWNER, model_id)
+            manager.pull_blocks(key, local, [1], [2])  # fetches the table once
+            repeats = 300 if args.quick else 2000
+            samples = _timed(functools.partial(manager.pull_blocks, key, local, [1], [2]), repeats)
+            results.add(
+                "one-sided",
+                f"v2 pull_blocks 1 x {_fmt_nbytes(block_nbytes)}, registered memory",
+                block_nbytes,
+                samples,
+            )
+            manager.deallocate_blocks_cache(local)
+    finally:
+        datadist.finalize()
+        owner.close()
+
+
+# ====================================================================== report
+
+
+def _report(results: Results) -> None:
+    reference = next(
+        (
+            r["gbps"]
+            for r in results.rows
+            if r.get("name") == "numpy.copyto, 2 threads" and r.get("nbytes") == 128 << 20
+        ),
+        None,
+    )
+    columns = ("group", "benchmark", "size", "GB/s", "p50 us", "p99 us", "x memcpy")
+    header = "{:<10} {:<52} {:>9} {:>7} {:>10} {:>10} {:>9}".format(*columns)
+    print(header)
+    print("-" * len(header))
+    for row in results.rows:
+        if "skipped" in row:
+            print(f"{row['group']:<10} {row['name']:<52} skipped: {row['skipped']}")
+            continue
+        gbps = row["gbps"]
+        ratio = f"{gbps / reference:9.2f}" if gbps and reference else f"{'':>9}"
+        gbps_text = f"{gbps:7.2f}" if gbps else f"{'':>7}"
+        print(
+            f"{row['group']:<10} {row['name']:<52} {_fmt_nbytes(row['nbytes']):>9} {gbps_text} "
+            f"{row['p50_us']:10.1f} {row['p99_us']:10.1f} {ratio}"
+        )
+        breakdown = row.get("breakdown_us")
+        if breakdown:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in breakdown.items())
+            print(f"{'':<10}   where the time goes (median us): {parts}")
+    if reference:
+        print(f"x memcpy: ratio to numpy.copyto over 2 threads, 128 MiB, in this run ({reference:.2f} GB/s)")
+
+
+def _plot(results: Results, path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install -e '.[plot]')"
+    rows = [r for r in results.rows if r.get("gbps")]
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.5))
+    ax.barh([f"{r['group']}: {r['name']}" for r in rows], [r["gbps"] for r in rows])
+    ax.set_xlabel("GB/s (median)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"plot written to {path}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from ._runtime import ensure_runtime_dir
+
+    results = Results(quiet=args.quiet)
+    runtime = ensure_runtime_dir()
+    port = args.port or 30000 + os.getpid() % 30000
+    steps: list[tuple[str, Callable[[], None]]] = []
+    for nbytes in (64 << 10, 1 << 20, 16 << 20, 128 << 20):
+        for threads in (1, 2):
+            name = f"numpy.copyto, {threads} thread{'s' if threads > 1 else ''}"
+            steps.append((name, functools.partial(_memcpy_step, results, name, nbytes, threads, args.quick)))
+    rtt_repeats = 300 if args.quick else 3000
+    steps.append(
+        (
+            "msgpack round trip",
+            functools.partial(_socket_baseline, results, runtime, "msgpack", 0, rtt_repeats),
+        )
+    )
+    for nbytes in (1 << 20, 16 << 20):
+        repeats = _repeats(nbytes, args.quick)
+        steps.append(
+            (
+                "bytes over a socket",
+                functools.partial(_socket_baseline, results, runtime, "bytes", nbytes, repeats),
+            )
+        )
+        steps.append(("multiprocessing Pipe", functools.partial(_pipe_baseline, results, nbytes, repeats)))
+        steps.append(("multiprocessing Queue", functools.partial(_queue_baseline, results, nbytes, repeats)))
+    steps.append(("peers", functools.partial(_peers, results)))
+    steps.append(("llm_datadist v1", functools.partial(_bench_v1, results, port, args)))
+    steps.append(("llm_datadist v2", functools.partial(_bench_v2, results, port + 1, args)))
+    started = time.monotonic()
+    for index, (name, step) in enumerate(steps, 1):
+        if not args.quiet:
+            print(f"[{index}/{len(steps)}] {name} ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+        step()
+    from shm.reaper import reap
+
+    reap()
+    _report(results)
+    machine = {
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "platform": sys.platform,
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"machine": machine, "rows": results.rows}, indent=2))
+        print(f"JSON written to {args.json}")
+    if args.plot:
+        print(_plot(results, Path(args.plot)))
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quick", action="store_true", help="smaller sizes and fewer repetitions (about a minute)"
+    )
+    parser.add_argument("--json", default="", help="also write the results as JSON to this file")
+    parser.add_argument("--plot", default="", help="also draw a PNG bar chart (needs the 'plot' extra)")
+    parser.add_argument(
+        "--port", type=int, default=0, help="owner listen port (default: derived from the pid)"
+    )
+    parser.add_argument("--timeout-ms", type=int, default=60000, help="sync_kv_timeout of both sides")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
