@@ -15,7 +15,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from shm.copyplan import BlockPlan, Run, check_runs, execute, execute_blocks, split_runs
+from shm.copyplan import (
+    BlockPlan,
+    Run,
+    StridedCopy,
+    check_runs,
+    execute,
+    execute_blocks,
+    execute_strided,
+    split_runs,
+)
 
 ENV_COPY_THREADS = "LLM_DATADIST_COPY_THREADS"
 # Below this much per thread a hand-off to another thread costs more than it saves.
@@ -55,6 +64,35 @@ class Copier:
         futures: list[Future[None]] = [executor.submit(execute, part, src, dst) for part in parts[1:]]
         try:
             execute(parts[0], src, dst)
+        finally:
+            for future in futures:
+                future.result()
+
+    def run_strided(self, copy: StridedCopy, src: np.ndarray, dst: np.ndarray) -> None:
+        """Execute a strided copy: one numpy call, or one per thread over disjoint rows when it is large
+        (contiguous rows on both sides are first split into halves of one big run)."""
+        copy.check(src.nbytes, dst.nbytes)
+        total = copy.rows * copy.nbytes
+        parts = self.threads if total >= 2 * _MIN_PART_NBYTES else 1
+        if parts > 1 and copy.rows < parts:
+            # Few large rows: cut each row instead (one run per row, split as runs are).
+            runs = [
+                Run(copy.src_offset + i * copy.src_stride, copy.dst_offset + i * copy.dst_stride, copy.nbytes)
+                for i in range(copy.rows)
+            ]
+            self.run(runs, src, dst)
+            return
+        if parts <= 1:
+            execute_strided(copy, src, dst)
+            return
+        bounds = [copy.rows * i // parts for i in range(parts + 1)]
+        executor = self._get_executor()
+        futures = [
+            executor.submit(execute_strided, copy, src, dst, range(bounds[i], bounds[i + 1]))
+            for i in range(1, parts)
+        ]
+        try:
+            execute_strided(copy, src, dst, range(bounds[0], bounds[1]))
         finally:
             for future in futures:
                 future.result()

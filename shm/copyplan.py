@@ -273,3 +273,70 @@ def execute_blocks(
             strides=(plan.dst_unit_nbytes, 1),
         )
         dst_2d[plan.dst_units] = src_2d[plan.src_units]
+
+
+@dataclass(frozen=True, slots=True)
+class StridedCopy:
+    """`rows` copies of `nbytes`: row i from src_offset + i*src_stride to dst_offset + i*dst_stride.
+
+    A slot pull is exactly this (one row per tensor, each side's tensors a constant pitch apart), and numpy
+    executes it as one call over two strided 2-D views; rows that are contiguous on both sides collapse
+    into a single memmove, large enough for memcpy's streaming stores."""
+
+    src_offset: int
+    src_stride: int
+    dst_offset: int
+    dst_stride: int
+    rows: int
+    nbytes: int
+
+    @classmethod
+    def from_offsets(
+        cls, src_offsets: Sequence[int], dst_offsets: Sequence[int], nbytes: int
+    ) -> StridedCopy | None:
+        """The strided form of one run per (src, dst) pair, or None when either side is not evenly spaced."""
+        if not src_offsets or len(src_offsets) != len(dst_offsets) or nbytes <= 0:
+            return None
+        rows = len(src_offsets)
+        src_stride = src_offsets[1] - src_offsets[0] if rows > 1 else nbytes
+        dst_stride = dst_offsets[1] - dst_offsets[0] if rows > 1 else nbytes
+        if src_stride < nbytes or dst_stride < nbytes:
+            return None  # overlapping rows: leave them to the run-by-run path
+        for i in range(2, rows):
+            if (
+                src_offsets[i] - src_offsets[i - 1] != src_stride
+                or dst_offsets[i] - dst_offsets[i - 1] != dst_stride
+            ):
+                return None
+        return cls(src_offsets[0], src_stride, dst_offsets[0], dst_stride, rows, nbytes)
+
+    def check(self, src_nbytes: int, dst_nbytes: int) -> None:
+        if self.src_offset < 0 or self.dst_offset < 0 or self.rows <= 0 or self.nbytes <= 0:
+            raise InvalidRange(f"invalid strided copy {self}")
+        src_end = self.src_offset + (self.rows - 1) * self.src_stride + self.nbytes
+        dst_end = self.dst_offset + (self.rows - 1) * self.dst_stride + self.nbytes
+        if src_end > src_nbytes or dst_end > dst_nbytes:
+            raise InvalidRange(
+                f"strided copy reaches {src_end}/{dst_end} beyond {src_nbytes}/{dst_nbytes} bytes"
+            )
+
+
+def execute_strided(
+    copy: StridedCopy, src: npt.NDArray[np.uint8], dst: npt.NDArray[np.uint8], rows: range | None = None
+) -> None:
+    """Bounds-check `copy`, then copy its `rows` (all by default) with one numpy call."""
+    copy.check(src.nbytes, dst.nbytes)
+    part = rows if rows is not None else range(copy.rows)
+    if not part:
+        return
+    src_2d = np.lib.stride_tricks.as_strided(
+        src[copy.src_offset + part.start * copy.src_stride :],
+        shape=(len(part), copy.nbytes),
+        strides=(copy.src_stride, 1),
+    )
+    dst_2d = np.lib.stride_tricks.as_strided(
+        dst[copy.dst_offset + part.start * copy.dst_stride :],
+        shape=(len(part), copy.nbytes),
+        strides=(copy.dst_stride, 1),
+    )
+    np.copyto(dst_2d, src_2d)

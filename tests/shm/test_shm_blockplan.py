@@ -60,3 +60,42 @@ def test_bounds_are_checked_before_any_byte_moves() -> None:
         BlockPlan.make([0], [0], [-1], [0], 10, 10, 10)
     with pytest.raises(ValueError):
         BlockPlan.make([0], [0], [0], [0], 10, 10, 11)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.integers(1, 50),
+    st.integers(0, 20),
+    st.integers(0, 20),
+    st.integers(0, 5),
+    st.integers(0, 5),
+    st.integers(0, 2**32 - 1),
+)
+def test_strided_copy_matches_runs(
+    rows: int, nbytes: int, src_gap: int, dst_gap: int, src0: int, dst0: int, seed: int
+) -> None:
+    from shm.copyplan import StridedCopy, execute_strided
+
+    src_offsets = [src0 + i * (nbytes + src_gap) for i in range(rows)]
+    dst_offsets = [dst0 + i * (nbytes + dst_gap) for i in range(rows)]
+    copy = StridedCopy.from_offsets(src_offsets, dst_offsets, nbytes)
+    assert copy is not None
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, src_offsets[-1] + nbytes + 3, dtype=np.uint8)
+    dst = rng.integers(0, 256, dst_offsets[-1] + nbytes + 3, dtype=np.uint8)
+    want = dst.copy()
+    for s, d in zip(src_offsets, dst_offsets, strict=True):
+        want[d : d + nbytes] = src[s : s + nbytes]
+    execute_strided(copy, src, dst)
+    np.testing.assert_array_equal(dst, want)
+    with pytest.raises(InvalidRange):
+        execute_strided(copy, src, dst[: dst_offsets[-1] + nbytes - 1])
+
+
+def test_uneven_or_overlapping_offsets_have_no_strided_form() -> None:
+    from shm.copyplan import StridedCopy
+
+    assert StridedCopy.from_offsets([0, 10, 25], [0, 10, 20], 5) is None
+    assert StridedCopy.from_offsets([0, 4], [0, 10], 5) is None  # source rows would overlap
+    assert StridedCopy.from_offsets([7], [9], 5) == StridedCopy(7, 5, 9, 5, 1, 5)
