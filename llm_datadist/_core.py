@@ -21,16 +21,15 @@ from pathlib import Path
 from typing import TypeVar, cast
 
 from protocol.messages import (
-    Ack,
     BlocksGrant,
     BlocksRequest,
     Location,
     Message,
     Ping,
     Pong,
-    PullDone,
     PullGrant,
     PullRequest,
+    Release,
     ResolveRequest,
     Table,
     TableRequest,
@@ -622,15 +621,14 @@ class Core(ServerHooks):
             work(grant)
             ok = True
         finally:
-            done_seq = link.next_seq()
+            # One way: the owner releases (or, after a failure, gives the key back) in order with this
+            # link's next messages; waiting for it would cost a round trip per transfer.
             if ok:
-                reply = link.request(PullDone(done_seq, grant.lease_id, True), done_seq, deadline)
-                if not isinstance(reply, Ack):
-                    raise PeerGone(f"expected Ack, got {type(reply).__name__}")
+                link.send_only(Release(grant.lease_id, True))
             elif link.broken is None:
                 # Best effort: the original error is the one to report.
                 with contextlib.suppress(StatusError):
-                    link.request(PullDone(done_seq, grant.lease_id, False), done_seq, deadline)
+                    link.send_only(Release(grant.lease_id, False))
 
     @staticmethod
     def _peer_segment(link: ClientLink, name: str, nbytes: int, *, writable: bool) -> Segment:

@@ -117,6 +117,10 @@ class Lease:
     tensor_start: int
     tensor_count: int
     owner: object
+    # What taking the lease consumed of the key (given back if the transfer fails): the tensors, and the
+    # slot the key was bound to when that emptied it and unbound it.
+    consumed: frozenset[int] = frozenset()
+    unbound_slot: int | None = None
 
 
 @dataclass(frozen=True)
@@ -538,20 +542,15 @@ class CacheTable:
             return entries
 
     def release(self, lease_id: int, *, ok: bool, owner: object) -> None:
-        """End a lease; after a successful pull, consume the key's pulled tensors (§9.4)."""
+        """End a lease. The key's tensors were consumed when the lease was taken (so a second pull of a
+        key in flight already sees it gone); a failed transfer gives them back."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or lease.owner is not owner:
                 raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"unknown lease {lease_id}")
             del self._leases[lease_id]
-            if ok and lease.consume_key is not None:
-                key_record = self._keys.get(lease.consume_key)
-                if key_record is not None and key_record.cache_id in lease.cache_ids:
-                    key_record.unpulled.difference_update(
-                        range(lease.tensor_start, lease.tensor_start + lease.tensor_count)
-                    )
-                    if not key_record.unpulled:
-                        self._unbind(lease.consume_key)
+            if not ok:
+                self._restore(lease)
             self._unlease(lease)
 
     def holds_leases(self, owner: object) -> bool:
@@ -564,6 +563,7 @@ class CacheTable:
             dropped = [lease for lease in self._leases.values() if lease.owner is owner]
             for lease in dropped:
                 del self._leases[lease.lease_id]
+                self._restore(lease)
                 self._unlease(lease)
             return len(dropped)
 
@@ -630,6 +630,17 @@ class CacheTable:
         tensor_count: int,
         owner: object,
     ) -> Lease:
+        consumed: frozenset[int] = frozenset()
+        unbound_slot: int | None = None
+        if consume_key is not None:
+            key_record = self._keys.get(consume_key)
+            if key_record is not None and key_record.cache_id == records[0].cache_id:
+                consumed = frozenset(
+                    key_record.unpulled & set(range(tensor_start, tensor_start + tensor_count))
+                )
+                key_record.unpulled -= consumed
+                if not key_record.unpulled:
+                    unbound_slot = key_record.slot
         lease = Lease(
             lease_id=self._next_lease_id,
             cache_ids=tuple(record.cache_id for record in records),
@@ -637,12 +648,38 @@ class CacheTable:
             tensor_start=tensor_start,
             tensor_count=tensor_count,
             owner=owner,
+            consumed=consumed,
+            unbound_slot=unbound_slot,
         )
         self._next_lease_id += 1
         self._leases[lease.lease_id] = lease
         for record in records:
             record.leases += 1
+        # Unbind only now: the lease keeps the cache alive even if the key was its last reference.
+        if unbound_slot is not None and consume_key is not None:
+            self._unbind(consume_key)
         return lease
+
+    def _restore(self, lease: Lease) -> None:
+        """Give back what a failed or abandoned transfer consumed: its tensors, and the key itself if the
+        transfer had unbound it and nobody bound it again meanwhile."""
+        key = lease.consume_key
+        if key is None or not lease.consumed:
+            return
+        record = self._caches.get(lease.cache_ids[0])
+        if record is None:
+            return
+        key_record = self._keys.get(key)
+        if key_record is None and lease.unbound_slot is not None:
+            if key[0] == KEY_REQ and (record.cache_id, lease.unbound_slot) in self._slot_req_key:
+                return  # the slot was bound to another key since
+            key_record = KeyRecord(key, record.cache_id, lease.unbound_slot, set())
+            self._keys[key] = key_record
+            record.keys.add(key)
+            if key[0] == KEY_REQ:
+                self._slot_req_key[(record.cache_id, lease.unbound_slot)] = key
+        if key_record is not None and key_record.cache_id == record.cache_id:
+            key_record.unpulled |= lease.consumed
 
     def _unlease(self, lease: Lease) -> None:
         for cache_id in lease.cache_ids:

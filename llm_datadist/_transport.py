@@ -38,6 +38,7 @@ from protocol.messages import (
     PullDone,
     PullGrant,
     PullRequest,
+    Release,
     ResolveRequest,
     Table,
     TableRequest,
@@ -318,6 +319,14 @@ class Server:
             return
         if isinstance(msg, Ping):
             self._send(sconn, Pong(msg.seq))
+            return
+        if isinstance(msg, Release):
+            # One way: nothing to answer. A lease this connection does not hold is the peer's bug, and
+            # releasing nothing is the only safe response.
+            try:
+                self._table.release(msg.lease_id, ok=msg.ok, owner=sconn)
+            except StatusError as exc:
+                log.warning("server %d: pid %d: %s", self.cluster_id, sconn.pid, exc.detail)
             return
         assert sconn.peer is not None  # the connection state machine admits nothing else before Welcome
         seq = getattr(msg, "seq", 0)
@@ -619,6 +628,14 @@ class ClientLink:
         if isinstance(reply, Error):
             raise StatusError(code_2_status(reply.status_code), f"remote: {reply.message}")
         return reply
+
+    def send_only(self, msg: Message) -> None:
+        """Send a one-way message (no reply comes); a failure breaks the link."""
+        try:
+            self._sock.sendall(self._conn.send(msg))
+        except (ProtocolError, OSError) as exc:
+            self._break(str(exc))
+            raise PeerGone(f"link to cluster {self.peer.cluster_id} failed: {exc}") from exc
 
     def close(self, *, say_bye: bool) -> None:
         if say_bye and self.broken is None and self._conn.state is ConnState.READY:

@@ -29,6 +29,7 @@ from protocol.messages import (
     PullDone,
     PullGrant,
     PullRequest,
+    Release,
     ResolveRequest,
     Table,
     TableRequest,
@@ -85,6 +86,7 @@ SENDABLE: dict[tuple[ConnRole, ConnPhase], frozenset[type[Message]]] = {
             ResolveRequest,
             TableRequest,
             PullDone,
+            Release,
             Ping,
             Bye,
         }

@@ -45,6 +45,7 @@ __all__ = [
     "PullDone",
     "PullGrant",
     "PullRequest",
+    "Release",
     "ResolveRequest",
     "Table",
     "TableRequest",
@@ -587,6 +588,18 @@ class Table(Message):
     seq: Annotated[int, U32]
     pid: Annotated[int, U32]
     entries: Annotated[tuple[tuple[object, ...], ...], _TABLE_ENTRIES]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    """Client -> server, one way (no reply): the transfer under lease_id is over; ok=False gives back what
+    the lease consumed. Unlike PullDone it costs the client no round trip; the server handles it in order
+    with the connection's other messages."""
+
+    TYPE: ClassVar[int] = 20
+    lease_id: Annotated[int, U64]
+    ok: Annotated[bool, _BOOL]
 
 
 def decode_message(obj: object) -> Message:

@@ -265,6 +265,18 @@ class PromptPeer:
         self._pipe.send((command, args))
         return self._reply(timeout_s)
 
+    def stats(self, timeout_s: float = 10.0) -> dict[str, int]:
+        """The Prompt's table counters once no lease is held: a puller releases its lease one way, so the
+        owner may still be about to process the release when the puller's call has returned."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats: dict[str, int] = self.call("stats")
+            if stats["leases"] == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.005)
+
     def alloc(self, num_tensors: int, shape: list[int], keys: list[tuple[int, ...]]) -> int:
         result: int = self.call("alloc", (num_tensors, shape, keys))
         return result

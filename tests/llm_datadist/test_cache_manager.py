@@ -112,7 +112,7 @@ def test_one_sided_block_pull_from_the_owners_memory(seed: int, owner_memory: st
             np.testing.assert_array_equal(
                 array.reshape(10, 210)[1], peer.expected(cache_id + 1000, t, 16 * 210).reshape(16, 210)[3]
             )
-        assert peer.call("stats")["leases"] == 0  # one-sided: the owner pinned nothing
+        assert peer.stats()["leases"] == 0  # one-sided: the owner pinned nothing
 
 
 def test_two_sided_link_then_block_pull_by_request(seed: int) -> None:
@@ -139,7 +139,7 @@ def test_two_sided_link_then_block_pull_by_request(seed: int) -> None:
         for t, array in enumerate(arrays):
             remote = peer.expected(cache_id, t, 8 * 128).reshape(8, 128)
             np.testing.assert_array_equal(array.reshape(8, 128)[[0, 6]], remote[[7, 1]])
-        assert peer.call("stats")["leases"] == 0
+        assert peer.stats()["leases"] == 0
         dd.unlink(comm_id)
         with pytest.raises(LLMException) as exc_info:
             dd.cache_manager.pull_blocks(BlocksCacheKey(P, 3), local, [7], [0])
@@ -394,7 +394,7 @@ def test_forged_requests_are_refused_without_touching_memory(seed: int, _runtime
         finally:
             link.close(say_bye=True)
         assert [peer.call("v2_bytes", (cache_id, t)) for t in range(2)] == before
-        assert peer.call("stats")["leases"] == 0
+        assert peer.stats()["leases"] == 0
 
 
 def test_mode_specific_arguments() -> None:

@@ -54,7 +54,7 @@ def test_duplicate_keys_last_wins_and_bound_keys_are_refused(table: CacheTable) 
     record = table.allocate(
         num_tensors=1, tensor_nbytes=20, batch_size=2, keys=[(KEY_REQ, 1, 0), (KEY_REQ, 1, 0)]
     )
-    grant = _resolve(table, KEY_REQ, 1, owner="a", tensor_count=1, nbytes=10)
+    grant = _resolve(table, KEY_REQ, 1, owner="a", tensor_count=1, nbytes=10, consume=False)
     assert grant.tensor_offsets == (record.tensor_offset(0) + 10,)
     with pytest.raises(StatusError) as exc_info:
         table.allocate(num_tensors=1, tensor_nbytes=20, batch_size=1, keys=[(KEY_REQ, 1, 0)])
@@ -103,13 +103,32 @@ def test_pull_by_cache_id_consumes_the_slots_req_key(table: CacheTable) -> None:
     assert exc_info.value.code == LLMStatusCode.LLM_PARAM_INVALID
 
 
-def test_a_dead_connections_leases_are_dropped_without_consuming(table: CacheTable) -> None:
+def test_a_dead_connections_leases_are_dropped_and_the_key_comes_back(table: CacheTable) -> None:
     table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
     _resolve(table, KEY_REQ, 1, "dead")
-    _resolve(table, KEY_REQ, 1, "dead")
-    assert table.stats()["leases"] == 2
-    assert table.drop_owner("dead") == 2
+    # The key is taken while its pull is in flight: a second pull of it finds nothing.
+    with pytest.raises(StatusError) as exc_info:
+        _resolve(table, KEY_REQ, 1, "other")
+    assert exc_info.value.code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    assert table.stats()["leases"] == 1
+    assert table.drop_owner("dead") == 1
     assert table.stats()["leases"] == 0 and table.has_key((KEY_REQ, 1, 0))
+    grant = _resolve(table, KEY_REQ, 1, "next")  # pullable again, and consumed by a good pull
+    table.release(grant.lease_id, ok=True, owner="next")
+    assert not table.has_key((KEY_REQ, 1, 0))
+
+
+def test_a_failed_partial_pull_gives_its_tensors_back(table: CacheTable) -> None:
+    table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
+    first = _resolve(table, KEY_REQ, 1, "a", tensor_start=0, tensor_count=2, whole=False)
+    table.release(first.lease_id, ok=True, owner="a")
+    failed = _resolve(table, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
+    assert not table.has_key((KEY_REQ, 1, 0))  # the last tensors were taken: the key is gone...
+    table.release(failed.lease_id, ok=False, owner="a")
+    assert table.has_key((KEY_REQ, 1, 0))  # ...and back after the failure, with only those tensors
+    again = _resolve(table, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
+    table.release(again.lease_id, ok=True, owner="a")
+    assert not table.has_key((KEY_REQ, 1, 0))
 
 
 def test_memory_is_freed_only_when_nothing_references_it(table: CacheTable) -> None:

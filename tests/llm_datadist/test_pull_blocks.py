@@ -52,7 +52,7 @@ def test_scattered_blocks_land_where_the_table_says(linked, seed: int) -> None: 
         assert not got[untouched].any()
     # Blocks keys are never consumed: the same table pulls again.
     kvm.pull_blocks(BlocksCacheKey(P, 0), local, prompt_blocks[:1], decoder_blocks[:1])
-    assert peer.call("stats")["leases"] == 0
+    assert peer.stats()["leases"] == 0
 
 
 def test_layer_ranges_select_tensors(linked) -> None:  # type: ignore[no-untyped-def]
@@ -103,7 +103,7 @@ def test_invalid_block_tables(linked, prompt_blocks, decoder_blocks, kwargs, why
     with pytest.raises(LLMException) as exc_info:
         dd.kv_cache_manager.pull_blocks(BlocksCacheKey(P, 0), local, prompt_blocks, decoder_blocks, **kwargs)
     assert _status(exc_info) == LLMStatusCode.LLM_PARAM_INVALID, why
-    assert peer.call("stats")["leases"] == 0
+    assert peer.stats()["leases"] == 0
 
 
 def test_block_size_mismatch_and_non_blocks_destination(linked) -> None:  # type: ignore[no-untyped-def]

@@ -73,7 +73,7 @@ def test_pull_whole_cache_by_key_then_key_is_consumed(linked) -> None:  # type: 
     kvm.pull_cache(CacheKey(P, 42), dst)
     for t, raw in enumerate(_raw(dst)):
         np.testing.assert_array_equal(raw, peer.expected(cache_id, t, raw.nbytes))
-    assert peer.call("stats")["keys"] == 0
+    assert peer.stats()["keys"] == 0
     with pytest.raises(LLMException) as exc_info:
         kvm.pull_cache(CacheKey(P, 42), dst)
     assert _status(exc_info) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
@@ -157,7 +157,7 @@ def test_offsets_move_bytes_within_slots_and_keep_the_key(linked) -> None:  # ty
     kvm.pull_cache(CacheKey(P, 9), dst, 0, dst_cache_offset=0)
     for t, raw in enumerate(_raw(dst)):
         np.testing.assert_array_equal(_slot(raw, 2, 0), _slot(peer.expected(cache_id, t, 4000), 2, 1))
-    assert peer.call("stats")["keys"] == 2
+    assert peer.stats()["keys"] == 2
 
 
 def test_size_minus_one_means_slot_minus_dst_offset(linked) -> None:  # type: ignore[no-untyped-def]
@@ -209,14 +209,14 @@ def test_layer_by_layer_pull_consumes_the_key_after_the_last_layer(linked) -> No
     kvm = dd.kv_cache_manager
     dst = kvm.allocate_cache(_desc(2 * layers, [1, 256]))
     for layer in range(layers):
-        assert peer.call("stats")["keys"] == 1
+        assert peer.stats()["keys"] == 1
         kvm.pull_cache(
             CacheKey(P, 13),
             dst,
             src_layer_range=range(layer, layer + 1),
             dst_layer_range=range(layer, layer + 1),
         )
-    assert peer.call("stats")["keys"] == 0
+    assert peer.stats()["keys"] == 0
     for t, raw in enumerate(_raw(dst)):
         np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 512))
     with pytest.raises(LLMException) as exc_info:
@@ -256,13 +256,13 @@ def test_deallocate_is_deferred_while_keys_remain(linked) -> None:  # type: igno
     peer, dd = linked
     cache_id = peer.alloc(2, [1, 4096], [(P, 21)])
     peer.call("dealloc", cache_id)
-    assert peer.call("stats")["caches"] == 1  # the key still references the memory
+    assert peer.stats()["caches"] == 1  # the key still references the memory
     kvm = dd.kv_cache_manager
     dst = kvm.allocate_cache(_desc(2, [1, 4096]))
     kvm.pull_cache(CacheKey(P, 21), dst)
     for t, raw in enumerate(_raw(dst)):
         np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 8192))
-    stats = peer.call("stats")
+    stats = peer.stats()
     assert stats["caches"] == 0 and stats["pool_used_nbytes"] == 0
 
 
@@ -276,7 +276,7 @@ def test_remove_cache_key_then_deallocate_frees(linked) -> None:  # type: ignore
         dd.kv_cache_manager.pull_cache(CacheKey(P, 30), dst)
     assert _status(exc_info) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
     peer.call("dealloc", cache_id)
-    assert peer.call("stats")["caches"] == 0
+    assert peer.stats()["caches"] == 0
 
 
 def test_tensor_addresses_are_real_in_both_processes(linked) -> None:  # type: ignore[no-untyped-def]
@@ -316,7 +316,7 @@ def test_concurrent_pulls_on_one_link_from_threads(linked) -> None:  # type: ign
     assert not errors
     for t, raw in enumerate(_raw(dst)):
         np.testing.assert_array_equal(raw, peer.expected(cache_id, t, raw.nbytes))
-    assert peer.call("stats")["keys"] == 0
+    assert peer.stats()["keys"] == 0
 
 
 # ----------------------------------------------------------------------------- errors before anything is sent
@@ -367,7 +367,7 @@ def test_invalid_arguments_raise_param_invalid(linked, kwargs, why) -> None:  # 
     with pytest.raises(LLMException) as exc_info:
         kvm.pull_cache(CacheKey(P, 1), dst, **kwargs)
     assert _status(exc_info) == LLMStatusCode.LLM_PARAM_INVALID, why
-    assert peer.call("stats")["keys"] == 1  # nothing was consumed
+    assert peer.stats()["keys"] == 1  # nothing was consumed
 
 
 @pytest.mark.parametrize(
@@ -503,15 +503,15 @@ def test_a_decoder_killed_while_holding_a_lease_leaves_the_key_pullable(linked, 
     finally:
         holder.join(10)
     deadline = time.monotonic() + 10
-    while peer.call("stats")["leases"] and time.monotonic() < deadline:
+    while peer.stats()["leases"] and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert peer.call("stats")["leases"] == 0
-    assert peer.call("stats")["keys"] == 1  # the dead Decoder consumed nothing
+    assert peer.stats()["leases"] == 0
+    assert peer.stats()["keys"] == 1  # the dead Decoder consumed nothing
     dst = dd.kv_cache_manager.allocate_cache(_desc(2, [1, 64]))
     dd.kv_cache_manager.pull_cache(CacheKey(P, 1), dst)
     for t, raw in enumerate(_raw(dst)):
         np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 128))
-    assert peer.call("stats") == {"caches": 0, "keys": 0, "leases": 0, "pool_used_nbytes": 0}
+    assert peer.stats() == {"caches": 0, "keys": 0, "leases": 0, "pool_used_nbytes": 0}
 
 
 def test_several_devices_in_one_process_pull_every_device(seed: int) -> None:
@@ -534,4 +534,4 @@ def test_several_devices_in_one_process_pull_every_device(seed: int) -> None:
         assert len(raws) == 4
         for t, raw in enumerate(raws):
             np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 200))
-        assert peer.call("stats")["keys"] == 0
+        assert peer.stats()["keys"] == 0

@@ -152,7 +152,7 @@ def test_addresses_outside_the_decoders_caches_are_refused(linked) -> None:  # t
     bogus = [0x1000, 0x2000]
     task = peer.call("transfer", (cache_id, [(D, bogus, None, 0)], None, None, None, "go"))
     assert peer.call("task_results", (task, 20000)) == [int(LLMStatusCode.LLM_PARAM_INVALID)]
-    assert peer.call("stats")["leases"] == 0
+    assert peer.stats()["leases"] == 0
 
 
 def test_pull_during_a_transfer_is_link_busy(linked) -> None:  # type: ignore[no-untyped-def]

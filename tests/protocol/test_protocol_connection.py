@@ -31,6 +31,7 @@ from protocol.messages import (
     PullDone,
     PullGrant,
     PullRequest,
+    Release,
     ResolveRequest,
     Table,
     TableRequest,
@@ -290,6 +291,7 @@ def test_sendable_tables_as_specified() -> None:
         ResolveRequest,
         TableRequest,
         PullDone,
+        Release,
         Ping,
         Bye,
     }

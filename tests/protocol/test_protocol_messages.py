@@ -32,6 +32,7 @@ from protocol.messages import (
     PullDone,
     PullGrant,
     PullRequest,
+    Release,
     ResolveRequest,
     Table,
     TableRequest,
@@ -162,6 +163,7 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     ),
     Location: locations(),
     TableRequest: st.builds(TableRequest, u32),
+    Release: st.builds(Release, u64, st.booleans()),
     Table: st.builds(
         Table,
         u32,
@@ -191,6 +193,7 @@ VALID: list[Message] = [
     ResolveRequest(3333, 4, 0, 4097, 1, 2, 3333, False, True, False),
     Location(1, 2, 4097, "/seg", 4097 * 3333 * 2, (0, 4097 * 3333), 4097, 3333, 3332),
     TableRequest(4097),
+    Release(U64_MAX, False),
     Table(3333, 4097, (TABLE_ENTRY, (1, False, (), "", 0, (2**47,), 3333, 1))),
 ]
 
@@ -205,7 +208,13 @@ def test_registry_is_complete() -> None:
     assert {cls.TYPE: cls for cls in MESSAGES} == MESSAGE_TYPES
     assert [Hello.TYPE, Welcome.TYPE, PullRequest.TYPE, PullGrant.TYPE, PullDone.TYPE] == [1, 2, 3, 4, 5]
     assert [Ack.TYPE, Error.TYPE, Bye.TYPE, Ping.TYPE, Pong.TYPE] == [6, 7, 8, 9, 10]
-    assert [ResolveRequest.TYPE, Location.TYPE, TableRequest.TYPE, Table.TYPE] == [16, 17, 18, 19]
+    assert [ResolveRequest.TYPE, Location.TYPE, TableRequest.TYPE, Table.TYPE, Release.TYPE] == [
+        16,
+        17,
+        18,
+        19,
+        20,
+    ]
     assert [Announce.TYPE, BlocksRequest.TYPE, BlocksGrant.TYPE, WriteRequest.TYPE, WriteGrant.TYPE] == [
         11,
         12,
@@ -366,6 +375,7 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
         "slot": [3333, *BAD_U32],
     },
     TableRequest: {"seq": BAD_U32},
+    Release: {"lease_id": BAD_U64, "ok": BAD_BOOL},
     Table: {
         "seq": BAD_U32,
         "pid": BAD_U32,
