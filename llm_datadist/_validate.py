@@ -172,3 +172,15 @@ def check_layer_range(name: str, value: object, *, allow_none: bool = True) -> N
     raise_if_false(
         0 <= value.start < value.stop, "check 0 <= range.start < range.stop failed, {0} = {1}", name, value
     )
+
+
+def check_index_lists(**lists: object) -> None:
+    """Block or batch index lists: each a list or tuple (TypeError) of uint64 values (TypeError/ValueError);
+    None is allowed and means "not given"."""
+    for name, values in lists.items():
+        if values is None:
+            continue
+        check_isinstance(name, values, (list, tuple))
+        assert isinstance(values, (list, tuple))
+        for value in values:
+            check_uint64(name, value)

@@ -15,7 +15,14 @@ from shm.copyplan import Run, plan_block_copy
 
 from .._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
 from .._errors import api_errors
-from .._validate import check_int64, check_isinstance, check_range_step1, check_uint32, check_uint64
+from .._validate import (
+    check_index_lists,
+    check_int64,
+    check_isinstance,
+    check_range_step1,
+    check_uint32,
+    check_uint64,
+)
 from ..configs import LLMRole
 from ..status import LLMStatusCode, make_error
 from ..v2.cache import KvCache
@@ -369,10 +376,7 @@ class KvCacheManager:
         core = self._require_core(api)
         check_isinstance("prompt_cache_key", prompt_cache_key, BlocksCacheKey)
         check_isinstance("decoder_kv_cache", decoder_kv_cache, KvCache)
-        for name, blocks in (("prompt_blocks", prompt_blocks), ("decoder_blocks", decoder_blocks)):
-            check_isinstance(name, blocks, (list, tuple))
-            for block in blocks:
-                check_uint64(name, block)
+        check_index_lists(prompt_blocks=prompt_blocks, decoder_blocks=decoder_blocks)
         layers = parse_layer_kwargs(api, kwargs, _LAYER_KWARGS)
         self._check_role(api, LLMRole.DECODER)
         if not prompt_blocks or len(prompt_blocks) != len(decoder_blocks):
@@ -457,25 +461,18 @@ class KvCacheManager:
         api = "transfer_cache_async"
         core = self._require_core(api)
         check_isinstance("src_cache", src_cache, KvCache)
-        check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer)
-        check_isinstance("transfer_configs", transfer_configs, (list, tuple))
-        for config in transfer_configs:
-            check_isinstance("transfer_configs", config, TransferConfig)
-        for name, indices in (
-            ("src_block_indices", src_block_indices),
-            ("dst_block_indices", dst_block_indices),
-        ):
-            if indices is not None:
-                check_isinstance(name, indices, (list, tuple))
-                for index in indices:
-                    check_uint64(name, index)
-        if dst_block_memory_size is not None:
-            check_uint64("dst_block_memory_size", dst_block_memory_size)
+        check_transfer_args(
+            api,
+            layer_synchronizer,
+            transfer_configs,
+            TransferConfig,
+            src_block_indices,
+            dst_block_indices,
+            dst_block_memory_size,
+        )
         self._check_role(api, LLMRole.PROMPT)
         if len(core.settings.device_ids) > 1:
             _param_invalid(api, "not supported with several devices in one process")
-        if not transfer_configs:
-            _param_invalid(api, "transfer_configs must not be empty")
         record = self._record_of(api, core, src_cache)
         plans = [
             plan_transfer(api, record, config, src_block_indices, dst_block_indices, dst_block_memory_size)
@@ -494,6 +491,28 @@ class KvCacheManager:
             [config.dst_cluster_id for config in transfer_configs],
             LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
         )
+
+
+def check_transfer_args(
+    api: str,
+    layer_synchronizer: object,
+    transfer_configs: object,
+    config_type: type,
+    src_block_indices: object,
+    dst_block_indices: object,
+    dst_block_memory_size: object,
+) -> None:
+    """The type checks transfer_cache_async makes in both modes (before anything else)."""
+    check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer)
+    check_isinstance("transfer_configs", transfer_configs, (list, tuple))
+    assert isinstance(transfer_configs, (list, tuple))
+    for config in transfer_configs:
+        check_isinstance("transfer_configs", config, config_type)
+    check_index_lists(src_block_indices=src_block_indices, dst_block_indices=dst_block_indices)
+    if dst_block_memory_size is not None:
+        check_uint64("dst_block_memory_size", dst_block_memory_size)
+    if not transfer_configs:
+        _param_invalid(api, "transfer_configs must not be empty")
 
 
 def start_transfer(

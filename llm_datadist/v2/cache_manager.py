@@ -18,12 +18,20 @@ from .._copy import address_view
 from .._core import PLACEMENT_DEVICE, PLACEMENT_HOST, RemoteCache, UnitRun
 from .._engine import KEY_BLOCKS, KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
 from .._errors import api_errors
-from .._validate import check_int64, check_isinstance, check_range_step1, check_uint32, check_uint64
+from .._validate import (
+    check_index_lists,
+    check_int64,
+    check_isinstance,
+    check_range_step1,
+    check_uint32,
+    check_uint64,
+)
 from .._vm import allow_peers_to_attach, cross_memory_supported
 from ..status import LLMStatusCode, make_error
 from ..v1.kv_cache_manager import (
     LayerArgs,
     TensorSelection,
+    check_transfer_args,
     parse_layer_kwargs,
     plan_transfer,
     start_transfer,
@@ -427,10 +435,7 @@ class CacheManager:
         api = "pull_blocks"
         core = self._require_core(api)
         check_isinstance("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
-        for name, blocks in (("src_blocks", src_blocks), ("dst_blocks", dst_blocks)):
-            check_isinstance(name, blocks, (list, tuple))
-            for block in blocks:
-                check_uint64(name, block)
+        check_index_lists(src_blocks=src_blocks, dst_blocks=dst_blocks)
         layers = parse_layer_kwargs(api, kwargs, _BLOCK_KWARGS)
         record = self._record_of(api, core, dst_cache, "dst_cache")
         if not record.is_blocks:
@@ -596,10 +601,7 @@ class CacheManager:
         api = "push_blocks"
         core = self._require_core(api)
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey)
-        for name, blocks in (("src_blocks", src_blocks), ("dst_blocks", dst_blocks)):
-            check_isinstance(name, blocks, (list, tuple))
-            for block in blocks:
-                check_uint64(name, block)
+        check_index_lists(src_blocks=src_blocks, dst_blocks=dst_blocks)
         self._require_remote_access(api, core)
         record = self._record_of(api, core, src_cache, "src_cache")
         if not record.is_blocks:
@@ -650,24 +652,17 @@ class CacheManager:
         LLM_TIMEOUT. The source must not be a HOST cache."""
         api = "transfer_cache_async"
         core = self._require_core(api)
-        check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer)
-        check_isinstance("transfer_configs", transfer_configs, (list, tuple))
         remote_access = core.settings.remote_cache_accessible
         expected = TransferWithCacheKeyConfig if remote_access else TransferConfig
-        for config in transfer_configs:
-            check_isinstance("transfer_configs", config, expected)
-        for name, indices in (
-            ("src_block_indices", src_block_indices),
-            ("dst_block_indices", dst_block_indices),
-        ):
-            if indices is not None:
-                check_isinstance(name, indices, (list, tuple))
-                for index in indices:
-                    check_uint64(name, index)
-        if dst_block_memory_size is not None:
-            check_uint64("dst_block_memory_size", dst_block_memory_size)
-        if not transfer_configs:
-            _invalid(api, "transfer_configs must not be empty")
+        check_transfer_args(
+            api,
+            layer_synchronizer,
+            transfer_configs,
+            expected,
+            src_block_indices,
+            dst_block_indices,
+            dst_block_memory_size,
+        )
         record = self._record_of(api, core, src_cache, "src_cache")
         if record.placement == PLACEMENT_HOST:
             _invalid(api, "the source of transfer_cache_async must not be a HOST cache")
