@@ -1,4 +1,4 @@
-"""The `llm-datadist` command: `demo`, `gc` (remove shared memory of dead processes), `ls`.
+"""The `llm-datadist` command: `demo`, `bench`, `gc` (remove what dead processes left), `ls`.
 
 Rules: every subcommand exits 0 on success and non-zero with a message on stderr otherwise.
 """
@@ -14,10 +14,16 @@ from . import _bench, _demo
 def _gc(args: argparse.Namespace) -> int:
     from shm.reaper import reap
 
+    from ._runtime import remove_stale_sockets
+
     removed = reap()
     for name in removed:
         print(f"removed {name}")
     print(f"{len(removed)} segment(s) of dead processes removed")
+    sockets = remove_stale_sockets()
+    for path in sockets:
+        print(f"removed {path}")
+    print(f"{len(sockets)} stale socket(s) removed")
     return 0
 
 
@@ -30,6 +36,14 @@ def _ls(args: argparse.Namespace) -> int:
         state = "alive" if info.alive else "dead"
         print(f"{info.name:<64} {info.owner.pid:>8} {state:>6} {info.nbytes:>14}")
     print(f"{len(segments)} segment(s)")
+    from ._runtime import list_sockets, runtime_dir
+
+    sockets = list_sockets()
+    print(f"\n{'socket (in ' + str(runtime_dir()) + ')':<64} {'pid':>8} {'state':>8}")
+    for sock in sockets:
+        pid = str(sock.pid) if sock.pid is not None else "-"
+        print(f"{sock.path.name:<64} {pid:>8} {'serving' if sock.pid is not None else 'stale':>8}")
+    print(f"{len(sockets)} socket(s)")
     return 0
 
 
@@ -44,8 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="measure transfers against memcpy and the alternatives")
     _bench.add_arguments(bench)
     bench.set_defaults(func=_bench.run)
-    sub.add_parser("gc", help="unlink shared memory left by dead processes").set_defaults(func=_gc)
-    sub.add_parser("ls", help="list this user's llm_datadist shared memory").set_defaults(func=_ls)
+    sub.add_parser("gc", help="unlink shared memory and sockets left by dead processes").set_defaults(
+        func=_gc
+    )
+    sub.add_parser("ls", help="list this user's llm_datadist shared memory and sockets").set_defaults(
+        func=_ls
+    )
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code

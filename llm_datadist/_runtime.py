@@ -12,6 +12,8 @@ import errno
 import os
 import socket
 import stat
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 ENV_RUNTIME_DIR = "LLM_DATADIST_RUNTIME_DIR"
@@ -107,3 +109,43 @@ def remove_stale_socket(path: Path) -> None:
     finally:
         probe.close()
     raise FileExistsError(f"another process is already listening on {path}")
+
+
+@dataclass(frozen=True)
+class SocketInfo:
+    """A socket file in the runtime directory and who serves it (None: nobody, a dead process's leftover)."""
+
+    path: Path
+    pid: int | None
+
+
+def list_sockets() -> list[SocketInfo]:
+    """Every socket in the runtime directory with the pid serving it, asked of the kernel (SO_PEERCRED of
+    a connection that is closed before saying anything)."""
+    directory = runtime_dir()
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in sorted(directory.glob("*.sock")):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(os.fspath(path))
+            pid, _, _ = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            found.append(SocketInfo(path, pid))
+        except OSError:
+            found.append(SocketInfo(path, None))
+        finally:
+            probe.close()
+    return found
+
+
+def remove_stale_sockets() -> list[Path]:
+    """Unlink the sockets nobody serves any more (left by processes that died); returns them."""
+    removed = []
+    for info in list_sockets():
+        if info.pid is None:
+            with contextlib.suppress(FileNotFoundError, FileExistsError, OSError):
+                remove_stale_socket(info.path)
+                removed.append(info.path)
+    return removed

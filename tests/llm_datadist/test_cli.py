@@ -60,3 +60,23 @@ def test_ls_and_gc_find_a_dead_processs_segment() -> None:
         assert os.path.exists(f"/dev/shm{live.name}")  # a live owner's segment is left alone
     finally:
         live.close()
+
+
+def test_ls_and_gc_show_and_clean_sockets(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    from tests._peer import PROMPT_IP, PromptPeer
+
+    port = 21999
+    peer = PromptPeer(1, port, seed)
+    try:
+        listing = subprocess.run([*CLI, "ls"], capture_output=True, text=True, timeout=60, check=True).stdout
+        line = next(row for row in listing.splitlines() if row.startswith(f"{PROMPT_IP}_{port}.sock"))
+        assert str(peer.pid) in line and "serving" in line
+        peer.kill()
+    finally:
+        peer.close()
+    listing = subprocess.run([*CLI, "ls"], capture_output=True, text=True, timeout=60, check=True).stdout
+    line = next(row for row in listing.splitlines() if row.startswith(f"{PROMPT_IP}_{port}.sock"))
+    assert "stale" in line
+    gc = subprocess.run([*CLI, "gc"], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert f"{PROMPT_IP}_{port}.sock" in gc
+    assert not (_runtime_dir / f"{PROMPT_IP}_{port}.sock").exists()

@@ -1,0 +1,73 @@
+"""Many Prompt crashes in a row leave nothing behind: after each SIGKILL the Decoder gets its error at
+once, unlinks, and after the reaper (what the next start runs) no segment, socket or descriptor remains."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from llm_datadist import CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode
+from llm_datadist._runtime import remove_stale_sockets
+from llm_datadist.ext import tensor_views
+from shm.names import parse_segment_name
+from shm.reaper import reap
+from tests._peer import PromptPeer, decoder
+
+CYCLES = 5
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _segments_of(pids: set[int]) -> list[str]:
+    names = []
+    for name in os.listdir("/dev/shm"):
+        owner = parse_segment_name(name)
+        if owner is not None and owner.pid in pids:
+            names.append(name)
+    return names
+
+
+def test_prompt_crash_cycles_leak_nothing(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    dead: set[int] = set()
+    with decoder(sync_kv_timeout_ms=30000) as dd:
+        kvm = dd.kv_cache_manager
+        dst = kvm.allocate_cache(CacheDesc(2, [1, 4096], DataType.DT_FLOAT16))
+        fds_after: list[int] = []
+        for cycle in range(CYCLES):
+            peer = PromptPeer(1, 21000 + cycle, seed + cycle)
+            try:
+                info = peer.cluster_info()
+                assert dd.link_clusters([info])[0] == LLMStatusCode.LLM_SUCCESS
+                cache_id = peer.alloc(2, [1, 4096], [(1, 1)])
+                kvm.pull_cache(CacheKey(1, 1), dst)
+                for t, view in enumerate(tensor_views(dst)):
+                    np.testing.assert_array_equal(
+                        view.view(np.uint8).reshape(-1), peer.expected(cache_id, t, 8192)
+                    )
+                peer.kill()
+                dead.add(peer.pid)
+                started = time.monotonic()
+                with pytest.raises(LLMException) as exc_info:
+                    kvm.pull_cache(CacheKey(1, 1), dst)
+                assert exc_info.value.status_code in (
+                    LLMStatusCode.LLM_LINK_FAILED,
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                )
+                assert time.monotonic() - started < 5  # at once, not after the 30 s timeout
+                assert dd.unlink_clusters([info])[0] == LLMStatusCode.LLM_SUCCESS
+            finally:
+                peer.close()
+            fds_after.append(_fds())
+        assert _segments_of(dead), "the SIGKILLed Prompts could not clean up after themselves"
+        reap()
+        remove_stale_sockets()
+        assert not _segments_of(dead)
+        assert not list(_runtime_dir.glob("127.0.0.1_*.sock"))
+        # The first cycle may start multiprocessing's own helper (the resource tracker) and its pipe:
+        # from then on every crash cycle must leave the descriptor count where it was.
+        assert fds_after[1:] == [fds_after[0]] * (CYCLES - 1), fds_after
