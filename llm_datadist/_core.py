@@ -37,6 +37,7 @@ from protocol.messages import (
     WriteRequest,
 )
 from shm.copyplan import BlockPlan, Run, StridedCopy, plan_tensor_copy
+from shm.generations import read_generation
 from shm.names import parse_segment_name
 from shm.pool import Pool
 from shm.reaper import reap
@@ -665,11 +666,21 @@ class Core(ServerHooks):
         blocks: dict[int, int] = {}
         for entry in reply.entries:
             # The protocol validated every entry's shape and ranges; this only restores the types.
-            cache_id, is_blocks, model_ids, segment, segment_nbytes, bases, unit, units = cast(
-                tuple[int, bool, tuple[int, ...], str, int, tuple[int, ...], int, int], entry
+            cache_id, is_blocks, model_ids, segment, segment_nbytes, bases, unit, units, slot, gen = cast(
+                tuple[int, bool, tuple[int, ...], str, int, tuple[int, ...], int, int, int, int], entry
             )
             caches[cache_id] = RemoteCache(
-                cache_id, is_blocks, reply.pid, segment, segment_nbytes, bases, unit, units
+                cache_id,
+                is_blocks,
+                reply.pid,
+                segment,
+                segment_nbytes,
+                bases,
+                unit,
+                units,
+                reply.generations,
+                slot,
+                gen,
             )
             for model_id in model_ids:
                 blocks[model_id] = cache_id
@@ -690,11 +701,20 @@ class Core(ServerHooks):
         *,
         to_remote: bool,
     ) -> None:
-        """Copy between a peer's cache (from its table) and ours with no round trip to the peer."""
+        """Copy between a peer's cache (from its table) and ours with no round trip to the peer.
+
+        The cache's generation word is checked before and after the copy: if the owner freed or reused the
+        cache meanwhile, the bytes cannot be trusted (or, for a write, landed in memory that is no longer
+        that cache) and the transfer fails with LLM_KV_CACHE_NOT_EXIST instead of returning stale data.
+        """
         deadline = time.monotonic() + self.sync_kv_timeout_s
         link = self.link_to(remote_cluster_id, deadline)
         bases = remote.tensor_bases[remote_tensor_start : remote_tensor_start + tensor_count]
         with link.exclusive(deadline):
+            if not self.remote_cache_current(link, remote):
+                raise StatusError(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"remote cache {remote.cache_id} was freed"
+                )
             self._copy_units(
                 link,
                 remote.pid,
@@ -706,6 +726,20 @@ class Core(ServerHooks):
                 runs,
                 to_remote=to_remote,
             )
+            if not self.remote_cache_current(link, remote):
+                raise StatusError(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    f"remote cache {remote.cache_id} was freed or reused during the transfer",
+                )
+
+    def remote_cache_current(self, link: ClientLink, remote: RemoteCache) -> bool:
+        """Whether the owner still holds the cache this table entry describes (its generation word)."""
+        words = self._peer_segment(link, remote.generations, (remote.gen_slot + 1) * 8, writable=False)
+        return read_generation(words, remote.gen_slot) == remote.generation
+
+    def remote_is_current(self, remote_cluster_id: int, remote: RemoteCache) -> bool:
+        deadline = time.monotonic() + self.sync_kv_timeout_s
+        return self.remote_cache_current(self.link_to(remote_cluster_id, deadline), remote)
 
     def transfer_resolved(
         self,
@@ -945,6 +979,9 @@ class RemoteCache:
     tensor_bases: tuple[int, ...]
     unit_nbytes: int
     num_units: int
+    generations: str
+    gen_slot: int
+    generation: int
 
 
 @dataclass

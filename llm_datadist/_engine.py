@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from shm.errors import OutOfPoolMemory
+from shm.generations import GenerationTable
 from shm.pool import Block, Pool
 from shm.segment import Segment
 
@@ -63,6 +64,9 @@ class CacheRecord:
     addrs: tuple[int, ...] = ()
     placement: int = 1
     remote_accessible: bool = True
+    # The cache's word in the generation table (see shm.generations): one-sided readers check it.
+    gen_slot: int = -1
+    generation: int = 0
     external: bool = True
     keys: set[KeyId] = field(default_factory=set)
     leases: int = 0
@@ -196,6 +200,7 @@ class CacheTable:
     def __init__(self, pools: dict[int, Pool], *, oom_code: LLMStatusCode) -> None:
         # Pools by placement (Placement.DEVICE = 1, HOST = 0); a placement without a pool cannot allocate.
         self._pools = pools
+        self._generations = GenerationTable()
         self._oom_code = oom_code
         # Re-entrant: a KvCache finaliser run by the garbage collector may deallocate from inside a call.
         self._lock = threading.RLock()
@@ -309,6 +314,7 @@ class CacheTable:
                 del self._blocks_keys[model_id]
             record.external = False
             self._caches.pop(cache_id, None)
+            self._generations.retire(record.gen_slot)
             return True
 
     @staticmethod
@@ -339,6 +345,7 @@ class CacheTable:
                 )
 
     def _add(self, record: CacheRecord, bindings: dict[KeyId, int]) -> CacheRecord:
+        record.gen_slot, record.generation = self._generations.acquire()
         self._next_cache_id += 1
         self._caches[record.cache_id] = record
         for key, slot in bindings.items():
@@ -530,6 +537,10 @@ class CacheTable:
             )
             return _location(record, lease.lease_id, tensor_start, tensor_count, slot)
 
+    @property
+    def generations_name(self) -> str:
+        return self._generations.name
+
     def table(self) -> list[tuple[CacheRecord, LocationData, tuple[int, ...]]]:
         """Remote-accessible live caches: each with its whole location and the blocks model ids naming it."""
         with self._lock:
@@ -588,6 +599,7 @@ class CacheTable:
             self._leases.clear()
             for pool in self._pools.values():
                 pool.close()
+            self._generations.close()
 
     # ----------------------------------------------------------------- helpers (lock held)
 
@@ -715,6 +727,8 @@ class CacheTable:
         if record.referenced or self._caches.get(record.cache_id) is not record:
             return
         del self._caches[record.cache_id]
+        # Retire the generation before the memory can be handed out again: readers check it after copying.
+        self._generations.retire(record.gen_slot)
         if record.block is not None:
             self._pools[record.placement].free(record.block)
 

@@ -425,10 +425,12 @@ class Server:
                     loc.tensor_bases,
                     loc.unit_nbytes,
                     loc.num_units,
+                    record.gen_slot,
+                    record.generation,
                 )
                 for record, loc, model_ids in self._table.table()
             )
-            return Table(msg.seq, os.getpid(), entries)
+            return Table(msg.seq, os.getpid(), self._table.generations_name, entries)
         if isinstance(msg, PullDone):
             self._table.release(msg.lease_id, ok=msg.ok, owner=sconn)
             return Ack(msg.seq)

@@ -177,9 +177,11 @@ MAX_TABLE_ENTRIES = 4096
 
 
 def _check_table_entry(value: object) -> tuple[object, ...] | None:
-    if not isinstance(value, list | tuple) or len(value) != 8:
+    if not isinstance(value, list | tuple) or len(value) != 10:
         return None
-    cache_id, is_blocks, model_ids, segment, segment_nbytes, bases, unit_nbytes, num_units = value
+    cache_id, is_blocks, model_ids, segment, segment_nbytes, bases, unit_nbytes, num_units, slot, gen = value
+    if not (_is_int(slot) and 0 <= slot <= _U32_MAX and _is_int(gen) and 1 <= gen <= _U64_MAX):
+        return None
     if not (_is_int(cache_id) and 0 <= cache_id <= _U64_MAX and isinstance(is_blocks, bool)):
         return None
     if not isinstance(model_ids, list | tuple) or len(model_ids) > MAX_TABLE_ENTRIES:
@@ -211,6 +213,8 @@ def _check_table_entry(value: object) -> tuple[object, ...] | None:
         checked_bases,
         unit_nbytes,
         num_units,
+        slot,
+        gen,
     )
 
 
@@ -582,11 +586,14 @@ class TableRequest(Message):
 class Table(Message):
     """Server -> client: the remote-accessible caches of process `pid`. Each entry is
     [cache_id, is_blocks, [model_id, ...], segment or "", segment_nbytes, [tensor_base, ...], unit_nbytes,
-    num_units], with the same meaning as in Location."""
+    num_units, generation_slot, generation], with the same meaning as in Location. Word `generation_slot`
+    of the `generations` segment holds the entry's generation while the cache lives, and changes before
+    its memory is reused: a one-sided reader checks it around each copy."""
 
     TYPE: ClassVar[int] = 19
     seq: Annotated[int, U32]
     pid: Annotated[int, U32]
+    generations: Annotated[str, _SEGMENT]
     entries: Annotated[tuple[tuple[object, ...], ...], _TABLE_ENTRIES]
 
 

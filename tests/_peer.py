@@ -165,6 +165,13 @@ def _prompt_main(
                 owned[cache.cache_id] = arrays
                 caches[cache.cache_id] = cache
                 result = cache.cache_id
+            elif command == "v2_unregister":
+                manager.unregister_cache(args)
+                caches.pop(args)
+                result = None
+            elif command == "v2_dealloc_blocks":
+                manager.deallocate_blocks_cache(caches.pop(args))
+                result = None
             elif command == "v2_alloc":
                 num_tensors, shape, keys, blocks_model_id = args
                 desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)

@@ -332,7 +332,12 @@ class CacheManager:
         for refresh in (False, True):
             table = core.remote_table(cluster_id, refresh=refresh)
             wanted = table.blocks.get(model_id) if model_id is not None else cache_id
-            if wanted is not None and wanted in table.caches:
+            # An entry whose cache the owner has freed since the table was fetched is stale: refetch.
+            if (
+                wanted is not None
+                and wanted in table.caches
+                and core.remote_is_current(cluster_id, table.caches[wanted])
+            ):
                 return table.caches[wanted]
         name = f"model_id {model_id}" if model_id is not None else f"cache id {cache_id}"
         raise make_error(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no remote-accessible cache with {name}")

@@ -421,3 +421,34 @@ def test_mode_specific_arguments() -> None:
             )
         with pytest.raises(TypeError):
             dd.cache_manager.pull_cache(CacheKey(P, 1), source)  # one-sided pulls take a cache id
+
+
+def test_one_sided_readers_notice_a_freed_or_reused_cache(seed: int) -> None:
+    extra = _v2_options(remote_access=True)
+    with PromptPeer(P, next(_ports), seed, extra=extra) as peer, _Decoder(remote_access=True) as dd:
+        first = peer.call("v2_alloc", (2, [4, 64], [], 0))
+        _link_one_sided(dd, peer)
+        local, arrays = _numpy_blocks_cache(dd, 2, [4, 64])
+        cm = dd.cache_manager
+        cm.pull_blocks(BlocksCacheKey(P, 0), local, [1], [1])  # the table (with cache `first`) is cached now
+        core = dd._require_core()
+        stale = core.remote_table(P).caches[first]
+        # The owner frees the cache and allocates another over the same pool memory, same model id.
+        peer.call("v2_dealloc_blocks", first)
+        second = peer.call("v2_alloc", (2, [4, 64], [], 0))
+        assert not core.remote_is_current(P, stale)
+        # A transfer through the stale entry refuses instead of returning the new cache's bytes as the old's.
+        pinned = core.table.get(local.cache_id)
+        with pytest.raises(Exception, match="was freed"):
+            core.transfer_one_sided(P, stale, 0, pinned, 0, 2, [], to_remote=False)
+        # Through the API the stale entry is noticed and the table fetched again: the new cache is read.
+        cm.pull_blocks(BlocksCacheKey(P, 0), local, [2], [0])
+        for t, array in enumerate(arrays):
+            np.testing.assert_array_equal(
+                array.reshape(4, 128)[0], peer.expected(second, t, 512).reshape(4, 128)[2]
+            )
+        # A cache id that is gone stays gone.
+        plain = cm.allocate_cache(CacheDesc(2, [1, 64], DataType.DT_FLOAT16))
+        with pytest.raises(LLMException) as exc_info:
+            cm.pull_cache(CacheKeyByIdAndIndex(P, first, 0), plain)
+        assert exc_info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST

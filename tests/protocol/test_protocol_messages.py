@@ -92,7 +92,7 @@ def locations(draw: st.DrawFn) -> Location:
     )
 
 
-TABLE_ENTRY = (7, True, (0, 1), "/llmdd.0.1.2.x", 4097 * 64, (0, 4097 * 32), 4097, 32)
+TABLE_ENTRY = (7, True, (0, 1), "/llmdd.0.1.2.x", 4097 * 64, (0, 4097 * 32), 4097, 32, 3, 3333)
 
 
 @st.composite
@@ -168,6 +168,7 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
         Table,
         u32,
         u32,
+        segment_names,
         st.lists(st.just(TABLE_ENTRY), max_size=3).map(tuple),  # type: ignore[arg-type]
     ),
 }
@@ -194,7 +195,7 @@ VALID: list[Message] = [
     Location(1, 2, 4097, "/seg", 4097 * 3333 * 2, (0, 4097 * 3333), 4097, 3333, 3332),
     TableRequest(4097),
     Release(U64_MAX, False),
-    Table(3333, 4097, (TABLE_ENTRY, (1, False, (), "", 0, (2**47,), 3333, 1))),
+    Table(3333, 4097, "/llmdd.0.1.2.gen", (TABLE_ENTRY, (1, False, (), "", 0, (2**47,), 3333, 1, 0, 1))),
 ]
 
 
@@ -379,15 +380,18 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
     Table: {
         "seq": BAD_U32,
         "pid": BAD_U32,
+        "generations": BAD_SEGMENT,
         "entries": [
             None,
             [[]],
-            [list(TABLE_ENTRY[:7])],
+            [list(TABLE_ENTRY[:9])],
+            [[*TABLE_ENTRY[:9], 0]],
+            [[*TABLE_ENTRY[:8], -1, 1]],
             [[-1, *TABLE_ENTRY[1:]]],
             [[TABLE_ENTRY[0], 1, *TABLE_ENTRY[2:]]],
             [[*TABLE_ENTRY[:3], "a b", *TABLE_ENTRY[4:]]],
             [[*TABLE_ENTRY[:4], 4097 * 64 - 1, *TABLE_ENTRY[5:]]],
-            [[*TABLE_ENTRY[:7], 0]],
+            [[*TABLE_ENTRY[:7], 0, *TABLE_ENTRY[8:]]],
             [TABLE_ENTRY] * 4097,
         ],
     },

@@ -99,3 +99,25 @@ def test_uneven_or_overlapping_offsets_have_no_strided_form() -> None:
     assert StridedCopy.from_offsets([0, 10, 25], [0, 10, 20], 5) is None
     assert StridedCopy.from_offsets([0, 4], [0, 10], 5) is None  # source rows would overlap
     assert StridedCopy.from_offsets([7], [9], 5) == StridedCopy(7, 5, 9, 5, 1, 5)
+
+
+def test_generation_words_change_before_a_slot_is_reused() -> None:
+    from shm.generations import GenerationTable, read_generation
+    from shm.segment import Segment
+
+    table = GenerationTable(capacity=4)
+    try:
+        reader = Segment.attach(table.name)
+        try:
+            slot, generation = table.acquire()
+            assert read_generation(reader, slot) == generation > 0
+            table.retire(slot)
+            assert read_generation(reader, slot) == 0
+            again, newer = table.acquire()
+            assert again == slot and newer != generation  # same word, a generation never seen before
+            with pytest.raises(Exception, match="outside"):
+                read_generation(reader, 4)
+        finally:
+            reader.close()
+    finally:
+        table.close()

@@ -1,0 +1,66 @@
+"""Generation words: how a one-sided reader learns that a cache it read was freed or reused meanwhile.
+
+Layout of the owner's generation segment (created by `GenerationTable`, mapped read-only by readers)::
+
+    offset 0        8               16                    8*capacity
+    | slot 0: u64   | slot 1: u64   | ...                 |
+
+Slot i holds the generation of the live cache assigned to it, or 0 while free. The owner writes a cache's
+word when it is created and zeroes it *before* its memory goes back to the pool, so a reader that sees the
+same non-zero generation before and after its copy read a cache that lived throughout (x86's in-order
+stores and loads make the word's store visible no later than the new owner's data). Not thread-safe: the
+owner's cache table serialises calls. The owner creates, closes and unlinks the segment.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shm.errors import ShmError
+from shm.segment import Segment
+
+__all__ = ["DEFAULT_CAPACITY", "GenerationTable", "read_generation"]
+
+DEFAULT_CAPACITY = 65536  # live caches per process; 512 KiB of words
+
+
+class GenerationTable:
+    """The owner's side: hands out (slot, generation) pairs and retires them."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.segment = Segment.create(capacity * 8)
+        self._words = self.segment.array.view(np.uint64)
+        self._free = list(range(capacity - 1, -1, -1))
+        self._next_generation = 1
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    def acquire(self) -> tuple[int, int]:
+        """A free slot and a generation never used before in this process, published in the slot."""
+        if not self._free:
+            raise ShmError("no free generation slot: too many live caches")
+        slot = self._free.pop()
+        generation = self._next_generation
+        self._next_generation += 1
+        self._words[slot] = generation
+        return slot, generation
+
+    def retire(self, slot: int) -> None:
+        """Zero the slot (before the cache's memory is reused) and make it available again."""
+        self._words[slot] = 0
+        self._free.append(slot)
+
+    def close(self) -> None:
+        self._words = np.empty(0, dtype=np.uint64)
+        self.segment.close()
+
+
+def read_generation(generations: Segment, slot: int) -> int:
+    """The generation word `slot` of a mapped generation segment (bounds-checked)."""
+    if not 0 <= slot < generations.nbytes // 8:
+        raise ShmError(f"generation slot {slot} outside a table of {generations.nbytes // 8}")
+    return int(generations.array[slot * 8 : slot * 8 + 8].view(np.uint64)[0])
