@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar, cast
 
+import psutil
+
 from protocol.messages import (
     BlocksGrant,
     BlocksRequest,
@@ -46,7 +48,13 @@ from shm.segment import Segment
 from ._copy import Copier, address_view
 from ._engine import CacheRecord, CacheTable
 from ._errors import PeerGone, StatusError
-from ._runtime import ensure_runtime_dir, parse_listen_ip_info, socket_path, socket_path_in_runtime
+from ._runtime import (
+    ensure_runtime_dir,
+    parse_listen_ip_info,
+    remove_stale_sockets,
+    socket_path,
+    socket_path_in_runtime,
+)
 from ._transport import ClientLink, PeerInfo, Server, ServerHooks
 from ._vm import VmError, VmNotPermitted, VmRun, read_from, write_to
 from .configs import LLMRole
@@ -356,11 +364,26 @@ class Core(ServerHooks):
             self.server.unlisten(self.public_path)
             self.public_path = None
 
+    def _link_broken(self, link: ClientLink) -> None:
+        self._clean_up_after(link.peer.pid)
+
+    @staticmethod
+    def _clean_up_after(pid: int) -> None:
+        """When a peer's connection ends and the peer is dead, remove what it left: its segments (the
+        reaper checks every owner's pid and start time itself) and sockets nobody serves any more."""
+        if _process_alive(pid):
+            return
+        reaped = reap()
+        stale = remove_stale_sockets()
+        if reaped or stale:
+            log.info("peer %d died: removed %d segments and %d sockets it left", pid, len(reaped), len(stale))
+
     def is_pushing_to(self, cluster_id: int) -> bool:
         with self._links_lock:
             return self._pushing.get(cluster_id, 0) > 0
 
     def peer_gone(self, peer: PeerInfo) -> None:
+        self._clean_up_after(peer.pid)
         if any(other.cluster_id == peer.cluster_id for other in self.server.peers()):
             return
         with self._links_lock:
@@ -395,6 +418,7 @@ class Core(ServerHooks):
                 link.close(say_bye=True)
                 return LLMStatusCode.LLM_ALREADY_LINK
             self._links[remote_cluster_id] = link
+        link.on_broken = self._link_broken
         return LLMStatusCode.LLM_SUCCESS
 
     def unlink(self, remote_cluster_id: int, *, force: bool) -> LLMStatusCode:
@@ -583,6 +607,7 @@ class Core(ServerHooks):
             raise StatusError(
                 LLMStatusCode.LLM_LINK_FAILED, "the callback socket is served by another process"
             )
+        link.on_broken = self._link_broken
         with self._links_lock:
             old = self._push_links.pop(remote_cluster_id, None)
             self._push_links[remote_cluster_id] = link
@@ -891,6 +916,7 @@ class Core(ServerHooks):
                 except StatusError as exc:
                     log.info("link %r: rank %d not reachable yet: %s", comm.name, rank, exc.detail)
                     continue
+                link.on_broken = self._link_broken
                 with self._links_lock:
                     if cluster_id in self._links:
                         link.close(say_bye=True)
@@ -1017,3 +1043,10 @@ class UnitRun:
     remote_offset: int
     local_offset: int
     nbytes: int
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -515,6 +515,8 @@ class ClientLink:
         self._lock = threading.Lock()
         self._seq = 0
         self.broken: str | None = None
+        # Called once when the link breaks (the owner of the link uses it to clean up after a dead peer).
+        self.on_broken: Callable[[ClientLink], None] | None = None
 
     @classmethod
     def connect(
@@ -650,9 +652,12 @@ class ClientLink:
 
     def _break(self, reason: str) -> None:
         # The server sees EOF and drops our leases; nothing on this link can be trusted any more.
+        first = self.broken is None
         self.broken = reason
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
+        if first and self.on_broken is not None:
+            self.on_broken(self)
 
 
 def _receive(sock: socket.socket, conn: Connection, deadline: float) -> Message:

@@ -85,6 +85,15 @@ def test_decoder_killed_mid_push(_runtime_dir) -> None:  # type: ignore[no-untyp
         assert code == LLMStatusCode.LLM_LINK_FAILED, code
         assert time.monotonic() - started < 10  # the dead peer is noticed, not waited for
         assert task.get_results(0) == [LLMStatusCode.LLM_LINK_FAILED]
+        # The Prompt, having seen its peer die, removed the segments the Decoder left.
+        from shm.names import parse_segment_name
+
+        left = [
+            n
+            for n in os.listdir("/dev/shm")
+            if (o := parse_segment_name(n)) is not None and o.pid == decoder.pid
+        ]
+        assert not left, left
         # The source is unpinned: deallocating it frees the memory at once.
         kvm.deallocate_cache(source)
         assert prompt._require_core().table.stats()["caches"] == 0
