@@ -535,3 +535,42 @@ def test_several_devices_in_one_process_pull_every_device(seed: int) -> None:
         for t, raw in enumerate(raws):
             np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 200))
         assert peer.stats()["keys"] == 0
+
+
+def test_a_prompt_killed_during_the_copy_leaves_the_bytes_readable(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    # The Decoder's side of a pull, step by step: granted, then the Prompt dies before the copy.
+    from llm_datadist._errors import PeerGone
+    from llm_datadist._transport import ClientLink
+    from protocol.messages import KEY_REQ, Ping, PullGrant, PullRequest, Release
+
+    with PromptPeer(P, _port(), seed) as peer:
+        cache_id = peer.alloc(2, [1, 3333], [(P, 1)])
+        link = ClientLink.connect(
+            _runtime_dir / f"127.0.0.1_{peer.port}.sock",
+            cluster_id=9,
+            remote_cluster_id=P,
+            role=2,
+            deadline=time.monotonic() + 5,
+        )
+        try:
+            seq = link.next_seq()
+            grant = link.request(
+                PullRequest(seq, KEY_REQ, 1, 0, 0, 0, 2, True, 6666, 0, True), seq, time.monotonic() + 5
+            )
+            assert isinstance(grant, PullGrant)
+            segment = link.mappings.get(grant.segment, min_nbytes=grant.segment_nbytes)
+            peer.kill()
+            # The mapping outlives its owner: the granted bytes are still there to copy.
+            for t, offset in enumerate(grant.tensor_offsets):
+                np.testing.assert_array_equal(
+                    segment.array[offset : offset + 6666], peer.expected(cache_id, t, 6666)
+                )
+            with pytest.raises(PeerGone):
+                link.send_only(Release(grant.lease_id, True))
+                seq = link.next_seq()
+                link.request(Ping(seq), seq, time.monotonic() + 5)  # the next exchange fails at once
+        finally:
+            link.close(say_bye=False)
+        from shm.reaper import reap
+
+        reap()
