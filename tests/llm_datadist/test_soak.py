@@ -2,7 +2,7 @@
 layer ranges and keys, while the Prompt keeps allocating and freeing. Every byte is verified, every key
 is served exactly once, and at the end nothing is held: caches, keys, leases, segments, descriptors.
 
-LLM_DATADIST_SOAK_SECONDS sets the duration (default 20 s; longer on demand).
+LLM_DATADIST_SOAK_SECONDS sets the duration (default 60 s; longer on demand).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from llm_datadist.ext import tensor_views
 
 P = 1
 PORT = 20500
-SOAK_SECONDS = float(os.environ.get("LLM_DATADIST_SOAK_SECONDS", "20"))
+SOAK_SECONDS = float(os.environ.get("LLM_DATADIST_SOAK_SECONDS", "60"))
 
 
 def _pattern(key: int, tensor: int, nbytes: int) -> np.ndarray:
