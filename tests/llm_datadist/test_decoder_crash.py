@@ -82,9 +82,12 @@ def test_decoder_killed_mid_push(_runtime_dir) -> None:  # type: ignore[no-untyp
         started = time.monotonic()
         gate.released[1].set()  # layer 1 meets a dead Decoder
         code = task.synchronize(30000)
-        assert code == LLMStatusCode.LLM_LINK_FAILED, code
-        assert time.monotonic() - started < 10  # the dead peer is noticed, not waited for
-        assert task.get_results(0) == [LLMStatusCode.LLM_LINK_FAILED]
+        # LINK_FAILED when the push meets the closed connection, NOT_YET_LINK when the Prompt had already
+        # seen the Decoder's link go: either way the dead peer is noticed, not waited for.
+        gone = (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_NOT_YET_LINK)
+        assert code in gone, code
+        assert time.monotonic() - started < 10
+        assert task.get_results(0) == [code]
         # The Prompt, having seen its peer die, removed the segments the Decoder left.
         from shm.names import parse_segment_name
 
