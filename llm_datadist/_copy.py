@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -60,13 +60,12 @@ class Copier:
         if len(parts) <= 1:
             execute(runs, src, dst)
             return
-        executor = self._get_executor()
-        futures: list[Future[None]] = [executor.submit(execute, part, src, dst) for part in parts[1:]]
-        try:
-            execute(parts[0], src, dst)
-        finally:
-            for future in futures:
-                future.result()
+
+        def work(indices: range) -> None:
+            for index in indices:
+                execute(parts[index], src, dst)
+
+        self._in_parts(len(parts), len(parts), work)
 
     def run_strided(self, copy: StridedCopy, src: np.ndarray, dst: np.ndarray) -> None:
         """Execute a strided copy: one numpy call, or one per thread over disjoint rows when it is large
@@ -85,17 +84,7 @@ class Copier:
         if parts <= 1:
             execute_strided(copy, src, dst)
             return
-        bounds = [copy.rows * i // parts for i in range(parts + 1)]
-        executor = self._get_executor()
-        futures = [
-            executor.submit(execute_strided, copy, src, dst, range(bounds[i], bounds[i + 1]))
-            for i in range(1, parts)
-        ]
-        try:
-            execute_strided(copy, src, dst, range(bounds[0], bounds[1]))
-        finally:
-            for future in futures:
-                future.result()
+        self._in_parts(copy.rows, parts, lambda rows: execute_strided(copy, src, dst, rows))
 
     def run_blocks(self, plan: BlockPlan, src: np.ndarray, dst: np.ndarray) -> None:
         """Execute a paged plan, its tensors split over the copy threads when it is large."""
@@ -105,14 +94,18 @@ class Copier:
         if parts <= 1:
             execute_blocks(plan, src, dst)
             return
+        self._in_parts(count, parts, lambda tensors: execute_blocks(plan, src, dst, tensors))
+
+    def _in_parts(self, count: int, parts: int, work: Callable[[range], None]) -> None:
+        """Run `work` over `parts` disjoint slices of range(count): the first on this thread, the others
+        on the pool, and wait for all (an exception in any of them is raised here)."""
         bounds = [count * i // parts for i in range(parts + 1)]
         executor = self._get_executor()
-        futures = [
-            executor.submit(execute_blocks, plan, src, dst, range(bounds[i], bounds[i + 1]))
-            for i in range(1, parts)
+        futures: list[Future[None]] = [
+            executor.submit(work, range(bounds[i], bounds[i + 1])) for i in range(1, parts)
         ]
         try:
-            execute_blocks(plan, src, dst, range(bounds[0], bounds[1]))
+            work(range(bounds[0], bounds[1]))
         finally:
             for future in futures:
                 future.result()
