@@ -53,7 +53,12 @@ from .llm_types import (
 from .llm_utils import CacheTask, LayerPush
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .._core import Core
+
+    # (remote slot, remote unit bytes, remote unit count) -> the byte runs to copy in every tensor.
+    _RunsFor = Callable[[int, int, int], list[UnitRun]]
 
 from protocol.messages import ResolveRequest
 
@@ -392,39 +397,18 @@ class CacheManager:
                 remote = self._remote(api, core, cache_key.cluster_id, cache_key.cache_id, None)
                 if remote.is_blocks:
                     _invalid(api, "the source of pull_cache must not be a blocks cache")
-                self._check_remote_tensors(api, remote, selection)
-                runs = runs_for(cache_key.batch_index, remote.unit_nbytes, remote.num_units)
-                core.transfer_one_sided(
+                self._pull_one_sided(
+                    api,
+                    core,
                     cache_key.cluster_id,
                     remote,
-                    selection.src_start,
+                    cache_key.batch_index,
                     pinned,
-                    selection.dst_start,
-                    selection.count,
-                    runs,
-                    to_remote=False,
+                    selection,
+                    runs_for,
                 )
                 return
-            cluster_id, kind, key_id, model_id, slot = self._key_fields(api, cache_key)
-            request = ResolveRequest(
-                0,
-                kind,
-                key_id,
-                model_id,
-                slot,
-                selection.src_start,
-                selection.count,
-                selection.whole,
-                False,
-                True,
-            )
-            core.transfer_resolved(
-                cluster_id,
-                request,
-                pinned,
-                selection.dst_start,
-                lambda loc: runs_for(loc.slot, loc.unit_nbytes, loc.num_units),
-            )
+            self._pull_resolved(core, self._key_fields(api, cache_key), pinned, selection, runs_for)
 
     def pull_blocks(
         self,
@@ -491,48 +475,15 @@ class CacheManager:
                     assert isinstance(src_cache_key, CacheKeyByIdAndIndex)
                     remote = self._remote(api, core, src_cache_key.cluster_id, src_cache_key.cache_id, None)
                     slot = src_cache_key.batch_index
-                self._check_remote_tensors(api, remote, selection)
-                runs = runs_for(slot, remote.unit_nbytes, remote.num_units)
-                core.transfer_one_sided(
-                    src_cache_key.cluster_id,
-                    remote,
-                    selection.src_start,
-                    pinned,
-                    selection.dst_start,
-                    selection.count,
-                    runs,
-                    to_remote=False,
+                self._pull_one_sided(
+                    api, core, src_cache_key.cluster_id, remote, slot, pinned, selection, runs_for
                 )
                 return
             if isinstance(src_cache_key, BlocksCacheKey):
-                cluster_id, kind, key_id, model_id, slot = (
-                    src_cache_key.cluster_id,
-                    KEY_BLOCKS,
-                    0,
-                    src_cache_key.model_id,
-                    0,
-                )
+                fields = (src_cache_key.cluster_id, KEY_BLOCKS, 0, src_cache_key.model_id, 0)
             else:
-                cluster_id, kind, key_id, model_id, slot = self._key_fields(api, src_cache_key)
-            request = ResolveRequest(
-                0,
-                kind,
-                key_id,
-                model_id,
-                slot,
-                selection.src_start,
-                selection.count,
-                selection.whole,
-                False,
-                True,
-            )
-            core.transfer_resolved(
-                cluster_id,
-                request,
-                pinned,
-                selection.dst_start,
-                lambda loc: runs_for(loc.slot, loc.unit_nbytes, loc.num_units),
-            )
+                fields = self._key_fields(api, src_cache_key)
+            self._pull_resolved(core, fields, pinned, selection, runs_for)
 
     def push_cache(
         self,
@@ -901,6 +852,61 @@ class CacheManager:
             raise make_error(
                 api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "needs enable_remote_cache_accessible at init"
             )
+
+    def _pull_one_sided(
+        self,
+        api: str,
+        core: Core,
+        cluster_id: int,
+        remote: RemoteCache,
+        slot: int,
+        local: CacheRecord,
+        selection: TensorSelection,
+        runs_for: _RunsFor,
+    ) -> None:
+        """Read the selected tensors of remote slot `slot` straight from the peer's table (no round trip)."""
+        self._check_remote_tensors(api, remote, selection)
+        runs = runs_for(slot, remote.unit_nbytes, remote.num_units)
+        core.transfer_one_sided(
+            cluster_id,
+            remote,
+            selection.src_start,
+            local,
+            selection.dst_start,
+            selection.count,
+            runs,
+            to_remote=False,
+        )
+
+    @staticmethod
+    def _pull_resolved(
+        core: Core,
+        fields: tuple[int, int, int, int, int],
+        local: CacheRecord,
+        selection: TensorSelection,
+        runs_for: _RunsFor,
+    ) -> None:
+        """Pull through the peer, which resolves the key (fields as `_key_fields` gives them) and pins."""
+        cluster_id, kind, key_id, model_id, slot = fields
+        request = ResolveRequest(
+            0,
+            kind,
+            key_id,
+            model_id,
+            slot,
+            selection.src_start,
+            selection.count,
+            selection.whole,
+            False,
+            True,
+        )
+        core.transfer_resolved(
+            cluster_id,
+            request,
+            local,
+            selection.dst_start,
+            lambda loc: runs_for(loc.slot, loc.unit_nbytes, loc.num_units),
+        )
 
     @staticmethod
     def _one_sided(api: str, local: CacheRecord) -> None:
