@@ -90,10 +90,15 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 @dataclass(frozen=True, slots=True)
 class FieldCheck:
-    """Validates one field value and returns it normalized (lists become tuples); raises MalformedFrame."""
+    """Validates one field value and returns it normalized (lists become tuples); raises MalformedFrame.
+
+    `int_range` (low, high) or `is_bool` let `Message.__post_init__` accept the common case inline, without
+    a call per field (a small pull validates four messages on its path); `check` still decides the rest."""
 
     describe: str
     check: Callable[[object], object | None]
+    int_range: tuple[int, int] | None = None
+    is_bool: bool = False
 
     def __call__(self, where: str, value: object) -> object:
         normalized = self.check(value)
@@ -106,14 +111,17 @@ def _int_range(low: int, high: int, describe: str) -> FieldCheck:
     def check(value: object) -> object | None:
         return value if _is_int(value) and low <= value <= high else None
 
-    return FieldCheck(describe, check)
+    return FieldCheck(describe, check, (low, high))
 
 
 def _int_in(allowed: frozenset[int], describe: str) -> FieldCheck:
     def check(value: object) -> object | None:
         return value if _is_int(value) and value in allowed else None
 
-    return FieldCheck(describe, check)
+    # The inline range is only a shortcut: it must not admit what `allowed` refuses.
+    low, high = min(allowed), max(allowed)
+    contiguous = len(allowed) == high - low + 1
+    return FieldCheck(describe, check, (low, high) if contiguous else None)
 
 
 def _text(max_chars: int) -> FieldCheck:
@@ -132,9 +140,12 @@ def _check_segment_name(value: object) -> object | None:
 def _check_offsets(value: object) -> object | None:
     if not isinstance(value, list | tuple) or not 1 <= len(value) <= MAX_TENSORS:
         return None
-    if all(_is_int(v) and 0 <= v <= _U64_MAX for v in value):
-        return tuple(value)
-    return None
+    # One pass for the types, then min/max in C: a grant of 64 offsets is on every pull's path.
+    if not all(type(v) is int or _is_int(v) for v in value):
+        return None
+    if min(value) < 0 or max(value) > _U64_MAX:
+        return None
+    return tuple(value)
 
 
 U32 = _int_range(0, _U32_MAX, "U32")
@@ -144,7 +155,7 @@ _U32_POSITIVE = _int_range(1, _U32_MAX, "U32 >= 1")
 _U64_POSITIVE = _int_range(1, _U64_MAX, "U64 >= 1")
 _ROLE = _int_in(_ROLES, "role in {1, 2, 3}")
 _KEY_KIND = _int_in(_KEY_KINDS, "key_kind in {1, 2, 3}")
-_BOOL = FieldCheck("bool", lambda v: v if isinstance(v, bool) else None)
+_BOOL = FieldCheck("bool", lambda v: v if isinstance(v, bool) else None, is_bool=True)
 _TEXT = _text(MAX_TEXT_CHARS)
 _SEGMENT = FieldCheck(
     f"segment name of 1..{MAX_SEGMENT_NAME_CHARS} chars matching /?[A-Za-z0-9._-]+", _check_segment_name
@@ -242,13 +253,22 @@ class Message:
 
     TYPE: ClassVar[int]
     _CHECKS: ClassVar[tuple[tuple[str, FieldCheck], ...]]
+    # (name, low, high, is_bool, check) per field; low/high are None when the field has no inline range.
+    _PLAN: ClassVar[tuple[tuple[str, int | None, int | None, bool, FieldCheck], ...]]
 
     def __post_init__(self) -> None:
-        if type(self) not in _REGISTERED:
-            raise TypeError(f"{type(self).__name__} is not a registered message class")
-        for name, check in self._CHECKS:
+        cls = type(self)
+        if cls not in _REGISTERED:
+            raise TypeError(f"{cls.__name__} is not a registered message class")
+        for name, low, high, is_bool, check in cls._PLAN:
             value = getattr(self, name)
-            normalized = check(f"{type(self).__name__}.{name}", value)
+            # Inline shortcuts for exact ints in range and bools; anything else (an int subclass, a value
+            # out of range, another type) goes to the field's full check, which decides and explains.
+            if low is not None and type(value) is int and low <= value <= high:  # type: ignore[operator]
+                continue
+            if is_bool and type(value) is bool:
+                continue
+            normalized = check(f"{cls.__name__}.{name}", value)
             if normalized is not value:
                 object.__setattr__(self, name, normalized)
         self._check_fields_together()
@@ -292,6 +312,16 @@ def _register(cls: type[_M]) -> type[_M]:
         checks.append((field.name, found[0]))
     assert cls.TYPE not in MESSAGE_TYPES, f"message TYPE {cls.TYPE} used twice"
     cls._CHECKS = tuple(checks)
+    cls._PLAN = tuple(
+        (
+            name,
+            check.int_range[0] if check.int_range else None,
+            check.int_range[1] if check.int_range else None,
+            check.is_bool,
+            check,
+        )
+        for name, check in checks
+    )
     MESSAGE_TYPES[cls.TYPE] = cls
     _REGISTERED.add(cls)
     return cls

@@ -504,3 +504,22 @@ def test_from_wire_checks_its_own_type() -> None:
     with pytest.raises(MalformedFrame):
         Ping.from_wire((9, 1))  # type: ignore[arg-type]
     assert Ping.from_wire([9, 1]) == Ping(1)
+
+
+def test_the_inline_shortcut_admits_nothing_the_full_check_refuses() -> None:
+    """Message.__post_init__ accepts exact ints in range and bools inline; everything else still goes
+    through the field's check, so int subclasses stay accepted and gaps in a value set stay refused."""
+    import enum
+
+    from protocol.messages import _int_in
+
+    class Role(enum.IntEnum):
+        DECODER = 2
+
+    hello = Hello(1, 7, 8, Role.DECODER, 42)  # an IntEnum is an int, though not exactly one
+    assert hello.role == 2
+    with pytest.raises(MalformedFrame, match="role"):
+        Hello(1, 7, 8, True, 42)
+    odd = _int_in(frozenset({1, 3}), "1 or 3")
+    assert odd.int_range is None  # {1, 3} is not a range: 2 must not pass inline
+    assert odd.check(2) is None and odd.check(3) == 3
