@@ -89,6 +89,7 @@ class _ServerConn:
         self.uid = uid
         self.conn = Connection(ConnRole.SERVER)
         self.outbuf = bytearray()
+        self.waiting_to_write = False  # registered for EVENT_WRITE (only while outbuf did not fit)
         self.closing = False
         self.peer: PeerInfo | None = None
         self.accepted_at = time.monotonic()
@@ -127,6 +128,7 @@ class Server:
         # thread-safe).
         self._pending: list[tuple[str, Path, socket.socket | None]] = []
         self._pending_drops: list[tuple[int, threading.Event]] = []
+        self._next_sweep = 0.0
 
     def start(self) -> None:
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -239,6 +241,8 @@ class Server:
             self._sweep_handshakes()
 
     def _apply_pending(self) -> None:
+        if not (self._pending or self._pending_drops):  # the common case, without taking the lock
+            return
         with self._lock:
             pending, self._pending = self._pending, []
             drops, self._pending_drops = self._pending_drops, []
@@ -282,7 +286,11 @@ class Server:
             self._selector.register(sock, selectors.EVENT_READ, sconn)
 
     def _sweep_handshakes(self) -> None:
+        # At most twice a second: the limit is seconds long, and this loop runs after every event.
         now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + 0.5
         for sconn in list(self._conns.values()):
             if sconn.peer is None and now - sconn.accepted_at > _HANDSHAKE_TIMEOUT_S:
                 self._drop(sconn, "no handshake within the time limit")
@@ -474,7 +482,11 @@ class Server:
                 self._drop(sconn, f"send failed: {exc}")
                 return
             del sconn.outbuf[:sent]
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if sconn.outbuf else 0)
+        want_write = bool(sconn.outbuf)
+        if want_write == sconn.waiting_to_write:
+            return  # no epoll_ctl when nothing changes (a reply that fit the socket buffer)
+        sconn.waiting_to_write = want_write
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want_write else 0)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.modify(sconn.sock, events, sconn)
 
@@ -512,6 +524,7 @@ class ClientLink:
         self.peer = peer
         self.path = path
         self.mappings = MappingCache()
+        self.owned_segments: set[str] = set()  # segment names already checked to be the peer's own
         self._lock = threading.Lock()
         self._seq = 0
         self.broken: str | None = None
