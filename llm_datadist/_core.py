@@ -660,9 +660,11 @@ class Core(ServerHooks):
     def _peer_segment(link: ClientLink, name: str, nbytes: int, *, writable: bool) -> Segment:
         """Map a segment a peer granted. Never trust a peer's description of memory: the segment must be
         the peer's own (its pid and our uid in the name) and hold what the grant says."""
-        owner = parse_segment_name(name)
-        if owner is None or owner.pid != link.peer.pid or owner.uid != os.getuid():
-            raise StatusError(LLMStatusCode.LLM_FAILED, f"peer granted a segment it does not own: {name}")
+        if name not in link.owned_segments:
+            owner = parse_segment_name(name)
+            if owner is None or owner.pid != link.peer.pid or owner.uid != os.getuid():
+                raise StatusError(LLMStatusCode.LLM_FAILED, f"peer granted a segment it does not own: {name}")
+            link.owned_segments.add(name)  # a name carries its owner: once checked, it stays the peer's
         return link.mappings.get(name, min_nbytes=nbytes, writable=writable)
 
     # ------------------------------------------------------------------ cache-manager (v2) transfers

@@ -282,18 +282,44 @@ def _transfer(call: str, function: Any, pid: int, local: _U64, remote: _U64, nby
         remote_iov["len"][start] -= moved
 
 
+# Up to this many runs go straight into ctypes iovec arrays: for one 64 KiB block, building numpy columns
+# costs several times the system call itself.
+_FEW_RUNS: Final = 8
+
+
+def _few(function: Any, pid: int, runs: Sequence[VmRun]) -> bool:
+    """One call for a handful of runs (already validated by VmRun); True when every byte moved. Anything
+    else (an error, EINTR, a short transfer, a bad pid) returns False for the general path to redo and
+    explain: moving the same bytes again is harmless."""
+    count = len(runs)
+    if function is None or not 0 < count <= _FEW_RUNS or type(pid) is not int or pid <= 0:
+        return False
+    local = (_Iovec * count)()
+    remote = (_Iovec * count)()
+    wanted = 0
+    for i, run in enumerate(runs):
+        local[i].iov_base = run.local_addr
+        local[i].iov_len = run.nbytes
+        remote[i].iov_base = run.remote_addr
+        remote[i].iov_len = run.nbytes
+        wanted += run.nbytes
+    return wanted > 0 and int(function(pid, local, count, remote, count, 0)) == wanted
+
+
 def read_from(pid: int, runs: Sequence[VmRun]) -> None:
     """Copies each run's `nbytes` from `remote_addr` in process `pid` to `local_addr` here: one memory
     copy by the kernel (process_vm_readv), IOV_MAX runs per call. Runs of 0 bytes are skipped; no runs is
     a no-op. Raises VmNotPermitted, VmProcessGone, VmBadAddress (bytes before the bad range have moved)
     or VmError."""
-    _transfer("process_vm_readv", _process_vm_readv, pid, *_columns(runs))
+    if not _few(_process_vm_readv, pid, runs):
+        _transfer("process_vm_readv", _process_vm_readv, pid, *_columns(runs))
 
 
 def write_to(pid: int, runs: Sequence[VmRun]) -> None:
     """Copies each run's `nbytes` from `local_addr` here to `remote_addr` in process `pid`
     (process_vm_writev); otherwise as `read_from`."""
-    _transfer("process_vm_writev", _process_vm_writev, pid, *_columns(runs))
+    if not _few(_process_vm_writev, pid, runs):
+        _transfer("process_vm_writev", _process_vm_writev, pid, *_columns(runs))
 
 
 def read_from_arrays(

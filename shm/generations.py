@@ -14,12 +14,16 @@ owner's cache table serialises calls. The owner creates, closes and unlinks the 
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from shm.errors import ShmError
 from shm.segment import Segment
 
 __all__ = ["DEFAULT_CAPACITY", "GenerationTable", "read_generation"]
+
+_WORD = struct.Struct("=Q")  # one generation word, native byte order as numpy's uint64 writes it
 
 DEFAULT_CAPACITY = 65536  # live caches per process; 512 KiB of words
 
@@ -63,4 +67,5 @@ def read_generation(generations: Segment, slot: int) -> int:
     """The generation word `slot` of a mapped generation segment (bounds-checked)."""
     if not 0 <= slot < generations.nbytes // 8:
         raise ShmError(f"generation slot {slot} outside a table of {generations.nbytes // 8}")
-    return int(generations.array[slot * 8 : slot * 8 + 8].view(np.uint64)[0])
+    (word,) = _WORD.unpack_from(generations.array.data, slot * 8)
+    return int(word)
