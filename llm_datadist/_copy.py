@@ -8,6 +8,7 @@ plan is bounds-checked once before any byte moves.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -19,16 +20,28 @@ from shm.copyplan import (
     BlockPlan,
     Run,
     StridedCopy,
+    block_runs,
     check_runs,
     execute,
+    execute_block_runs,
     execute_blocks,
     execute_strided,
     split_runs,
 )
 
+from ._vm import VmError, VmNotPermitted, read_from_arrays
+
 ENV_COPY_THREADS = "LLM_DATADIST_COPY_THREADS"
 # Below this much per thread a hand-off to another thread costs more than it saves.
 _MIN_PART_NBYTES = 4 << 20
+# Paged copies with units at least this large take one numpy call per unit (one pass, few calls); smaller
+# units go through the kernel's scatter-gather copy (process_vm_readv on this process: one pass, one call
+# per 1024 units). Measured on 2 cores, 64 tensors of scattered blocks, bytes per second with 2 threads:
+#   unit     gather+scatter   kernel   numpy per unit
+#   16 KiB   7.6 GB/s         8.0      2.8
+#   64 KiB   7.4              9.8      7.9
+#   256 KiB  7.7              9.3      10.6
+_PER_UNIT_MIN_NBYTES = 128 << 10
 
 
 def address_view(address: int, nbytes: int) -> np.ndarray:
@@ -53,6 +66,8 @@ class Copier:
         self.threads = threads if threads is not None else _default_threads()
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        # False once the kernel refused a copy within this process (a seccomp filter, no such call).
+        self._kernel_copies = True
 
     def run(self, runs: Sequence[Run], src: np.ndarray, dst: np.ndarray) -> None:
         check_runs(runs, src.nbytes, dst.nbytes)
@@ -87,14 +102,64 @@ class Copier:
         self._in_parts(copy.rows, parts, lambda rows: execute_strided(copy, src, dst, rows))
 
     def run_blocks(self, plan: BlockPlan, src: np.ndarray, dst: np.ndarray) -> None:
-        """Execute a paged plan, its tensors split over the copy threads when it is large."""
+        """Execute a paged plan in one pass over the bytes where it can (see _PER_UNIT_MIN_NBYTES), split
+        over the copy threads when it is large. Overlapping arrays take the gather-then-scatter path."""
         plan.check(src.nbytes, dst.nbytes)
         count = len(plan.src_tensor_offsets)
-        parts = min(self.threads, count) if plan.total_nbytes >= 2 * _MIN_PART_NBYTES else 1
-        if parts <= 1:
-            execute_blocks(plan, src, dst)
+        if not count or not plan.src_units.size:
             return
-        self._in_parts(count, parts, lambda tensors: execute_blocks(plan, src, dst, tensors))
+        parts = self.threads if plan.total_nbytes >= 2 * _MIN_PART_NBYTES else 1
+        execute = execute_blocks
+        if not np.may_share_memory(src, dst):
+            if plan.nbytes >= _PER_UNIT_MIN_NBYTES:
+                execute = execute_block_runs
+            elif self._kernel_copies and self._kernel_blocks(plan, src, dst, parts):
+                return
+        parts = min(parts, count)
+        if parts <= 1:
+            execute(plan, src, dst)
+            return
+        self._in_parts(count, parts, lambda tensors: execute(plan, src, dst, tensors))
+
+    def _kernel_blocks(self, plan: BlockPlan, src: np.ndarray, dst: np.ndarray, parts: int) -> bool:
+        """The plan as one scatter-gather list for process_vm_readv on this very process, cut into `parts`
+        of about equal bytes. False (nothing to trust in dst yet) when the kernel refuses such copies."""
+        src_starts, dst_starts, lengths = block_runs(plan)
+        shape = (len(plan.src_tensor_offsets), src_starts.size)
+        src_at = np.asarray(plan.src_tensor_offsets, dtype=np.uint64)[:, None] + src_starts.astype(np.uint64)
+        dst_at = np.asarray(plan.dst_tensor_offsets, dtype=np.uint64)[:, None] + dst_starts.astype(np.uint64)
+        remote = (src_at + np.uint64(src.ctypes.data)).ravel()
+        local = (dst_at + np.uint64(dst.ctypes.data)).ravel()
+        nbytes = np.broadcast_to(lengths.astype(np.uint64), shape).ravel()
+        ends = np.cumsum(nbytes)
+        cuts = [0, *np.searchsorted(ends, [ends[-1] * i // parts for i in range(1, parts)]).tolist()]
+        cuts.append(int(nbytes.size))
+        pid = os.getpid()
+
+        def work(indices: range) -> None:
+            for i in indices:
+                if cuts[i] < cuts[i + 1]:
+                    read_from_arrays(
+                        pid,
+                        local[cuts[i] : cuts[i + 1]],
+                        remote[cuts[i] : cuts[i + 1]],
+                        nbytes[cuts[i] : cuts[i + 1]],
+                    )
+
+        try:
+            if parts <= 1:
+                work(range(1))
+            else:
+                self._in_parts(parts, parts, work)
+        except VmNotPermitted:
+            self._kernel_copies = False
+            return False
+        except VmError as exc:
+            if exc.errno != errno.ENOSYS:
+                raise
+            self._kernel_copies = False
+            return False
+        return True
 
     def _in_parts(self, count: int, parts: int, work: Callable[[range], None]) -> None:
         """Run `work` over `parts` disjoint slices of range(count): the first on this thread, the others

@@ -1,14 +1,16 @@
-"""BlockPlan / execute_blocks (the paged copy path without a Python call per block) against an
-independent per-block numpy reference, and its bounds checks."""
+"""BlockPlan and its executors (gather+scatter `execute_blocks`, one-pass `execute_block_runs`) against an
+independent per-block numpy reference, the merged runs of `block_runs`, and the bounds checks."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shm.copyplan import BlockPlan, execute_blocks
+from shm.copyplan import BlockPlan, block_runs, execute_block_runs, execute_blocks
 from shm.errors import InvalidRange
 
 
@@ -23,6 +25,8 @@ def block_cases(draw: st.DrawFn) -> tuple[BlockPlan, int, int]:
     pairs = draw(st.integers(0, min(src_units_total, dst_units_total)))
     src_units = draw(st.permutations(range(src_units_total)))[:pairs]
     dst_units = draw(st.permutations(range(dst_units_total)))[:pairs]
+    if draw(st.booleans()):  # ascending units on both sides: consecutive ones merge into longer runs
+        src_units, dst_units = sorted(src_units), sorted(dst_units)
     src_span, dst_span = src_units_total * src_unit, dst_units_total * dst_unit
     src_offsets = [t * src_span + draw(st.integers(0, 3)) for t in range(tensors)]
     dst_offsets = [t * dst_span + draw(st.integers(0, 3)) for t in range(tensors)]
@@ -30,20 +34,40 @@ def block_cases(draw: st.DrawFn) -> tuple[BlockPlan, int, int]:
     return plan, tensors * src_span + 3, tensors * dst_span + 3
 
 
-@settings(max_examples=60, deadline=None)
-@given(block_cases(), st.integers(0, 2**32 - 1))
-def test_execute_blocks_matches_a_per_block_reference(case: tuple[BlockPlan, int, int], seed: int) -> None:
-    plan, src_nbytes, dst_nbytes = case
-    rng = np.random.default_rng(seed)
-    src = rng.integers(0, 256, src_nbytes, dtype=np.uint8)
-    dst = rng.integers(0, 256, dst_nbytes, dtype=np.uint8)
+def reference_blocks(plan: BlockPlan, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """What `dst` must hold after the plan: one slice assignment per unit per tensor, in order."""
     want = dst.copy()
     for src_base, dst_base in zip(plan.src_tensor_offsets, plan.dst_tensor_offsets, strict=True):
         for s, d in zip(plan.src_units.tolist(), plan.dst_units.tolist(), strict=True):
             s0, d0 = src_base + s * plan.src_unit_nbytes, dst_base + d * plan.dst_unit_nbytes
             want[d0 : d0 + plan.nbytes] = src[s0 : s0 + plan.nbytes]
-    execute_blocks(plan, src, dst)
+    return want
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_cases(), st.integers(0, 2**32 - 1), st.sampled_from([execute_blocks, execute_block_runs]))
+def test_block_executors_match_a_per_block_reference(
+    case: tuple[BlockPlan, int, int], seed: int, execute: Any
+) -> None:
+    plan, src_nbytes, dst_nbytes = case
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, src_nbytes, dtype=np.uint8)
+    dst = rng.integers(0, 256, dst_nbytes, dtype=np.uint8)
+    want = reference_blocks(plan, src, dst)
+    execute(plan, src, dst)
     np.testing.assert_array_equal(dst, want)
+
+
+def test_block_runs_merge_units_that_continue_on_both_sides() -> None:
+    # Units 3,4,5 -> 0,1,2 continue on both sides; 7 -> 3 continues the destination only; 8 -> 9 neither.
+    plan = BlockPlan.make([0], [0], [3, 4, 5, 7, 8], [0, 1, 2, 3, 9], 10, 10, 10)
+    src, dst, lengths = block_runs(plan)
+    assert src.tolist() == [30, 70, 80]
+    assert dst.tolist() == [0, 30, 90]
+    assert lengths.tolist() == [30, 10, 10]
+    # Part of each unit only: never merged, since the bytes between units are not part of the plan.
+    partial = BlockPlan.make([0], [0], [0, 1], [0, 1], 10, 10, 6)
+    assert block_runs(partial)[2].tolist() == [6, 6]
 
 
 def test_bounds_are_checked_before_any_byte_moves() -> None:
@@ -55,6 +79,8 @@ def test_bounds_are_checked_before_any_byte_moves() -> None:
         )  # dst unit 9 ends at 100
     with pytest.raises(InvalidRange):
         execute_blocks(BlockPlan.make([0], [0], [10], [0], 10, 10, 10), src, dst)
+    with pytest.raises(InvalidRange):
+        execute_block_runs(BlockPlan.make([0], [0], [10], [0], 10, 10, 10), src, dst)
     assert not dst.any()
     with pytest.raises(ValueError):
         BlockPlan.make([0], [0], [-1], [0], 10, 10, 10)
