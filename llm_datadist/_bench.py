@@ -3,7 +3,8 @@
 Rules: every figure comes from this run on this machine; throughput is reported as GB/s and as a ratio to
 `numpy.copyto` over two threads between warm buffers measured in the same run; latency as p50/p99 of many
 repetitions. The owner side of every transfer is a real process (spawned), the measuring side is this one.
-Peers that are not installed (NIXL, Mooncake) are reported as skipped, with the reason.
+Peers (NIXL, Mooncake, `_bench_peers`) are measured the same way between two spawned processes when they are
+installed, and reported as skipped, with the reason, when they are not.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any
 
 import msgpack
 import numpy as np
+
+from . import _bench_peers
 
 OWNER, MEASURER = 1, 2
 IP = "127.0.0.1"
@@ -90,6 +93,13 @@ def _timed(action: Callable[[], object], repeats: int) -> list[float]:
 def _repeats(nbytes: int, quick: bool) -> int:
     budget = (64 << 20) if quick else (512 << 20)
     return max(3, min(200, budget // max(nbytes, 1)))
+
+
+def _one_sided_repeats(nbytes: int, quick: bool) -> int:
+    """Repetitions of one synchronous read, ours and the peers' alike: many for latency-sized reads."""
+    if nbytes <= (1 << 20):
+        return 300 if quick else 2000
+    return _repeats(nbytes, quick)
 
 
 # ====================================================================== baselines
@@ -226,21 +236,8 @@ def _queue_baseline(results: Results, nbytes: int, repeats: int) -> None:
     results.add("baseline", "multiprocessing Queue of numpy arrays", nbytes, samples)
 
 
-def _peers(results: Results) -> None:
-    for name, module, hint in (
-        ("NIXL", "nixl", "pip install nixl (pulls in about 3 GB of CUDA libraries)"),
-        (
-            "Mooncake Transfer Engine",
-            "mooncake",
-            "pip install mooncake-transfer-engine-non-cuda; apt libibverbs1",
-        ),
-    ):
-        try:
-            __import__(module)
-        except Exception as exc:
-            results.skip("peer", name, f"not installed ({type(exc).__name__}); {hint}")
-            continue
-        results.skip("peer", name, "installed, but its benchmark is not written yet")
+def _peers(results: Results, quick: bool) -> None:
+    _bench_peers.run(results, functools.partial(_one_sided_repeats, quick=quick))
 
 
 # ====================================================================== the owner process
@@ -484,22 +481,34 @@ def _bench_v2(results: Results, port: int, args: argparse.Namespace) -> None:
     try:
         _link(datadist, port)
         manager = datadist.cache_manager
-        for block_nbytes in (64 << 10, 1 << 20):
+        for block_nbytes in _bench_peers.SIZES:
             shape = [4, block_nbytes // 2]
             model_id = block_nbytes >> 10
             owner.call("register_blocks", (1, shape, model_id))
-            local = manager.allocate_blocks_cache(CacheDesc(1, shape, DataType.DT_FLOAT16))
+            desc = CacheDesc(1, shape, DataType.DT_FLOAT16)
             key = BlocksCacheKey(OWNER, model_id)
-            manager.pull_blocks(key, local, [1], [2])  # fetches the table once
-            repeats = 300 if args.quick else 2000
-            samples = _timed(functools.partial(manager.pull_blocks, key, local, [1], [2]), repeats)
-            results.add(
-                "one-sided",
-                f"v2 pull_blocks 1 x {_fmt_nbytes(block_nbytes)}, registered memory",
-                block_nbytes,
-                samples,
-            )
-            manager.deallocate_blocks_cache(local)
+            repeats = _one_sided_repeats(block_nbytes, args.quick)
+            # Into this process's pool (shared memory), and into memory it registered (plain numpy memory,
+            # as the peers' rows read into: where the kernel can back it with huge pages, copies are faster).
+            mine = np.zeros(4 * block_nbytes, dtype=np.uint8)
+            for into, local in (
+                ("pool", manager.allocate_blocks_cache(desc)),
+                ("registered", manager.register_blocks_cache(desc, [mine.ctypes.data])),
+            ):
+                manager.pull_blocks(key, local, [1], [2])  # fetches the table once
+                samples = _timed(functools.partial(manager.pull_blocks, key, local, [1], [2]), repeats)
+                results.add(
+                    "one-sided",
+                    f"v2 pull_blocks 1 x {_fmt_nbytes(block_nbytes)}, registered -> {into}",
+                    block_nbytes,
+                    samples,
+                )
+                if into == "pool":
+                    manager.deallocate_blocks_cache(local)
+                else:
+                    manager.unregister_cache(local.cache_id)
+            if not (mine[2 * block_nbytes : 3 * block_nbytes].view(np.float16) == 1).all():
+                raise RuntimeError("a one-sided pull returned other bytes than the owner's")
     finally:
         datadist.finalize()
         owner.close()
@@ -583,7 +592,7 @@ def run(args: argparse.Namespace) -> int:
         )
         steps.append(("multiprocessing Pipe", functools.partial(_pipe_baseline, results, nbytes, repeats)))
         steps.append(("multiprocessing Queue", functools.partial(_queue_baseline, results, nbytes, repeats)))
-    steps.append(("peers", functools.partial(_peers, results)))
+    steps.append(("peers", functools.partial(_peers, results, args.quick)))
     steps.append(("llm_datadist v1", functools.partial(_bench_v1, results, port, args)))
     steps.append(("llm_datadist v2", functools.partial(_bench_v2, results, port + 1, args)))
     started = time.monotonic()
