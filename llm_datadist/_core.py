@@ -730,15 +730,17 @@ class Core(ServerHooks):
     ) -> None:
         """Copy between a peer's cache (from its table) and ours with no round trip to the peer.
 
-        The cache's generation word is checked before and after the copy: if the owner freed or reused the
-        cache meanwhile, the bytes cannot be trusted (or, for a write, landed in memory that is no longer
-        that cache) and the transfer fails with LLM_KV_CACHE_NOT_EXIST instead of returning stale data.
+        The cache's generation word is checked after the copy (and, for a write, before it too): if the
+        owner freed or reused the cache meanwhile, the bytes cannot be trusted (or, for a write, landed in
+        memory that is no longer that cache) and the transfer fails with LLM_KV_CACHE_NOT_EXIST instead of
+        returning stale data. A read needs no check before: callers take `remote` from a table entry they
+        just found current, and a change since then fails the check after.
         """
         deadline = time.monotonic() + self.sync_kv_timeout_s
         link = self.link_to(remote_cluster_id, deadline)
         bases = remote.tensor_bases[remote_tensor_start : remote_tensor_start + tensor_count]
         with link.exclusive(deadline):
-            if not self.remote_cache_current(link, remote):
+            if to_remote and not self.remote_cache_current(link, remote):
                 raise StatusError(
                     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"remote cache {remote.cache_id} was freed"
                 )

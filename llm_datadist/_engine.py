@@ -10,10 +10,8 @@ dead peer's leases can be dropped in one call without consuming its keys.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from shm.errors import OutOfPoolMemory
@@ -402,14 +400,9 @@ class CacheTable:
             record.pins -= 1
             self._maybe_free(record)
 
-    @contextlib.contextmanager
-    def pinned(self, cache_id: int) -> Iterator[CacheRecord]:
-        """`pin` for the duration of a with-block."""
-        record = self.pin(cache_id)
-        try:
-            yield record
-        finally:
-            self.unpin(record)
+    def pinned(self, cache_id: int) -> _Pinned:
+        """`pin` for the duration of a with-block (pinned when the with-block enters)."""
+        return _Pinned(self, cache_id)
 
     # ----------------------------------------------------------------- remote operations (server thread)
 
@@ -762,3 +755,23 @@ def _record_holding(records: list[CacheRecord], addr: int, nbytes: int) -> Cache
         within = offset % record.pitch_nbytes
         return record if nbytes > 0 and within + nbytes <= record.tensor_nbytes else None
     return None
+
+
+class _Pinned:
+    """`CacheTable.pinned`: a class, not @contextmanager, since every transfer enters one."""
+
+    __slots__ = ("_cache_id", "_record", "_table")
+
+    def __init__(self, table: CacheTable, cache_id: int) -> None:
+        self._table = table
+        self._cache_id = cache_id
+        self._record: CacheRecord | None = None
+
+    def __enter__(self) -> CacheRecord:
+        self._record = self._table.pin(self._cache_id)
+        return self._record
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        record, self._record = self._record, None
+        if record is not None:
+            self._table.unpin(record)

@@ -8,9 +8,6 @@ ValueError, LLMException) raised by validation pass through untouched.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 from protocol.errors import ProtocolError
 from shm.errors import OutOfPoolMemory, ShmError
 
@@ -37,22 +34,34 @@ class TransferTimeout(StatusError):
     """A transfer did not finish within `sync_kv_timeout`; the link is unusable afterwards."""
 
 
-@contextmanager
-def api_errors(
-    api: str, *, timeout_code: LLMStatusCode = LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
-) -> Iterator[None]:
-    """Translate internal errors raised inside a public method named `api` into `LLMException`."""
-    try:
-        yield
-    except LLMException:
-        raise
-    except TransferTimeout as exc:
-        raise make_error(api, timeout_code, exc.detail) from exc
-    except StatusError as exc:
-        raise make_error(api, exc.code, exc.detail) from exc
-    except OutOfPoolMemory as exc:
-        raise make_error(api, LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY, str(exc)) from exc
-    except ShmError as exc:
-        raise make_error(api, LLMStatusCode.LLM_FAILED, f"shared memory: {exc}") from exc
-    except ProtocolError as exc:
-        raise make_error(api, LLMStatusCode.LLM_LINK_FAILED, f"protocol error: {exc}") from exc
+class api_errors:
+    """Translate internal errors raised inside a public method named `api` into `LLMException`.
+
+    A class rather than a generator-based context manager: every public call enters one, and this costs a
+    third of what @contextmanager does."""
+
+    __slots__ = ("api", "timeout_code")
+
+    def __init__(
+        self, api: str, *, timeout_code: LLMStatusCode = LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
+    ) -> None:
+        self.api = api
+        self.timeout_code = timeout_code
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None or isinstance(exc, LLMException):
+            return
+        api = self.api
+        if isinstance(exc, TransferTimeout):
+            raise make_error(api, self.timeout_code, exc.detail) from exc
+        if isinstance(exc, StatusError):
+            raise make_error(api, exc.code, exc.detail) from exc
+        if isinstance(exc, OutOfPoolMemory):
+            raise make_error(api, LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY, str(exc)) from exc
+        if isinstance(exc, ShmError):
+            raise make_error(api, LLMStatusCode.LLM_FAILED, f"shared memory: {exc}") from exc
+        if isinstance(exc, ProtocolError):
+            raise make_error(api, LLMStatusCode.LLM_LINK_FAILED, f"protocol error: {exc}") from exc

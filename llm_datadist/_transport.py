@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -593,25 +593,9 @@ class ClientLink:
                 raise
             raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"handshake with {path} failed: {exc}") from exc
 
-    @contextlib.contextmanager
-    def exclusive(self, deadline: float, *, busy_fails: bool = False) -> Iterator[None]:
+    def exclusive(self, deadline: float, *, busy_fails: bool = False) -> _Exclusive:
         """Hold the link for one transfer; waits until `deadline` (or fails at once with `busy_fails`)."""
-        acquired = (
-            self._lock.acquire(blocking=False)
-            if busy_fails
-            else self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0))
-        )
-        if not acquired:
-            if busy_fails:
-                raise StatusError(LLMStatusCode.LLM_LINK_BUSY, "another operation is using this link")
-            raise TransferTimeout(
-                LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT, "timed out waiting for another transfer on this link"
-            )
-        try:
-            self.check_usable()
-            yield
-        finally:
-            self._lock.release()
+        return _Exclusive(self, deadline, busy_fails)
 
     def check_usable(self) -> None:
         if self.broken is not None:
@@ -671,6 +655,39 @@ class ClientLink:
             self._sock.shutdown(socket.SHUT_RDWR)
         if first and self.on_broken is not None:
             self.on_broken(self)
+
+
+class _Exclusive:
+    """`ClientLink.exclusive`: a class, not @contextmanager, since every transfer enters one."""
+
+    __slots__ = ("_busy_fails", "_deadline", "_link")
+
+    def __init__(self, link: ClientLink, deadline: float, busy_fails: bool) -> None:
+        self._link = link
+        self._deadline = deadline
+        self._busy_fails = busy_fails
+
+    def __enter__(self) -> None:
+        lock = self._link._lock
+        acquired = (
+            lock.acquire(blocking=False)
+            if self._busy_fails
+            else lock.acquire(timeout=max(self._deadline - time.monotonic(), 0.0))
+        )
+        if not acquired:
+            if self._busy_fails:
+                raise StatusError(LLMStatusCode.LLM_LINK_BUSY, "another operation is using this link")
+            raise TransferTimeout(
+                LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT, "timed out waiting for another transfer on this link"
+            )
+        try:
+            self._link.check_usable()
+        except BaseException:
+            lock.release()
+            raise
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self._link._lock.release()
 
 
 def _receive(sock: socket.socket, conn: Connection, deadline: float) -> Message:

@@ -53,6 +53,8 @@ def check_isinstance(
     `allow_none=True` lets None through, which the real checker does by default; here callers opt in where
     None means "unset". `extra_fmt` prefixes the message (the real BlocksCacheKey says "The first param ...").
     """
+    if inner is None and (type(value) is types or (type(types) is tuple and type(value) in types)):
+        return  # an exact listed type: the common case (a bool is exact only where bool is listed)
     if value is None and allow_none:
         return
     classes = _as_tuple(types)
@@ -95,6 +97,8 @@ def check_dict(name: str, value: object, key_types: TypeSpec, value_types: TypeS
 
 
 def _check_int_range(name: str, value: object, low: int, high: int, c_type: str) -> None:
+    if type(value) is int and low <= value <= high:
+        return  # the common case, inline
     check_isinstance(name, value, int)
     assert isinstance(value, int)
     if not low <= value <= high:
@@ -182,5 +186,9 @@ def check_index_lists(**lists: object) -> None:
             continue
         check_isinstance(name, values, (list, tuple))
         assert isinstance(values, (list, tuple))
+        if all(type(value) is int for value in values) and (
+            not values or (min(values) >= 0 and max(values) <= U64_MAX)
+        ):
+            continue  # exact ints in range: one pass in C instead of a call per index
         for value in values:
             check_uint64(name, value)
