@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass
 from typing import NoReturn
 
+import msgpack
+
 from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from protocol.frames import DEFAULT_MAX_FRAME_NBYTES, FrameDecoder, encode_frame
 from protocol.messages import (
@@ -131,7 +133,11 @@ class Connection:
         self._peer_role = _SERVER if role is _CLIENT else _CLIENT
         self._max_frame_nbytes = max_frame_nbytes
         self._decoder = FrameDecoder(max_frame_nbytes)
+        self._packer = msgpack.Packer(use_bin_type=True)
         self._phase = ConnPhase.AWAIT_HELLO
+        # SENDABLE's rows for this phase, ours and the peer's (looked up on every message otherwise).
+        self._may_send = SENDABLE[(role, self._phase)]
+        self._peer_may_send = SENDABLE[(self._peer_role, self._phase)]
         self._sent_close = False
         self._peer_closed: Closed | None = None  # set once the peer closed; its later bytes are dropped
         self._eof = False
@@ -178,18 +184,18 @@ class Connection:
             )
         if state is ConnState.CLOSED:
             raise LocalProtocolError(f"cannot send {type(msg).__name__}: the connection is closed")
-        if type(msg) not in SENDABLE[(self._role, self._phase)]:
+        if type(msg) not in self._may_send:
             raise LocalProtocolError(
                 f"{self._role.value} may not send {type(msg).__name__} in phase {self._phase.value}"
             )
         try:
-            frame = encode_frame(msg.to_wire(), self._max_frame_nbytes)
+            frame = encode_frame(msg.to_wire(), self._max_frame_nbytes, self._packer)
         except ProtocolError as exc:
             raise LocalProtocolError(f"cannot send {type(msg).__name__}: {exc}") from exc
         # State moves only once the bytes exist, so a failed send leaves everything as it was.
         if _closes(msg, self._phase):
             self._sent_close = True
-        self._phase = _ADVANCES.get(type(msg), self._phase)
+        self._advance(msg)
         return frame
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
@@ -216,7 +222,8 @@ class Connection:
         A Bye is reported as Closed(reason), never as a message; an Error refusing the handshake is delivered
         as the Error, then Closed(error.message).
         """
-        self._raise_if_failed()
+        if self._failure is not None:
+            self._raise_if_failed()
         if self._peer_closed is not None:
             return self._peer_closed
         try:
@@ -234,8 +241,7 @@ class Connection:
             msg = decode_message(payload)
         except ProtocolError as exc:
             self._fail(exc)
-        allowed = SENDABLE[(self._peer_role, self._phase)]
-        if type(msg) not in allowed:
+        if type(msg) not in self._peer_may_send:
             self._fail(
                 RemoteProtocolError(
                     f"{self._peer_role.value} sent {type(msg).__name__} in phase {self._phase.value}"
@@ -248,8 +254,15 @@ class Connection:
         if _closes(msg, self._phase):
             closed = self._close_by_peer(_close_reason(msg))
             return closed if isinstance(msg, Bye) else msg  # the Error itself first, Closed on the next call
-        self._phase = _ADVANCES.get(type(msg), self._phase)
+        self._advance(msg)
         return msg
+
+    def _advance(self, msg: Message) -> None:
+        phase = _ADVANCES.get(type(msg))
+        if phase is not None:
+            self._phase = phase
+            self._may_send = SENDABLE[(self._role, phase)]
+            self._peer_may_send = SENDABLE[(self._peer_role, phase)]
 
     def _close_by_peer(self, reason: str) -> Closed:
         self._peer_closed = Closed(reason)

@@ -33,14 +33,17 @@ def _check_max_frame_nbytes(max_frame_nbytes: int) -> None:
         raise ValueError(f"max_frame_nbytes must be in [1, {_U32_MAX}], got {max_frame_nbytes}")
 
 
-def encode_frame(obj: object, max_frame_nbytes: int = DEFAULT_MAX_FRAME_NBYTES) -> bytes:
+def encode_frame(
+    obj: object, max_frame_nbytes: int = DEFAULT_MAX_FRAME_NBYTES, packer: msgpack.Packer | None = None
+) -> bytes:
     """Return header + msgpack payload for obj; FrameTooLarge when the payload exceeds max_frame_nbytes.
 
     obj is normally `Message.to_wire()`. Objects msgpack cannot pack raise msgpack's TypeError/OverflowError:
-    that is a bug in the caller, not a protocol condition.
+    that is a bug in the caller, not a protocol condition. A caller that encodes many frames may pass its
+    own `msgpack.Packer(use_bin_type=True)` (not shared between threads) instead of one made per call.
     """
     _check_max_frame_nbytes(max_frame_nbytes)
-    payload: bytes = msgpack.packb(obj, use_bin_type=True)
+    payload: bytes = packer.pack(obj) if packer is not None else msgpack.packb(obj, use_bin_type=True)
     if len(payload) > max_frame_nbytes:
         raise FrameTooLarge(f"frame payload is {len(payload)} bytes, limit is {max_frame_nbytes}")
     return _HEADER.pack(len(payload)) + payload
@@ -87,8 +90,9 @@ class FrameDecoder:
 
         A payload that is msgpack nil is MalformedFrame, so None is never ambiguous.
         """
-        self._raise_if_dead()
-        if self.buffered_nbytes < HEADER_NBYTES:
+        if self._error is not None:
+            self._raise_if_dead()
+        if len(self._buffer) - self._start < HEADER_NBYTES:
             return None
         (payload_nbytes,) = _HEADER.unpack_from(self._buffer, self._start)
         if payload_nbytes > self._max_frame_nbytes:
