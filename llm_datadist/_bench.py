@@ -90,6 +90,27 @@ def _timed(action: Callable[[], object], repeats: int) -> list[float]:
     return samples
 
 
+def _cpu_ns(pid: int) -> int:
+    """CPU time another process has used, all threads, in ns (the scheduler's own count: psutil's clock
+    ticks are 10 ms, too coarse for a few thousand calls of a few hundred microseconds)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+def _timed_with_cpu(
+    action: Callable[[], object], repeats: int, other_pid: int
+) -> tuple[list[float], dict[str, float]]:
+    """`_timed`, plus the CPU time (user + system, all threads) each of the two processes spent per call:
+    where a round trip's time goes when it is not the copy."""
+    other_before, ours_before = _cpu_ns(other_pid), time.process_time_ns()
+    samples = _timed(action, repeats)
+    ours, theirs = time.process_time_ns() - ours_before, _cpu_ns(other_pid) - other_before
+    return samples, {"this process": ours / repeats / 1e3, "the other": theirs / repeats / 1e3}
+
+
 def _repeats(nbytes: int, quick: bool) -> int:
     budget = (64 << 20) if quick else (512 << 20)
     return max(3, min(200, budget // max(nbytes, 1)))
@@ -180,10 +201,11 @@ def _socket_baseline(results: Results, runtime: Path, mode: str, nbytes: int, re
                     got += client.recv_into(view[got:], nbytes - got)
 
         once()
-        samples = _timed(once, repeats)
+        assert server.pid is not None
+        samples, cpu = _timed_with_cpu(once, repeats, server.pid)
         client.close()
         if mode == "msgpack":
-            results.add("baseline", "bare msgpack request/response, Unix socket", 0, samples)
+            results.add("baseline", "bare msgpack request/response, Unix socket", 0, samples, cpu_us=cpu)
         else:
             results.add("baseline", "bytes over a Unix socket", nbytes, samples)
     finally:
@@ -434,12 +456,11 @@ def _bench_v1(results: Results, port: int, args: argparse.Namespace) -> None:
         owner.call("alloc", (1, [1, 2048]))
         small = manager.allocate_cache(CacheDesc(1, [1, 2048], DataType.DT_FLOAT16))
         manager.pull_cache(key, small)
-        results.add(
-            "latency",
-            "pull_cache 1 tensor x 4 KiB",
-            4096,
-            _timed(lambda: manager.pull_cache(key, small), 300 if args.quick else 2000),
+        assert owner.process.pid is not None
+        samples, cpu = _timed_with_cpu(
+            lambda: manager.pull_cache(key, small), 300 if args.quick else 2000, owner.process.pid
         )
+        results.add("latency", "pull_cache 1 tensor x 4 KiB", 4096, samples, cpu_us=cpu)
         manager.deallocate_cache(small)
         owner.call("free")
         # Paged pulls: scattered blocks over a pool, 64 tensors.
@@ -541,6 +562,10 @@ def _report(results: Results) -> None:
         if breakdown:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in breakdown.items())
             print(f"{'':<10}   where the time goes (median us): {parts}")
+        cpu = row.get("cpu_us")
+        if cpu:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+            print(f"{'':<10}   CPU per call (mean us, all threads): {parts}")
     if reference:
         print(f"x memcpy: ratio to the largest 2-thread numpy.copyto of this run ({reference:.2f} GB/s)")
 
