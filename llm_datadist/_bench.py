@@ -45,7 +45,6 @@ class Results:
     def __init__(self, quiet: bool) -> None:
         self.rows: list[dict[str, Any]] = []
         self.quiet = quiet
-        self.reference_gbps: float | None = None
 
     def add(self, group: str, name: str, nbytes: int, seconds: list[float], **extra: Any) -> None:
         ordered = sorted(seconds)
@@ -538,11 +537,15 @@ def _bench_v2(results: Results, port: int, args: argparse.Namespace) -> None:
 # ====================================================================== report
 
 
-def _report(results: Results) -> None:
-    # The memory's limit: the largest 2-thread copy of this run. Smaller copies can stay in the L3 cache
-    # (300 MiB on the development machine) and would overstate what memory can do.
+def _reference_gbps(results: Results) -> float | None:
+    """The memory's limit: the largest 2-thread copy of this run. Smaller copies can stay in the L3 cache
+    (300 MiB on the development machine) and would overstate what memory can do."""
     copies = [r for r in results.rows if r.get("name") == "numpy.copyto, 2 threads" and r.get("gbps")]
-    reference = max(copies, key=lambda r: r["nbytes"])["gbps"] if copies else None
+    return float(max(copies, key=lambda r: r["nbytes"])["gbps"]) if copies else None
+
+
+def _report(results: Results) -> None:
+    reference = _reference_gbps(results)
     columns = ("group", "benchmark", "size", "GB/s", "p50 us", "p99 us", "x memcpy")
     header = "{:<10} {:<52} {:>9} {:>7} {:>10} {:>10} {:>9}".format(*columns)
     print(header)
@@ -579,9 +582,22 @@ def _plot(results: Results, path: Path) -> str:
     except ImportError:
         return "no plot: matplotlib is not installed (pip install -e '.[plot]')"
     rows = [r for r in results.rows if r.get("gbps")]
-    fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.5))
-    ax.barh([f"{r['group']}: {r['name']}" for r in rows], [r["gbps"] for r in rows])
-    ax.set_xlabel("GB/s (median)")
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    colors = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(11, 0.3 * len(rows) + 1.5))
+    ax.barh(
+        [f"{r['name']}, {_fmt_nbytes(r['nbytes'])}" for r in rows],
+        [r["gbps"] for r in rows],
+        color=[colors(groups.index(r["group"]) % 10) for r in rows],
+    )
+    reference = _reference_gbps(results)
+    if reference:
+        ax.axvline(reference, color="black", linestyle="--", linewidth=1)
+        ax.text(reference, -0.8, " largest 2-thread memcpy", fontsize=8, va="bottom")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors(i % 10)) for i in range(len(groups))]
+    ax.legend(handles, groups, loc="lower right", fontsize=8)
+    ax.set_xlabel("GB/s (median of the run; one synchronous transfer at a time)")
+    ax.tick_params(axis="y", labelsize=7)
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -135,7 +135,17 @@ _READERS: dict[str, Callable[[Any, list[int]], list[tuple[int, list[float]]]]] =
 }
 
 
+def _quiet() -> None:
+    """Keep the peers' logs (NIXL and glog print informational lines from C++) out of the bench's table:
+    this process's stdout and stderr go to /dev/null. A failure still reaches the bench, through the pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
 def _owner_main(pipe: Connection, peer: str, nbytes: int) -> None:
+    _quiet()
     try:
         _OWNERS[peer](pipe, nbytes)
     except Exception:
@@ -146,6 +156,7 @@ def _owner_main(pipe: Connection, peer: str, nbytes: int) -> None:
 
 
 def _reader_main(pipe: Connection, peer: str, info: Any, repeats: list[int]) -> None:
+    _quiet()
     try:
         pipe.send(("ok", _READERS[peer](info, repeats)))
     except Exception:
@@ -220,8 +231,8 @@ def run(results: _Recorder, repeats: Callable[[int], int]) -> None:
             results.skip("peer", label, f"not installed ({type(exc).__name__}); {hint}")
             continue
         version = _version(module.split(".")[0])
-        transport = "UCX, reader's progress thread off" if label == "NIXL" else "TCP"
-        name = f"{label} {version} ({transport}) READ, registered memory"
+        transport = "UCX, no reader thread" if label == "NIXL" else "TCP"
+        name = f"{label} {version} READ ({transport})"
         try:
             measured = _measure(peer, [repeats(nbytes) for nbytes in SIZES])
         except Exception as exc:

@@ -29,7 +29,7 @@ from shm.copyplan import (
     split_runs,
 )
 
-from ._vm import VmError, VmNotPermitted, read_from_arrays
+from ._vm import VmError, VmNotPermitted, read_from_arrays, write_to_arrays
 
 ENV_COPY_THREADS = "LLM_DATADIST_COPY_THREADS"
 # Below this much per thread a hand-off to another thread costs more than it saves.
@@ -121,6 +121,43 @@ class Copier:
             return
         self._in_parts(count, parts, lambda tensors: execute(plan, src, dst, tensors))
 
+    def run_vm(
+        self, pid: int, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, *, write: bool
+    ) -> None:
+        """Cross-memory copies with process `pid` (reads, or writes with `write`): run i moves nbytes[i]
+        between local[i] here and remote[i] there (uint64 columns), split over the copy threads by bytes
+        when there is enough to split. Raises what `_vm` raises."""
+        total = int(nbytes.sum())
+        parts = self.threads if total >= 2 * _MIN_PART_NBYTES and nbytes.size > 1 else 1
+        self._kernel_copy(pid, local, remote, nbytes, parts, write=write)
+
+    def _kernel_copy(
+        self,
+        pid: int,
+        local: np.ndarray,
+        remote: np.ndarray,
+        nbytes: np.ndarray,
+        parts: int,
+        *,
+        write: bool = False,
+    ) -> None:
+        """The runs in `parts` slices of about equal bytes, one per copy thread."""
+        copy = write_to_arrays if write else read_from_arrays
+        if parts <= 1:
+            copy(pid, local, remote, nbytes)
+            return
+        ends = np.cumsum(nbytes)
+        cuts = [0, *np.searchsorted(ends, [int(ends[-1]) * i // parts for i in range(1, parts)]).tolist()]
+        cuts.append(int(nbytes.size))
+
+        def work(indices: range) -> None:
+            for i in indices:
+                a, b = cuts[i], cuts[i + 1]
+                if a < b:
+                    copy(pid, local[a:b], remote[a:b], nbytes[a:b])
+
+        self._in_parts(parts, parts, work)
+
     def _kernel_blocks(self, plan: BlockPlan, src: np.ndarray, dst: np.ndarray, parts: int) -> bool:
         """The plan as one scatter-gather list for process_vm_readv on this very process, cut into `parts`
         of about equal bytes. False (nothing to trust in dst yet) when the kernel refuses such copies."""
@@ -131,26 +168,8 @@ class Copier:
         remote = (src_at + np.uint64(src.ctypes.data)).ravel()
         local = (dst_at + np.uint64(dst.ctypes.data)).ravel()
         nbytes = np.broadcast_to(lengths.astype(np.uint64), shape).ravel()
-        ends = np.cumsum(nbytes)
-        cuts = [0, *np.searchsorted(ends, [ends[-1] * i // parts for i in range(1, parts)]).tolist()]
-        cuts.append(int(nbytes.size))
-        pid = os.getpid()
-
-        def work(indices: range) -> None:
-            for i in indices:
-                if cuts[i] < cuts[i + 1]:
-                    read_from_arrays(
-                        pid,
-                        local[cuts[i] : cuts[i + 1]],
-                        remote[cuts[i] : cuts[i + 1]],
-                        nbytes[cuts[i] : cuts[i + 1]],
-                    )
-
         try:
-            if parts <= 1:
-                work(range(1))
-            else:
-                self._in_parts(parts, parts, work)
+            self._kernel_copy(os.getpid(), local, remote, nbytes, parts)
         except VmNotPermitted:
             self._kernel_copies = False
             return False

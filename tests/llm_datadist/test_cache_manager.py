@@ -178,6 +178,39 @@ def test_push_blocks_writes_into_the_owners_registered_memory(seed: int) -> None
             np.testing.assert_array_equal(remote[0], peer.expected(cache_id, t, 600).reshape(6, 100)[0])
 
 
+def test_large_block_tables_go_through_the_copy_threads_both_ways(seed: int) -> None:
+    """More than a handful of cross-memory runs take numpy columns, and 8 MiB or more is split over the
+    copy threads: a 10 MiB registered cache, 32 scattered 64 KiB blocks per tensor, pulled, then pushed."""
+    extra = _v2_options(remote_access=True)
+    shape = [40, 32768]  # 40 blocks of 64 KiB per tensor
+    block = 64 << 10
+    with PromptPeer(P, next(_ports), seed, extra=extra) as peer, _Decoder(remote_access=True) as dd:
+        cache_id = peer.call("v2_register_blocks", (4, shape, 9, True))
+        _link_one_sided(dd, peer)
+        local, arrays = _numpy_blocks_cache(dd, 4, shape)
+        rng = np.random.default_rng(seed)
+        src_blocks = [int(b) for b in rng.permutation(40)[:32]]
+        dst_blocks = [int(b) for b in rng.permutation(40)[:32]]
+        dd.cache_manager.pull_blocks(BlocksCacheKey(P, 9), local, src_blocks, dst_blocks)
+        untouched = sorted(set(range(40)) - set(dst_blocks))
+        for t, array in enumerate(arrays):
+            remote = peer.expected(cache_id, t, 40 * block).reshape(40, block)
+            got = array.reshape(40, block)
+            np.testing.assert_array_equal(got[dst_blocks], remote[src_blocks])
+            assert not got[untouched].any()
+        # And back: every local block written into other remote blocks, layer by layer (2 tensors each).
+        for array in arrays:
+            array[:] = rng.integers(0, 256, array.nbytes, dtype=np.uint8)
+        dd.cache_manager.push_blocks(BlocksCacheKey(P, 9), local, dst_blocks, src_blocks)
+        for t, array in enumerate(arrays):
+            remote = np.frombuffer(peer.call("v2_bytes", (cache_id, t)), dtype=np.uint8).reshape(40, block)
+            np.testing.assert_array_equal(remote[src_blocks], array.reshape(40, block)[dst_blocks])
+            kept = sorted(set(range(40)) - set(src_blocks))
+            np.testing.assert_array_equal(
+                remote[kept], peer.expected(cache_id, t, 40 * block).reshape(40, block)[kept]
+            )
+
+
 def test_documented_errors() -> None:
     with _Decoder(remote_access=True, pools=False) as dd:
         with pytest.raises(LLMException) as exc_info:
