@@ -89,25 +89,31 @@ def _timed(action: Callable[[], object], repeats: int) -> list[float]:
     return samples
 
 
-def _cpu_ns(pid: int) -> int:
+def _cpu_ns(pid: int) -> int | None:
     """CPU time another process has used, all threads, in ns (the scheduler's own count: psutil's clock
-    ticks are 10 ms, too coarse for a few thousand calls of a few hundred microseconds)."""
-    total = 0
+    ticks are 10 ms, too coarse for a few thousand calls of a few hundred microseconds). None where the
+    kernel keeps no such count (no /proc/PID/task/*/schedstat)."""
+    total, read = 0, False
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):
             total += int((task / "schedstat").read_text().split()[0])
-    return total
+            read = True
+    return total if read else None
 
 
 def _timed_with_cpu(
     action: Callable[[], object], repeats: int, other_pid: int
 ) -> tuple[list[float], dict[str, float]]:
     """`_timed`, plus the CPU time (user + system, all threads) each of the two processes spent per call:
-    where a round trip's time goes when it is not the copy."""
+    where a round trip's time goes when it is not the copy. Only this process's when the other's is not
+    available."""
     other_before, ours_before = _cpu_ns(other_pid), time.process_time_ns()
     samples = _timed(action, repeats)
-    ours, theirs = time.process_time_ns() - ours_before, _cpu_ns(other_pid) - other_before
-    return samples, {"this process": ours / repeats / 1e3, "the other": theirs / repeats / 1e3}
+    ours, other_after = time.process_time_ns() - ours_before, _cpu_ns(other_pid)
+    cpu = {"this process": ours / repeats / 1e3}
+    if other_before is not None and other_after is not None:
+        cpu["the other"] = (other_after - other_before) / repeats / 1e3
+    return samples, cpu
 
 
 def _repeats(nbytes: int, quick: bool) -> int:
