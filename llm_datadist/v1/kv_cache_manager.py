@@ -82,6 +82,8 @@ class LayerArgs:
     def select(self, api: str, num_tensors: int) -> TensorSelection:
         """Turn layer ranges into tensor indices of a local cache of `num_tensors` (LLM_PARAM_INVALID)."""
         per_layer, src_range, dst_range = self.per_layer, self.src_range, self.dst_range
+        if src_range is None and dst_range is None and not self.per_layer_given:
+            return _whole_cache(num_tensors)  # no layer kwargs: every tensor, the common case
         uses_layers = src_range is not None or dst_range is not None
         # The default of 2 only matters with layer ranges; a 1-tensor cache pulls whole without them.
         if (uses_layers or self.per_layer_given) and not 1 <= per_layer <= num_tensors:
@@ -108,8 +110,18 @@ class LayerArgs:
         return TensorSelection(src_start, src_count, False, dst_start)
 
 
+@functools.lru_cache(maxsize=64)
+def _whole_cache(num_tensors: int) -> TensorSelection:
+    return TensorSelection(0, num_tensors, True, 0)
+
+
+_NO_LAYER_ARGS = LayerArgs(None, None, 2, False)
+
+
 def parse_layer_kwargs(api: str, kwargs: dict[str, Any], allowed: frozenset[str]) -> LayerArgs:
     """Type-check a pull's kwargs: unknown names are a TypeError, ranges must be step-1 ranges."""
+    if not kwargs:
+        return _NO_LAYER_ARGS
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise TypeError(f"{api}() got unexpected keyword arguments {unknown}")
