@@ -28,6 +28,7 @@ from shm.copyplan import (
     execute_strided,
     split_runs,
 )
+from shm.errors import ShmError
 
 from ._vm import VmError, VmNotPermitted, read_from_arrays, write_to_arrays
 
@@ -175,7 +176,9 @@ class Copier:
             return False
         except VmError as exc:
             if exc.errno != errno.ENOSYS:
-                raise
+                # The plan was checked against both arrays, so only memory vanishing under a mapping (a
+                # segment truncated by its owner) gets here; a numpy copy would die of SIGBUS instead.
+                raise ShmError(f"copying blocks within this process failed: {exc}") from exc
             self._kernel_copies = False
             return False
         return True
