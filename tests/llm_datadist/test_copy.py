@@ -122,3 +122,27 @@ def _spy(taken: list[str], label: str, function: Any) -> Any:
         return function(*args, **kwargs)
 
     return spy
+
+
+def test_memory_vanishing_under_a_mapping_is_an_error_not_a_crash(copier: Copier) -> None:
+    """A segment its owner truncates after we mapped it: a numpy copy of the lost pages would die of
+    SIGBUS; the kernel path reports EFAULT, which becomes a ShmError (LLM_FAILED at the API)."""
+    import os
+
+    import posix_ipc
+
+    from shm.errors import ShmError
+    from shm.segment import Segment
+
+    segment = Segment.create(1 << 20)
+    try:
+        dst = np.zeros(1 << 20, dtype=np.uint8)
+        shm = posix_ipc.SharedMemory(segment.name)
+        os.ftruncate(shm.fd, 4096)
+        shm.close_fd()
+        plan = BlockPlan.make([0], [0], [8], [8], 16 << 10, 16 << 10, 16 << 10)  # 128 KiB in: gone now
+        with pytest.raises(ShmError, match="copying blocks"):
+            copier.run_blocks(plan, segment.array, dst)
+        assert copier._kernel_copies  # a lost page is not the kernel refusing the call
+    finally:
+        segment.close()
