@@ -10,6 +10,7 @@ link and then read or written with no round trip to the peer. Transfer timeouts 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from shm.copyplan import plan_block_copy
@@ -74,6 +75,36 @@ def _invalid(api: str, context: str) -> NoReturn:
     raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, context)
 
 
+@dataclass(frozen=True, slots=True)
+class _OneSidedPull:
+    """A one-sided pull whose arguments were checked: everything `pull_cache` / `pull_blocks` derive from
+    their arguments and the local record alone, so a repeat with equal arguments into the same live record
+    skips straight to `_run_one_sided` (which looks up the remote side afresh each time)."""
+
+    core: Core
+    record: CacheRecord
+    cluster_id: int
+    cache_id: int | None
+    model_id: int | None
+    slot: int
+    selection: TensorSelection
+    runs_for: _RunsFor
+    continuous_source: bool  # pull_cache: the remote cache must not be a blocks cache
+
+
+# Prepared pulls kept per manager; past this many the memo starts over (a connector repeats a few shapes).
+_MAX_PREPARED = 1024
+
+
+def _exact_ints(values: object) -> tuple[int, ...] | None:
+    """`values` as a tuple when it is a list or tuple of exact ints (bools and subclasses hash like ints
+    but must still meet the full checks), else None."""
+    if type(values) is not list and type(values) is not tuple:
+        return None
+    items = tuple(values)
+    return items if all(type(v) is int for v in items) else None
+
+
 def _owner_key(key: CacheKey) -> KeyId | None:
     if key.prefix_id != U64_MAX:
         return (KEY_PREFIX, key.prefix_id, key.model_id)
@@ -88,6 +119,7 @@ class CacheManager:
     def __init__(self, core: Core) -> None:
         self._core: Core | None = core
         self._registered_addrs = 0
+        self._prepared: dict[tuple[object, ...], _OneSidedPull] = {}
 
     def _require_core(self, api: str) -> Core:
         if self._core is None:
@@ -330,6 +362,45 @@ class CacheManager:
     def _layers(self, api: str, layers: LayerArgs, num_tensors: int) -> TensorSelection:
         return layers.select(api, num_tensors)
 
+    def _prepared_pull(self, key: tuple[object, ...] | None, cache: object) -> _OneSidedPull | None:
+        """The prepared pull for `key` if its record is still the live cache `cache` names, else None (the
+        caller then takes the full path, which raises whatever a changed state calls for)."""
+        if key is None:
+            return None
+        prepared = self._prepared.get(key)
+        if prepared is None or prepared.core is not self._core:
+            return None
+        record = prepared.record
+        if (
+            type(cache) is not Cache
+            or getattr(cache, "_manager", None) is not self
+            or not cache.tensor_addrs
+            or not record.external
+            or prepared.core.table.get(cache.cache_id) is not record
+        ):
+            return None
+        return prepared
+
+    def _remember(self, key: tuple[object, ...] | None, prepared: _OneSidedPull) -> None:
+        if key is None:
+            return
+        if len(self._prepared) >= _MAX_PREPARED:
+            self._prepared.clear()
+        self._prepared[key] = prepared
+
+    def _run_one_sided(self, api: str, pull: _OneSidedPull) -> None:
+        """The part of a one-sided pull that depends on state: pin the local cache, find the remote one in
+        the peer's table (refetched when stale), read."""
+        core = pull.core
+        with self._timeout_errors(api), core.table.pinned(pull.record.cache_id) as pinned:
+            self._one_sided(api, pinned)
+            remote = self._remote(api, core, pull.cluster_id, pull.cache_id, pull.model_id)
+            if pull.continuous_source and remote.is_blocks:
+                _invalid(api, "the source of pull_cache must not be a blocks cache")
+            self._pull_one_sided(
+                api, core, pull.cluster_id, remote, pull.slot, pinned, pull.selection, pull.runs_for
+            )
+
     def _remote(
         self, api: str, core: Core, cluster_id: int, cache_id: int | None, model_id: int | None
     ) -> RemoteCache:
@@ -359,6 +430,26 @@ class CacheManager:
         local slot; the remote slot must hold it. v1's offset kwargs are accepted and ignored, as in v2.
         With remote cache access on, the key must be a CacheKeyByIdAndIndex (TypeError otherwise)."""
         api = "pull_cache"
+        memo_key: tuple[object, ...] | None = None
+        if (
+            not kwargs
+            and type(cache_key) is CacheKeyByIdAndIndex
+            and type(batch_index) is int
+            and type(size) is int
+        ):
+            memo_key = (
+                api,
+                cache_key.cluster_id,
+                cache_key.cache_id,
+                cache_key.batch_index,
+                getattr(cache, "cache_id", None),
+                batch_index,
+                size,
+            )
+            prepared = self._prepared_pull(memo_key, cache)
+            if prepared is not None:
+                self._run_one_sided(api, prepared)
+                return
         core = self._require_core(api)
         check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
         check_uint32("batch_index", batch_index)
@@ -390,24 +481,23 @@ class CacheManager:
                 raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"remote slot {slot} out of range")
             return [UnitRun(slot * unit_nbytes, local_offset, nbytes)]
 
+        if core.settings.remote_cache_accessible:
+            assert isinstance(cache_key, CacheKeyByIdAndIndex)
+            pull = _OneSidedPull(
+                core,
+                record,
+                cache_key.cluster_id,
+                cache_key.cache_id,
+                None,
+                cache_key.batch_index,
+                selection,
+                runs_for,
+                continuous_source=True,
+            )
+            self._remember(memo_key, pull)
+            self._run_one_sided(api, pull)
+            return
         with self._timeout_errors(api), core.table.pinned(record.cache_id) as pinned:
-            if core.settings.remote_cache_accessible:
-                assert isinstance(cache_key, CacheKeyByIdAndIndex)
-                self._one_sided(api, pinned)
-                remote = self._remote(api, core, cache_key.cluster_id, cache_key.cache_id, None)
-                if remote.is_blocks:
-                    _invalid(api, "the source of pull_cache must not be a blocks cache")
-                self._pull_one_sided(
-                    api,
-                    core,
-                    cache_key.cluster_id,
-                    remote,
-                    cache_key.batch_index,
-                    pinned,
-                    selection,
-                    runs_for,
-                )
-                return
             self._pull_resolved(core, self._key_fields(api, cache_key), pinned, selection, runs_for)
 
     def pull_blocks(
@@ -422,9 +512,32 @@ class CacheManager:
         with a CacheKey / CacheKeyByIdAndIndex (a continuous remote slot, `src_blocks` empty), the slot cut
         into local-block-sized pieces, piece k to `dst_blocks[k]`."""
         api = "pull_blocks"
+        memo_key: tuple[object, ...] | None = None
+        src_items, dst_items = _exact_ints(src_blocks), _exact_ints(dst_blocks)
+        if not kwargs and src_items is not None and dst_items is not None:
+            if type(src_cache_key) is BlocksCacheKey:
+                remote_id: tuple[object, ...] = ("blocks", src_cache_key.cluster_id, src_cache_key.model_id)
+            elif type(src_cache_key) is CacheKeyByIdAndIndex:
+                remote_id = (
+                    "slot",
+                    src_cache_key.cluster_id,
+                    src_cache_key.cache_id,
+                    src_cache_key.batch_index,
+                )
+            else:
+                remote_id = ()
+            if remote_id:
+                memo_key = (api, remote_id, getattr(dst_cache, "cache_id", None), src_items, dst_items)
+                prepared = self._prepared_pull(memo_key, dst_cache)
+                if prepared is not None:
+                    self._run_one_sided(api, prepared)
+                    return
         core = self._require_core(api)
         check_isinstance("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
         check_index_lists(src_blocks=src_blocks, dst_blocks=dst_blocks)
+        # The plan below may be kept for later calls: it must not see the caller's lists change.
+        src_blocks = tuple(src_blocks) if src_blocks is not None else ()
+        dst_blocks = tuple(dst_blocks) if dst_blocks is not None else ()
         layers = parse_layer_kwargs(api, kwargs, _BLOCK_KWARGS)
         record = self._record_of(api, core, dst_cache, "dst_cache")
         if not record.is_blocks:
@@ -465,20 +578,19 @@ class CacheManager:
                 for k, d in enumerate(dst_blocks[:pieces])
             ]
 
+        if core.settings.remote_cache_accessible:
+            if isinstance(src_cache_key, BlocksCacheKey):
+                ids: tuple[int | None, int | None, int] = (None, src_cache_key.model_id, 0)
+            else:
+                assert isinstance(src_cache_key, CacheKeyByIdAndIndex)
+                ids = (src_cache_key.cache_id, None, src_cache_key.batch_index)
+            pull = _OneSidedPull(
+                core, record, src_cache_key.cluster_id, *ids, selection, runs_for, continuous_source=False
+            )
+            self._remember(memo_key, pull)
+            self._run_one_sided(api, pull)
+            return
         with self._timeout_errors(api), core.table.pinned(record.cache_id) as pinned:
-            if core.settings.remote_cache_accessible:
-                self._one_sided(api, pinned)
-                if isinstance(src_cache_key, BlocksCacheKey):
-                    remote = self._remote(api, core, src_cache_key.cluster_id, None, src_cache_key.model_id)
-                    slot = 0
-                else:
-                    assert isinstance(src_cache_key, CacheKeyByIdAndIndex)
-                    remote = self._remote(api, core, src_cache_key.cluster_id, src_cache_key.cache_id, None)
-                    slot = src_cache_key.batch_index
-                self._pull_one_sided(
-                    api, core, src_cache_key.cluster_id, remote, slot, pinned, selection, runs_for
-                )
-                return
             if isinstance(src_cache_key, BlocksCacheKey):
                 fields = (src_cache_key.cluster_id, KEY_BLOCKS, 0, src_cache_key.model_id, 0)
             else:

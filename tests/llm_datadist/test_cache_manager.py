@@ -3,6 +3,7 @@ library did not allocate (numpy arrays in both processes), one-sided and two-sid
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import time
@@ -485,3 +486,68 @@ def test_one_sided_readers_notice_a_freed_or_reused_cache(seed: int) -> None:
         with pytest.raises(LLMException) as exc_info:
             cm.pull_cache(CacheKeyByIdAndIndex(P, first, 0), plain)
         assert exc_info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+
+
+def test_repeated_one_sided_pulls_reuse_their_checks_but_not_stale_state(seed: int) -> None:
+    """A repeat of a one-sided pull with equal arguments skips the argument checks (a prepared pull kept by
+    the manager); everything that depends on state is looked at again on each call."""
+    extra = _v2_options(remote_access=True)
+    with PromptPeer(P, next(_ports), seed, extra=extra) as peer, _Decoder(remote_access=True) as dd:
+        first = peer.call("v2_alloc", (2, [4, 64], [], 0))
+        _link_one_sided(dd, peer)
+        cm = dd.cache_manager
+        local, arrays = _numpy_blocks_cache(dd, 2, [4, 64])
+
+        def block(cache_id: int, t: int, index: int) -> np.ndarray:
+            return peer.expected(cache_id, t, 512).reshape(4, 128)[index]
+
+        src, dst = [1], [2]
+        cm.pull_blocks(BlocksCacheKey(P, 0), local, src, dst)
+        assert len(cm._prepared) == 1
+        # The caller's lists are copied: changing them later changes nothing in what was kept.
+        src[0], dst[0] = 3, 0
+        cm.pull_blocks(BlocksCacheKey(P, 0), local, [1], [2])
+        assert not arrays[0].reshape(4, 128)[0].any()
+        cm.pull_blocks(BlocksCacheKey(P, 0), local, src, dst)  # [3] -> [0], a second prepared pull
+        for t, array in enumerate(arrays):
+            np.testing.assert_array_equal(array.reshape(4, 128)[2], block(first, t, 1))
+            np.testing.assert_array_equal(array.reshape(4, 128)[0], block(first, t, 3))
+        # Equal values of other types still meet the full checks.
+        with pytest.raises(TypeError):
+            cm.pull_blocks(BlocksCacheKey(P, 0), local, [True], [2])
+        # New data in the same remote block is read again (nothing is cached but the checks).
+        peer.call("v2_rewrite", first)
+        cm.pull_blocks(BlocksCacheKey(P, 0), local, [1], [2])
+        np.testing.assert_array_equal(arrays[1].reshape(4, 128)[2], block(first + 1000, 1, 1))
+        # The remote cache freed and another allocated under the same model id: the table is fetched again.
+        peer.call("v2_dealloc_blocks", first)
+        second = peer.call("v2_alloc", (2, [4, 64], [], 0))
+        cm.pull_blocks(BlocksCacheKey(P, 0), local, [1], [2])
+        np.testing.assert_array_equal(arrays[0].reshape(4, 128)[2], block(second, 0, 1))
+        # The local cache unregistered: its old handle fails as before; a new cache takes the full path.
+        cm.unregister_cache(local.cache_id)
+        with pytest.raises(LLMException) as exc_info:
+            cm.pull_blocks(BlocksCacheKey(P, 0), local, [1], [2])
+        assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        again, again_arrays = _numpy_blocks_cache(dd, 2, [4, 64])
+        cm.pull_blocks(BlocksCacheKey(P, 0), again, [1], [2])
+        np.testing.assert_array_equal(again_arrays[1].reshape(4, 128)[2], block(second, 1, 1))
+        # pull_cache repeats too: slot 1 of a continuous remote cache, twice, the second over new data; and
+        # a remote blocks cache is refused on every call, not only the first.
+        continuous = peer.call("v2_alloc", (2, [2, 64], [], None))  # 2 slots of 128 bytes per tensor
+        plain = cm.allocate_cache(CacheDesc(2, [1, 64], DataType.DT_FLOAT16))
+        views = [np.ctypeslib.as_array((ctypes.c_ubyte * 128).from_address(a)) for a in plain.tensor_addrs]
+        for tag in (continuous, continuous + 1000):
+            cm.pull_cache(CacheKeyByIdAndIndex(P, continuous, 1), plain)
+            for t, view in enumerate(views):
+                np.testing.assert_array_equal(view, peer.expected(tag, t, 256)[128:])
+            peer.call("v2_rewrite", continuous)
+        assert any(key[0] == "pull_cache" for key in cm._prepared)  # the second call was a prepared one
+        for _ in range(2):
+            with pytest.raises(LLMException) as exc_info:
+                cm.pull_cache(CacheKeyByIdAndIndex(P, second, 0), plain)
+            assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    # After finalize the manager refuses, prepared pulls or not.
+    with pytest.raises(LLMException) as exc_info:
+        cm.pull_blocks(BlocksCacheKey(P, 0), again, [1], [2])
+    assert exc_info.value.status_code == LLMStatusCode.LLM_FAILED
