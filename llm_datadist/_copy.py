@@ -53,6 +53,28 @@ def address_view(address: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(address))
 
 
+def vm_columns(
+    local_bases: Sequence[int],
+    local_offsets: Sequence[int],
+    remote_bases: Sequence[int],
+    remote_offsets: Sequence[int],
+    lengths: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cross-memory runs as the uint64 columns `_vm` takes: run k of tensor t moves lengths[k] bytes between
+    local_bases[t] + local_offsets[k] and remote_bases[t] + remote_offsets[k] (tensor-major). ValueError
+    when an address would pass 2**64 (a hostile table entry; numpy would wrap silently)."""
+    end = max(lengths)
+    if (
+        max(local_bases) + max(local_offsets) + end >= 1 << 64
+        or max(remote_bases) + max(remote_offsets) + end >= 1 << 64
+    ):
+        raise ValueError("a cross-memory run passes the end of the address space")
+    local = np.asarray(local_bases, dtype=np.uint64)[:, None] + np.asarray(local_offsets, dtype=np.uint64)
+    remote = np.asarray(remote_bases, dtype=np.uint64)[:, None] + np.asarray(remote_offsets, dtype=np.uint64)
+    nbytes = np.broadcast_to(np.asarray(lengths, dtype=np.uint64), local.shape)
+    return local.ravel(), remote.ravel(), nbytes.ravel()
+
+
 def _default_threads() -> int:
     configured = os.environ.get(ENV_COPY_THREADS)
     if configured and configured.isdigit() and int(configured) > 0:
@@ -163,12 +185,14 @@ class Copier:
         """The plan as one scatter-gather list for process_vm_readv on this very process, cut into `parts`
         of about equal bytes. False (nothing to trust in dst yet) when the kernel refuses such copies."""
         src_starts, dst_starts, lengths = block_runs(plan)
-        shape = (len(plan.src_tensor_offsets), src_starts.size)
-        src_at = np.asarray(plan.src_tensor_offsets, dtype=np.uint64)[:, None] + src_starts.astype(np.uint64)
-        dst_at = np.asarray(plan.dst_tensor_offsets, dtype=np.uint64)[:, None] + dst_starts.astype(np.uint64)
-        remote = (src_at + np.uint64(src.ctypes.data)).ravel()
-        local = (dst_at + np.uint64(dst.ctypes.data)).ravel()
-        nbytes = np.broadcast_to(lengths.astype(np.uint64), shape).ravel()
+        dst_address, src_address = dst.ctypes.data, src.ctypes.data
+        local, remote, nbytes = vm_columns(
+            [dst_address + offset for offset in plan.dst_tensor_offsets],
+            dst_starts.tolist(),
+            [src_address + offset for offset in plan.src_tensor_offsets],
+            src_starts.tolist(),
+            lengths.tolist(),
+        )
         try:
             self._kernel_copy(os.getpid(), local, remote, nbytes, parts)
         except VmNotPermitted:

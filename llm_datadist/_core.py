@@ -20,7 +20,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar, cast
 
-import numpy as np
 import psutil
 
 from protocol.messages import (
@@ -46,7 +45,7 @@ from shm.pool import Pool
 from shm.reaper import reap
 from shm.segment import Segment
 
-from ._copy import Copier, address_view
+from ._copy import Copier, address_view, vm_columns
 from ._engine import CacheRecord, CacheTable
 from ._errors import PeerGone, StatusError
 from ._runtime import (
@@ -57,7 +56,7 @@ from ._runtime import (
     socket_path_in_runtime,
 )
 from ._transport import ClientLink, PeerInfo, Server, ServerHooks
-from ._vm import VmError, VmNotPermitted, VmRun, read_from, write_to
+from ._vm import FEW_RUNS, VmError, VmNotPermitted, VmRun, read_from, write_to
 from .configs import LLMRole
 from .status import LLMStatusCode, make_error
 from .utils.log import log
@@ -829,7 +828,7 @@ class Core(ServerHooks):
                     LLMStatusCode.LLM_FAILED, f"peer {link.peer.pid} named memory of process {pid}"
                 )
             try:
-                if len(runs) * len(remote_bases) <= _FEW_VM_RUNS:
+                if len(runs) * len(remote_bases) <= FEW_RUNS:  # `_vm`'s ctypes fast path
                     vm_runs = [
                         VmRun(addr + run.local_offset, base + run.remote_offset, run.nbytes)
                         for addr, base in zip(local_addrs, remote_bases, strict=True)
@@ -838,7 +837,14 @@ class Core(ServerHooks):
                     (write_to if to_remote else read_from)(pid, vm_runs)
                 else:
                     # Many runs (a block table): numpy columns, split over the copy threads by bytes.
-                    self.copier.run_vm(pid, *_vm_columns(local_addrs, remote_bases, runs), write=to_remote)
+                    columns = vm_columns(
+                        local_addrs,
+                        [run.local_offset for run in runs],
+                        remote_bases,
+                        [run.remote_offset for run in runs],
+                        [run.nbytes for run in runs],
+                    )
+                    self.copier.run_vm(pid, *columns, write=to_remote)
             except VmNotPermitted as exc:
                 raise StatusError(
                     LLMStatusCode.LLM_FAILED, f"cross-memory attach to pid {pid} refused: {exc}"
@@ -1042,28 +1048,6 @@ class Comm:
     status: int = COMM_PREPARING
     clusters: set[int] = field(default_factory=set)
     stop: threading.Event = field(default_factory=threading.Event)
-
-
-_FEW_VM_RUNS = 8  # up to this many cross-memory runs go as VmRun objects (`_vm`'s ctypes fast path)
-
-
-def _vm_columns(
-    local_addrs: list[int], remote_bases: tuple[int, ...], runs: list[UnitRun]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every (tensor, run) pair as uint64 columns: local address, remote address, bytes (tensor-major).
-    ValueError when an address would pass 2**64 (a hostile table entry; numpy would wrap silently)."""
-    local_offsets = [run.local_offset for run in runs]
-    remote_offsets = [run.remote_offset for run in runs]
-    lengths = [run.nbytes for run in runs]
-    if max(local_addrs) + max(local_offsets) + max(lengths) >= 1 << 64 or (
-        max(remote_bases) + max(remote_offsets) + max(lengths) >= 1 << 64
-    ):
-        raise ValueError("a cross-memory run passes the end of the address space")
-    shape = (len(remote_bases), len(runs))
-    local = np.asarray(local_addrs, dtype=np.uint64)[:, None] + np.asarray(local_offsets, dtype=np.uint64)
-    remote = np.asarray(remote_bases, dtype=np.uint64)[:, None] + np.asarray(remote_offsets, dtype=np.uint64)
-    nbytes = np.broadcast_to(np.asarray(lengths, dtype=np.uint64), shape)
-    return local.ravel(), remote.ravel(), nbytes.ravel()
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "FEW_RUNS",
     "IOV_MAX",
     "VmBadAddress",
     "VmError",
@@ -284,7 +285,7 @@ def _transfer(call: str, function: Any, pid: int, local: _U64, remote: _U64, nby
 
 # Up to this many runs go straight into ctypes iovec arrays: for one 64 KiB block, building numpy columns
 # costs several times the system call itself.
-_FEW_RUNS: Final = 8
+FEW_RUNS: Final = 8
 
 
 def _few(function: Any, pid: int, runs: Sequence[VmRun]) -> bool:
@@ -292,7 +293,7 @@ def _few(function: Any, pid: int, runs: Sequence[VmRun]) -> bool:
     else (an error, EINTR, a short transfer, a bad pid) returns False for the general path to redo and
     explain: moving the same bytes again is harmless."""
     count = len(runs)
-    if function is None or not 0 < count <= _FEW_RUNS or type(pid) is not int or pid <= 0:
+    if function is None or not 0 < count <= FEW_RUNS or type(pid) is not int or pid <= 0:
         return False
     local = (_Iovec * count)()
     remote = (_Iovec * count)()
