@@ -31,6 +31,7 @@ import msgpack
 import numpy as np
 
 from . import _bench_peers
+from ._bench_proc import Child, timed
 
 OWNER, MEASURER = 1, 2
 IP = "127.0.0.1"
@@ -80,15 +81,6 @@ def _fmt_nbytes(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def _timed(action: Callable[[], object], repeats: int) -> list[float]:
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        samples.append(time.perf_counter() - started)
-    return samples
-
-
 def _cpu_ns(pid: int) -> int | None:
     """CPU time another process has used, all threads, in ns (the scheduler's own count: psutil's clock
     ticks are 10 ms, too coarse for a few thousand calls of a few hundred microseconds). None where the
@@ -104,11 +96,11 @@ def _cpu_ns(pid: int) -> int | None:
 def _timed_with_cpu(
     action: Callable[[], object], repeats: int, other_pid: int
 ) -> tuple[list[float], dict[str, float]]:
-    """`_timed`, plus the CPU time (user + system, all threads) each of the two processes spent per call:
+    """`timed`, plus the CPU time (user + system, all threads) each of the two processes spent per call:
     where a round trip's time goes when it is not the copy. Only this process's when the other's is not
     available."""
     other_before, ours_before = _cpu_ns(other_pid), time.process_time_ns()
-    samples = _timed(action, repeats)
+    samples = timed(action, repeats)
     ours, other_after = time.process_time_ns() - ours_before, _cpu_ns(other_pid)
     cpu = {"this process": ours / repeats / 1e3}
     if other_before is not None and other_after is not None:
@@ -148,7 +140,7 @@ def _copy_samples(nbytes: int, threads: int, repeats: int) -> list[float]:
         for worker in workers:
             worker.join()
 
-    return _timed(once, repeats)
+    return timed(once, repeats)
 
 
 def _memcpy_step(results: Results, name: str, nbytes: int, threads: int, quick: bool) -> None:
@@ -237,7 +229,7 @@ def _pipe_baseline(results: Results, nbytes: int, repeats: int) -> None:
     sender.close()
     buffer = bytearray(nbytes)
     receiver.recv_bytes_into(buffer)
-    samples = _timed(lambda: receiver.recv_bytes_into(buffer), repeats)
+    samples = timed(lambda: receiver.recv_bytes_into(buffer), repeats)
     process.join(30)
     receiver.close()
     results.add("baseline", "multiprocessing Pipe (send_bytes)", nbytes, samples)
@@ -256,7 +248,7 @@ def _queue_baseline(results: Results, nbytes: int, repeats: int) -> None:
     process = ctx.Process(target=_queue_sender, args=(queue, nbytes, repeats + 1), daemon=True)
     process.start()
     queue.get(timeout=60)
-    samples = _timed(lambda: queue.get(timeout=60), repeats)
+    samples = timed(lambda: queue.get(timeout=60), repeats)
     process.join(30)
     queue.close()
     queue.join_thread()
@@ -337,37 +329,17 @@ def _owner(pipe: Connection, mode: str, port: int, timeout_ms: int) -> None:
         datadist.finalize()
 
 
-class _Owner:
-    def __init__(self, mode: str, port: int, timeout_ms: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.pipe, child = ctx.Pipe()
-        self.process = ctx.Process(target=_owner, args=(child, mode, port, timeout_ms), daemon=True)
-        self.process.start()
-        child.close()
-        self.port = port
-        self.call_reply(600)
+class _Owner(Child):
+    """The spawned process that owns the caches a benchmark pulls from (`_owner`)."""
 
-    def call_reply(self, timeout_s: float) -> Any:
-        if not self.pipe.poll(timeout_s):
-            raise TimeoutError("the owner process did not answer")
-        status, value = self.pipe.recv()
-        if status != "ok":
-            raise RuntimeError(f"owner failed: {value}")
-        return value
+    def __init__(self, mode: str, port: int, timeout_ms: int) -> None:
+        super().__init__(_owner, mode, port, timeout_ms)
+        self.port = port
+        self.reply(600)
 
     def call(self, command: str, args: Any = None) -> Any:
         self.pipe.send((command, args))
-        return self.call_reply(600)
-
-    def close(self) -> None:
-        if self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self.pipe.send(("stop", None))
-            self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(10)
-        self.pipe.close()
+        return self.reply(600)
 
 
 def _measurer(mode: str, timeout_ms: int) -> Any:
@@ -431,7 +403,7 @@ def _bench_v1(results: Results, port: int, args: argparse.Namespace) -> None:
                 manager.pull_cache(key, dst)
                 breakdowns.append(dict(core.last_pull_breakdown))
 
-            samples = _timed(pull_and_record, repeats)
+            samples = timed(pull_and_record, repeats)
             breakdown = {k: statistics.median(b[k] for b in breakdowns) * 1e6 for k in breakdowns[0]}
             results.add(
                 "pull_cache",
@@ -453,7 +425,7 @@ def _bench_v1(results: Results, port: int, args: argparse.Namespace) -> None:
                         )
 
                 results.add(
-                    "pull_cache", f"layer by layer, {layers} layers", nbytes, _timed(by_layer, repeats)
+                    "pull_cache", f"layer by layer, {layers} layers", nbytes, timed(by_layer, repeats)
                 )
             manager.deallocate_cache(dst)
             owner.call("free")
@@ -482,7 +454,7 @@ def _bench_v1(results: Results, port: int, args: argparse.Namespace) -> None:
             blocks_key = BlocksCacheKey(OWNER, 0)
             manager.pull_blocks(blocks_key, local, src_blocks, dst_blocks)
             nbytes = tensors * table * block_nbytes
-            samples = _timed(
+            samples = timed(
                 functools.partial(manager.pull_blocks, blocks_key, local, src_blocks, dst_blocks),
                 _repeats(nbytes, args.quick),
             )
@@ -522,7 +494,7 @@ def _bench_v2(results: Results, port: int, args: argparse.Namespace) -> None:
                 ("registered", manager.register_blocks_cache(desc, [mine.ctypes.data])),
             ):
                 manager.pull_blocks(key, local, [1], [2])  # fetches the table once
-                samples = _timed(functools.partial(manager.pull_blocks, key, local, [1], [2]), repeats)
+                samples = timed(functools.partial(manager.pull_blocks, key, local, [1], [2]), repeats)
                 results.add(
                     "one-sided",
                     f"v2 pull_blocks 1 x {_fmt_nbytes(block_nbytes)}, registered -> {into}",

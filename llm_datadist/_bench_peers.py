@@ -12,7 +12,6 @@ Mooncake needs Debian's `libibverbs1` even for TCP).
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -21,6 +20,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 import numpy as np
+
+from ._bench_proc import Child, timed
 
 SIZES = (64 << 10, 1 << 20, 16 << 20)
 _FILL = 0x5A
@@ -120,12 +121,7 @@ def _checked(read: Callable[[], None], local: np.ndarray, nbytes: int, repeats: 
     read()
     if not (local[:nbytes] == _FILL).all():
         raise RuntimeError("the READ returned other bytes than the owner's")
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        read()
-        samples.append(time.perf_counter() - started)
-    return samples
+    return timed(read, repeats)
 
 
 _OWNERS: dict[str, Callable[[Connection, int], None]] = {"nixl": _nixl_owner, "mooncake": _mooncake_owner}
@@ -166,42 +162,11 @@ def _reader_main(pipe: Connection, peer: str, info: Any, repeats: list[int]) -> 
         os._exit(0)
 
 
-class _Child:
-    """A spawned side of a peer benchmark; answers once with ("ok", value) or ("error", traceback)."""
-
-    def __init__(self, target: Callable[..., None], *args: Any) -> None:
-        ctx = mp.get_context("spawn")
-        self.pipe, child = ctx.Pipe()
-        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.process.start()
-        child.close()
-
-    def reply(self, timeout_s: float) -> Any:
-        if not self.pipe.poll(timeout_s):
-            raise TimeoutError(f"no answer within {timeout_s:.0f} s")
-        try:
-            status, value = self.pipe.recv()
-        except EOFError:
-            raise RuntimeError(f"the process exited with code {self.process.exitcode}") from None
-        if status != "ok":
-            raise RuntimeError(str(value).strip().splitlines()[-1])
-        return value
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.pipe.send("stop")
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(10)
-        self.pipe.close()
-
-
 def _measure(peer: str, repeats: list[int]) -> list[tuple[int, list[float]]]:
-    owner = _Child(_owner_main, peer, max(SIZES))
+    owner = Child(_owner_main, peer, max(SIZES))
     try:
         info = owner.reply(_WAIT_S)
-        reader = _Child(_reader_main, peer, info, repeats)
+        reader = Child(_reader_main, peer, info, repeats)
         try:
             measured: list[tuple[int, list[float]]] = reader.reply(_WAIT_S * (1 + len(SIZES)))
             return measured
@@ -236,7 +201,8 @@ def run(results: _Recorder, repeats: Callable[[int], int]) -> None:
         try:
             measured = _measure(peer, [repeats(nbytes) for nbytes in SIZES])
         except Exception as exc:
-            results.skip("peer", label, f"installed, but failed here: {type(exc).__name__}: {exc}")
+            last_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+            results.skip("peer", label, f"installed, but failed here: {type(exc).__name__}: {last_line}")
             continue
         for nbytes, samples in measured:
             results.add("peer", name, nbytes, samples)
