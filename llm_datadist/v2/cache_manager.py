@@ -638,21 +638,17 @@ class CacheManager:
                     record.slot_nbytes,
                 )
             ]
-            for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
-                n = tensor_num_per_layer
-                self._check_remote_tensors(
-                    api, remote, TensorSelection(dst_layer * n, n, False, src_layer * n)
-                )
-                core.transfer_one_sided(
-                    dst_cache_key.cluster_id,
-                    remote,
-                    dst_layer * n,
-                    pinned,
-                    src_layer * n,
-                    n,
-                    runs,
-                    to_remote=True,
-                )
+            self._push_layer_by_layer(
+                api,
+                core,
+                dst_cache_key.cluster_id,
+                remote,
+                pinned,
+                src_layers,
+                dst_layers,
+                tensor_num_per_layer,
+                runs,
+            )
 
     def push_blocks(
         self,
@@ -687,21 +683,17 @@ class CacheManager:
             if remote.unit_nbytes != block or max(dst_blocks) >= remote.num_units:
                 _invalid(api, "remote block size or block index does not match")
             runs = [UnitRun(d * block, s * block, block) for s, d in zip(src_blocks, dst_blocks, strict=True)]
-            for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
-                n = tensor_num_per_layer
-                self._check_remote_tensors(
-                    api, remote, TensorSelection(dst_layer * n, n, False, src_layer * n)
-                )
-                core.transfer_one_sided(
-                    dst_cache_key.cluster_id,
-                    remote,
-                    dst_layer * n,
-                    pinned,
-                    src_layer * n,
-                    n,
-                    runs,
-                    to_remote=True,
-                )
+            self._push_layer_by_layer(
+                api,
+                core,
+                dst_cache_key.cluster_id,
+                remote,
+                pinned,
+                src_layers,
+                dst_layers,
+                tensor_num_per_layer,
+                runs,
+            )
 
     # ------------------------------------------------------------------ layer-wise push
 
@@ -1033,6 +1025,26 @@ class CacheManager:
             _invalid(api, f"the remote cache has {count} tensors, the local selection {selection.count}")
         if selection.src_start + selection.count > count:
             _invalid(api, f"remote tensors [{selection.src_start}, +{selection.count}) exceed its {count}")
+
+    def _push_layer_by_layer(
+        self,
+        api: str,
+        core: Core,
+        cluster_id: int,
+        remote: RemoteCache,
+        local: CacheRecord,
+        src_layers: range,
+        dst_layers: range,
+        per_layer: int,
+        runs: list[UnitRun],
+    ) -> None:
+        """push_cache / push_blocks: one one-sided write of `runs` per (source layer, destination layer)."""
+        for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
+            n = per_layer
+            self._check_remote_tensors(api, remote, TensorSelection(dst_layer * n, n, False, src_layer * n))
+            core.transfer_one_sided(
+                cluster_id, remote, dst_layer * n, local, src_layer * n, n, runs, to_remote=True
+            )
 
     @staticmethod
     def _push_layers(
