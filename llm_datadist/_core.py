@@ -4,6 +4,10 @@ Rules: `Core` owns every resource of an initialised instance and releases all of
 said goodbye to, server stopped and its socket unlinked, segments unlinked). The public classes validate
 arguments and translate errors; `Core` does the work. A pull holds its link exclusively, pins its local
 destination, and copies straight from the peer's mapped segment into it: one copy, no staging.
+Everything learnt from a peer (its one-sided table, its mapped segments, checked segment names) belongs to
+the link, so to that peer's incarnation: a peer restarted at the same address is a new link with nothing
+reused. Writes into a peer's memory always pin it there first (a lease), so the owner cannot free or
+reuse that memory under the write.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import hashlib
 import itertools
 import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -39,14 +44,16 @@ from protocol.messages import (
     WriteRequest,
 )
 from shm.copyplan import BlockPlan, Run, StridedCopy, plan_tensor_copy
+from shm.errors import ShmError
 from shm.generations import read_generation
+from shm.mappings import segment_exists
 from shm.names import parse_segment_name
 from shm.pool import Pool
 from shm.reaper import reap
 from shm.segment import Segment
 
 from ._copy import Copier, address_view, vm_columns
-from ._engine import CacheRecord, CacheTable
+from ._engine import KEY_CACHE_ID, CacheRecord, CacheTable
 from ._errors import PeerGone, StatusError
 from ._runtime import (
     ensure_runtime_dir,
@@ -68,6 +75,11 @@ GrantT = TypeVar("GrantT", PullGrant, BlocksGrant, WriteGrant, Location)
 
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_MEM_UTILIZATION = 0.95
+# Per process: links we made (one per remote cluster) and two-sided communicators open at once.
+MAX_LINKS = 512
+MAX_COMMS = 512
+# A peer's one-sided table comes in pages; more pages than this is a peer describing more than it can own.
+_MAX_TABLE_PAGES = 1024
 
 
 @dataclass(frozen=True)
@@ -313,24 +325,34 @@ class Core(ServerHooks):
             oom_code = LLMStatusCode.LLM_OUT_OF_MEMORY
         self.table = CacheTable(pools, oom_code=oom_code)
         self.copier = Copier()
+        # Drawn once per instance: peers tell a restarted process at the same address from the old one.
+        self.incarnation = secrets.randbits(64) or 1
+        self._closed = False
         self._links: dict[int, ClientLink] = {}
         self._links_lock = threading.Lock()
         # Links back to peers that linked to us, used to push into their memory; keyed by cluster id.
         self._push_links: dict[int, ClientLink] = {}
         self._push_connect_lock = threading.Lock()
-        self._tables: dict[int, RemoteTable] = {}
         self.last_pull_breakdown: dict[str, float] = {}
         # Set once a two-sided link() was made: memory registered later defaults to remote_accessible=False.
         self.two_sided_links_made = False
         self._comms: dict[int, Comm] = {}
         self._next_comm_id = 1
         self._pushing: dict[int, int] = {}
+        self.pull_gate = threading.Lock()
         self.server = Server(
-            cluster_id=settings.cluster_id, role=int(self.role), table=self.table, hooks=self
+            cluster_id=settings.cluster_id,
+            role=int(self.role),
+            table=self.table,
+            hooks=self,
+            incarnation=self.incarnation,
         )
         self.public_path: Path | None = None
         try:
             ensure_runtime_dir()
+            stale = remove_stale_sockets()
+            if stale:
+                log.info("removed %d sockets left by dead processes", len(stale))
             self.callback_name = f"llmdd-{settings.cluster_id}-{os.getpid()}.sock"
             self.server.start()
             self.server.listen(socket_path_in_runtime(self.callback_name))
@@ -382,6 +404,16 @@ class Core(ServerHooks):
         with self._links_lock:
             return self._pushing.get(cluster_id, 0) > 0
 
+    def housekeeping(self) -> None:
+        """Server thread, about twice a second: unmap the segments peers have retired (a growing pool
+        unlinks a segment that fell empty), so that no freed memory stays alive through our mappings."""
+        with self._links_lock:
+            links = list(self._links.values()) + list(self._push_links.values())
+        for link in links:
+            for name in link.mappings.drop_unlinked():
+                link.owned_segments.discard(name.lstrip("/"))
+                link.owned_segments.discard(name)
+
     def peer_gone(self, peer: PeerInfo) -> None:
         self._clean_up_after(peer.pid)
         if any(other.cluster_id == peer.cluster_id for other in self.server.peers()):
@@ -394,9 +426,13 @@ class Core(ServerHooks):
     # ------------------------------------------------------------------ links
 
     def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> LLMStatusCode:
+        self.server.check_alive()
         with self._links_lock:
             if remote_cluster_id in self._links:
                 return LLMStatusCode.LLM_ALREADY_LINK
+            if len(self._links) >= MAX_LINKS:
+                log.error("link to cluster %d refused: %d links is the limit", remote_cluster_id, MAX_LINKS)
+                return LLMStatusCode.LLM_LINK_FAILED
         try:
             path = socket_path(ip, port)
             link = ClientLink.connect(
@@ -406,6 +442,7 @@ class Core(ServerHooks):
                 role=int(self.role),
                 deadline=deadline,
                 callback=self.callback_name,
+                incarnation=self.incarnation,
             )
         except StatusError as exc:
             log.error("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc.detail)
@@ -414,11 +451,19 @@ class Core(ServerHooks):
             log.error("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc)
             return LLMStatusCode.LLM_LINK_FAILED
         with self._links_lock:
-            if remote_cluster_id in self._links:
-                link.close(say_bye=True)
-                return LLMStatusCode.LLM_ALREADY_LINK
-            self._links[remote_cluster_id] = link
-        link.on_broken = self._link_broken
+            refused = (
+                LLMStatusCode.LLM_ALREADY_LINK
+                if remote_cluster_id in self._links
+                else LLMStatusCode.LLM_FAILED
+                if self._closed
+                else None
+            )
+            if refused is None:
+                self._links[remote_cluster_id] = link
+                link.on_broken = self._link_broken
+        if refused is not None:
+            link.close(say_bye=True)
+            return refused
         return LLMStatusCode.LLM_SUCCESS
 
     def unlink(self, remote_cluster_id: int, *, force: bool) -> LLMStatusCode:
@@ -437,6 +482,7 @@ class Core(ServerHooks):
         return LLMStatusCode.LLM_SUCCESS
 
     def get_link(self, remote_cluster_id: int) -> ClientLink:
+        self.server.check_alive()
         with self._links_lock:
             link = self._links.get(remote_cluster_id)
         if link is None:
@@ -580,15 +626,21 @@ class Core(ServerHooks):
     def push_link(self, remote_cluster_id: int, deadline: float) -> ClientLink:
         """The link back to `remote_cluster_id` (a peer linked to us), connected on first use."""
         # One connector at a time: two transfers must not each connect and close the other's link.
+        self.server.check_alive()
         with self._push_connect_lock:
             return self._push_link(remote_cluster_id, deadline)
 
     def _push_link(self, remote_cluster_id: int, deadline: float) -> ClientLink:
+        # The most recent connection from that cluster: after a restart, the new incarnation's.
+        peer = next((p for p in reversed(self.server.peers()) if p.cluster_id == remote_cluster_id), None)
         with self._links_lock:
             link = self._push_links.get(remote_cluster_id)
-        if link is not None and link.broken is None:
+        if (
+            link is not None
+            and link.broken is None
+            and (peer is None or link.peer.incarnation == peer.incarnation)
+        ):
             return link
-        peer = next((p for p in self.server.peers() if p.cluster_id == remote_cluster_id), None)
         if peer is None:
             raise StatusError(
                 LLMStatusCode.LLM_NOT_YET_LINK, f"cluster {remote_cluster_id} is not linked to us"
@@ -601,8 +653,9 @@ class Core(ServerHooks):
             remote_cluster_id=remote_cluster_id,
             role=int(self.role),
             deadline=deadline,
+            incarnation=self.incarnation,
         )
-        if link.peer.pid != peer.pid:
+        if link.peer.pid != peer.pid or link.peer.incarnation != peer.incarnation:
             link.close(say_bye=True)
             raise StatusError(
                 LLMStatusCode.LLM_LINK_FAILED, "the callback socket is served by another process"
@@ -650,11 +703,11 @@ class Core(ServerHooks):
             # One way: the owner releases (or, after a failure, gives the key back) in order with this
             # link's next messages; waiting for it would cost a round trip per transfer.
             if ok:
-                link.send_only(Release(grant.lease_id, True))
+                link.send_only(Release(grant.lease_id, True), deadline)
             elif link.broken is None:
                 # Best effort: the original error is the one to report.
                 with contextlib.suppress(StatusError):
-                    link.send_only(Release(grant.lease_id, False))
+                    link.send_only(Release(grant.lease_id, False), deadline)
 
     @staticmethod
     def _peer_segment(link: ClientLink, name: str, nbytes: int, *, writable: bool) -> Segment:
@@ -677,43 +730,36 @@ class Core(ServerHooks):
         return link if link is not None else self.push_link(remote_cluster_id, deadline)
 
     def remote_table(self, remote_cluster_id: int, *, refresh: bool = False) -> RemoteTable:
-        """The peer's table of remote-accessible caches, fetched on first use and cached per cluster."""
-        with self._links_lock:
-            table = None if refresh else self._tables.get(remote_cluster_id)
-        if table is not None:
-            return table
+        """The peer's table of remote-accessible caches, fetched (page by page) on first use and kept on
+        the link: a new link, to a restarted peer, starts with no table."""
         deadline = time.monotonic() + self.sync_kv_timeout_s
         link = self.link_to(remote_cluster_id, deadline)
-        with link.exclusive(deadline):
-            seq = link.next_seq()
-            reply = link.request(TableRequest(seq), seq, deadline)
-        if not isinstance(reply, Table):
-            raise PeerGone(f"expected Table, got {type(reply).__name__}")
+        table = None if refresh else link.remote_table
+        if isinstance(table, RemoteTable):
+            return table
         caches: dict[int, RemoteCache] = {}
         blocks: dict[int, int] = {}
-        for entry in reply.entries:
-            # The protocol validated every entry's shape and ranges; this only restores the types.
-            cache_id, is_blocks, model_ids, segment, segment_nbytes, bases, unit, units, slot, gen = cast(
-                tuple[int, bool, tuple[int, ...], str, int, tuple[int, ...], int, int, int, int], entry
-            )
-            caches[cache_id] = RemoteCache(
-                cache_id,
-                is_blocks,
-                reply.pid,
-                segment,
-                segment_nbytes,
-                bases,
-                unit,
-                units,
-                reply.generations,
-                slot,
-                gen,
-            )
-            for model_id in model_ids:
-                blocks[model_id] = cache_id
-        table = RemoteTable(caches, blocks)
-        with self._links_lock:
-            self._tables[remote_cluster_id] = table
+        start_cache_id = 1
+        with link.exclusive(deadline):
+            for _ in range(_MAX_TABLE_PAGES):
+                seq = link.next_seq()
+                reply = link.request(TableRequest(seq, start_cache_id), seq, deadline)
+                if not isinstance(reply, Table):
+                    raise PeerGone(f"expected Table, got {type(reply).__name__}")
+                if reply.pid != link.peer.pid:
+                    raise StatusError(
+                        LLMStatusCode.LLM_FAILED, f"peer {link.peer.pid} sent the table of pid {reply.pid}"
+                    )
+                _add_table_page(reply, caches, blocks)
+                if reply.next_cache_id == 0:
+                    break
+                if reply.next_cache_id <= start_cache_id:
+                    raise StatusError(LLMStatusCode.LLM_FAILED, "peer's table pages go backwards")
+                start_cache_id = reply.next_cache_id
+            else:
+                raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's table has over {_MAX_TABLE_PAGES} pages")
+            table = RemoteTable(caches, blocks)
+            link.remote_table = table
         return table
 
     def transfer_one_sided(
@@ -725,25 +771,19 @@ class Core(ServerHooks):
         local_tensor_start: int,
         tensor_count: int,
         runs: list[UnitRun],
-        *,
-        to_remote: bool,
     ) -> None:
-        """Copy between a peer's cache (from its table) and ours with no round trip to the peer.
+        """Read from a peer's cache (from its table) into ours with no round trip to the peer.
 
-        The cache's generation word is checked after the copy (and, for a write, before it too): if the
-        owner freed or reused the cache meanwhile, the bytes cannot be trusted (or, for a write, landed in
-        memory that is no longer that cache) and the transfer fails with LLM_KV_CACHE_NOT_EXIST instead of
-        returning stale data. A read needs no check before: callers take `remote` from a table entry they
-        just found current, and a change since then fails the check after.
+        The cache's generation word is checked after the copy: if the owner freed or reused the cache
+        meanwhile, the bytes cannot be trusted and the read fails with LLM_KV_CACHE_NOT_EXIST instead of
+        returning stale data. No check is needed before: callers take `remote` from a table entry they just
+        found current, and a change since then fails the check after. Writes never go this way (a write
+        cannot be taken back once it landed in reused memory): see `write_pinned`.
         """
         deadline = time.monotonic() + self.sync_kv_timeout_s
         link = self.link_to(remote_cluster_id, deadline)
         bases = remote.tensor_bases[remote_tensor_start : remote_tensor_start + tensor_count]
         with link.exclusive(deadline):
-            if to_remote and not self.remote_cache_current(link, remote):
-                raise StatusError(
-                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"remote cache {remote.cache_id} was freed"
-                )
             self._copy_units(
                 link,
                 remote.pid,
@@ -753,7 +793,7 @@ class Core(ServerHooks):
                 local,
                 local_tensor_start,
                 runs,
-                to_remote=to_remote,
+                to_remote=False,
             )
             if not self.remote_cache_current(link, remote):
                 raise StatusError(
@@ -762,9 +802,41 @@ class Core(ServerHooks):
                 )
 
     def remote_cache_current(self, link: ClientLink, remote: RemoteCache) -> bool:
-        """Whether the owner still holds the cache this table entry describes (its generation word)."""
-        words = self._peer_segment(link, remote.generations, (remote.gen_slot + 1) * 8, writable=False)
+        """Whether the owner still holds the cache this table entry describes (its generation word).
+
+        A generation segment that cannot be mapped any more means the owner is gone: the link is broken
+        (LLM_LINK_FAILED), never a stale answer."""
+        try:
+            words = self._peer_segment(link, remote.generations, (remote.gen_slot + 1) * 8, writable=False)
+        except ShmError as exc:
+            if not segment_exists(remote.generations) or not _process_alive(link.peer.pid):
+                link.fail(f"the peer's generation table is gone: {exc}")
+                raise PeerGone(f"cluster {link.peer.cluster_id} is gone: {exc}") from exc
+            raise
         return read_generation(words, remote.gen_slot) == remote.generation
+
+    def write_pinned(
+        self,
+        remote_cluster_id: int,
+        remote: RemoteCache,
+        remote_tensor_start: int,
+        local: CacheRecord,
+        local_tensor_start: int,
+        tensor_count: int,
+        runs: list[UnitRun],
+    ) -> None:
+        """Write `runs` of our tensors into a peer's cache found in its table, with the cache pinned by the
+        peer for the duration (one round trip): memory its owner frees or unregisters is never written."""
+        request = ResolveRequest(
+            0, KEY_CACHE_ID, remote.cache_id, 0, 0, remote_tensor_start, tensor_count, False, True, False
+        )
+
+        def plan(location: Location) -> list[UnitRun]:
+            if (location.unit_nbytes, location.num_units) != (remote.unit_nbytes, remote.num_units):
+                raise StatusError(LLMStatusCode.LLM_FAILED, "peer resolved a cache of another shape")
+            return runs
+
+        self.transfer_resolved(remote_cluster_id, request, local, local_tensor_start, plan)
 
     def remote_is_current(self, remote_cluster_id: int, remote: RemoteCache) -> bool:
         deadline = time.monotonic() + self.sync_kv_timeout_s
@@ -879,6 +951,7 @@ class Core(ServerHooks):
     def link_comm(self, comm_name: str, members: dict[int, int]) -> int:
         """Start a two-sided link: serve on this member's rendezvous socket and, in the background, connect
         to every other member's until all are linked (status OK) or the link time runs out (FAILED)."""
+        self.server.check_alive()
         own = members.get(self.settings.cluster_id)
         if own is None:
             raise StatusError(
@@ -894,9 +967,14 @@ class Core(ServerHooks):
             ) from exc
         total_s = self.settings.link_total_time_s or int(os.environ.get("HCCL_CONNECT_TIMEOUT", "120"))
         with self._links_lock:
-            comm = Comm(self._next_comm_id, comm_name, dict(members), path, time.monotonic() + total_s)
-            self._next_comm_id += 1
-            self._comms[comm.comm_id] = comm
+            full = len(self._comms) >= MAX_COMMS or self._closed
+            if not full:
+                comm = Comm(self._next_comm_id, comm_name, dict(members), path, time.monotonic() + total_s)
+                self._next_comm_id += 1
+                self._comms[comm.comm_id] = comm
+        if full:
+            self.server.unlisten(path)
+            raise StatusError(LLMStatusCode.LLM_FAILED, f"{MAX_COMMS} open link() communicators is the limit")
         self.two_sided_links_made = True
         others = {cluster: rank for cluster, rank in members.items() if cluster != self.settings.cluster_id}
         thread = threading.Thread(
@@ -927,17 +1005,27 @@ class Core(ServerHooks):
                         role=int(self.role),
                         deadline=min(comm.deadline, time.monotonic() + 5.0),
                         callback=self.callback_name,
+                        incarnation=self.incarnation,
                     )
                 except StatusError as exc:
                     log.info("link %r: rank %d not reachable yet: %s", comm.name, rank, exc.detail)
                     continue
-                link.on_broken = self._link_broken
                 with self._links_lock:
-                    if cluster_id in self._links:
-                        link.close(say_bye=True)
-                    else:
+                    # unlink_comm or close may have run while we connected: then the link is not wanted.
+                    keep = (
+                        not self._closed
+                        and not comm.stop.is_set()
+                        and self._comms.get(comm.comm_id) is comm
+                        and cluster_id not in self._links
+                    )
+                    if keep:
+                        link.on_broken = self._link_broken
                         self._links[cluster_id] = link
                         comm.clusters.add(cluster_id)
+                if not keep:
+                    link.close(say_bye=True)
+                    if comm.stop.is_set():
+                        return
                 del pending[cluster_id]
             if pending:
                 if time.monotonic() >= comm.deadline:
@@ -982,7 +1070,6 @@ class Core(ServerHooks):
         dropped = self.server.drop_cluster(remote_cluster_id)
         with self._links_lock:
             link = self._push_links.pop(remote_cluster_id, None)
-            self._tables.pop(remote_cluster_id, None)
         if link is not None:
             link.close(say_bye=True)
         return dropped or link is not None
@@ -991,6 +1078,7 @@ class Core(ServerHooks):
 
     def close(self) -> None:
         with self._links_lock:
+            self._closed = True
             for comm in self._comms.values():
                 comm.stop.set()
             links = list(self._links.values())
@@ -1058,6 +1146,29 @@ class UnitRun:
     remote_offset: int
     local_offset: int
     nbytes: int
+
+
+def _add_table_page(reply: Table, caches: dict[int, RemoteCache], blocks: dict[int, int]) -> None:
+    for entry in reply.entries:
+        # The protocol validated every entry's shape and ranges; this only restores the types.
+        cache_id, is_blocks, model_ids, segment, segment_nbytes, bases, unit, units, slot, gen = cast(
+            tuple[int, bool, tuple[int, ...], str, int, tuple[int, ...], int, int, int, int], entry
+        )
+        caches[cache_id] = RemoteCache(
+            cache_id,
+            is_blocks,
+            reply.pid,
+            segment,
+            segment_nbytes,
+            bases,
+            unit,
+            units,
+            reply.generations,
+            slot,
+            gen,
+        )
+        for model_id in model_ids:
+            blocks[model_id] = cache_id
 
 
 def _process_alive(pid: int) -> bool:

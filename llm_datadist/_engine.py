@@ -5,16 +5,19 @@ Rules: every method takes the table's lock, so the server thread and user thread
 A cache's memory returns to the pool only when nothing references it any more: not the user (external
 reference, dropped by `deallocate`), not a key, not a lease (a peer mid-copy) and not a local pin (a pull
 writing into it). Cache ids count from 1 and are never reused. Leases belong to a connection token, so a
-dead peer's leases can be dropped in one call without consuming its keys.
+dead peer's leases can be dropped in one call without consuming its keys. A lease names the records it
+pins, not their ids: whatever the owner did to a cache meanwhile (unregistered it, freed it), ending the
+lease is always well-defined. A connection holds at most `MAX_LEASES_PER_OWNER` leases at once.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 
-from shm.errors import OutOfPoolMemory
+from shm.errors import OutOfPoolMemory, ShmError
 from shm.generations import GenerationTable
 from shm.pool import Block, Pool
 from shm.segment import Segment
@@ -32,6 +35,9 @@ KeyId = tuple[int, int, int]
 
 # Each tensor starts on its own page: copies stay aligned and a tensor never shares a page with another.
 TENSOR_ALIGN_NBYTES = 4096
+# A well-behaved link holds one lease at a time (one transfer at a time per link); this bounds a peer that
+# asks for leases and never releases them.
+MAX_LEASES_PER_OWNER = 1024
 
 
 def _align_up(value: int, alignment: int) -> int:
@@ -114,7 +120,7 @@ class Lease:
     """Pins `cache_ids` until released; a pull lease may consume its key's tensors when it ends well."""
 
     lease_id: int
-    cache_ids: tuple[int, ...]
+    records: tuple[CacheRecord, ...]
     consume_key: KeyId | None
     tensor_start: int
     tensor_count: int
@@ -211,6 +217,9 @@ class CacheTable:
         # points the index at it (reference §6.4). Blocks keys are never consumed and hold no reference.
         self._blocks_keys: dict[int, int] = {}
         self._leases: dict[int, Lease] = {}
+        self._leases_by_owner: dict[int, int] = {}  # id(owner) -> leases held
+        # Signalled whenever a lease ends (unregister waits for the leases on memory its caller will reuse).
+        self._lease_ended = threading.Condition(self._lock)
 
     # ----------------------------------------------------------------- local operations (owner side)
 
@@ -244,6 +253,11 @@ class CacheTable:
                 block = pool.allocate(pitch * num_tensors)
             except OutOfPoolMemory as exc:
                 raise StatusError(self._oom_code, str(exc)) from exc
+            try:
+                gen_slot, generation = self._acquire_generation()
+            except BaseException:
+                pool.free(block)
+                raise
             record = CacheRecord(
                 cache_id=self._next_cache_id,
                 num_tensors=num_tensors,
@@ -254,6 +268,8 @@ class CacheTable:
                 is_blocks=is_blocks,
                 placement=placement,
                 remote_accessible=remote_accessible,
+                gen_slot=gen_slot,
+                generation=generation,
             )
             return self._add(record, bindings)
 
@@ -286,6 +302,7 @@ class CacheTable:
             for (_, end), (start, _) in itertools.pairwise(spans):
                 if start < end:
                     raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, "registered addresses overlap")
+            gen_slot, generation = self._acquire_generation()
             record = CacheRecord(
                 cache_id=self._next_cache_id,
                 num_tensors=num_tensors,
@@ -297,11 +314,24 @@ class CacheTable:
                 addrs=tuple(addrs),
                 placement=placement,
                 remote_accessible=remote_accessible,
+                gen_slot=gen_slot,
+                generation=generation,
             )
             return self._add(record, bindings)
 
-    def unregister(self, cache_id: int) -> bool:
-        """Forget a registered cache and its keys; False if `cache_id` is not a registered cache."""
+    def _acquire_generation(self) -> tuple[int, int]:
+        try:
+            return self._generations.acquire()
+        except ShmError as exc:
+            raise StatusError(self._oom_code, str(exc)) from exc
+
+    def unregister(self, cache_id: int, *, timeout_s: float) -> bool:
+        """Forget a registered cache and its keys; False if `cache_id` is not a registered cache.
+
+        The caller may reuse the memory as soon as this returns, so a peer's transfer that pins the cache
+        (a lease) must end first: this waits for it up to `timeout_s`, then raises StatusError(LLM_TIMEOUT)
+        and leaves the cache registered. New leases cannot start meanwhile: the keys go first.
+        """
         with self._lock:
             record = self._caches.get(cache_id)
             if record is None or not record.registered:
@@ -310,9 +340,21 @@ class CacheTable:
                 self._unbind(key)
             for model_id in [m for m, c in self._blocks_keys.items() if c == cache_id]:
                 del self._blocks_keys[model_id]
+            # Refuse new leases by id while waiting (resolve checks `external`), then wait out the old ones.
             record.external = False
-            self._caches.pop(cache_id, None)
-            self._generations.retire(record.gen_slot)
+            deadline = time.monotonic() + timeout_s
+            while record.leases > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    record.external = True
+                    raise StatusError(
+                        LLMStatusCode.LLM_TIMEOUT,
+                        f"cache {cache_id} is still pinned by a peer's transfer; its keys were removed",
+                    )
+                self._lease_ended.wait(remaining)
+            if self._caches.get(cache_id) is record:
+                del self._caches[cache_id]
+                self._generations.retire(record.gen_slot)
             return True
 
     @staticmethod
@@ -343,7 +385,6 @@ class CacheTable:
                 )
 
     def _add(self, record: CacheRecord, bindings: dict[KeyId, int]) -> CacheRecord:
-        record.gen_slot, record.generation = self._generations.acquire()
         self._next_cache_id += 1
         self._caches[record.cache_id] = record
         for key, slot in bindings.items():
@@ -517,11 +558,17 @@ class CacheTable:
         whole: bool,
         consume: bool,
         owner: object,
+        for_write: bool = False,
     ) -> LocationData:
         """Cache-manager mode: pin the cache a key names and say where its tensors are (segment offsets
-        for pool caches, addresses for registered memory). Keys on registered memory are never consumed."""
+        for pool caches, addresses for registered memory). Keys on registered memory are never consumed.
+        A write (a peer's push) only reaches a cache its user still holds."""
         with self._lock:
             record, slot, consume_key = self._find(key_kind, key_id, model_id, batch_index)
+            if for_write and not record.external:
+                raise StatusError(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {record.cache_id} was deallocated"
+                )
             self._check_tensors(record, tensor_start, tensor_count, whole)
             if record.registered:
                 consume_key = None
@@ -534,11 +581,13 @@ class CacheTable:
     def generations_name(self) -> str:
         return self._generations.name
 
-    def table(self) -> list[tuple[CacheRecord, LocationData, tuple[int, ...]]]:
-        """Remote-accessible live caches: each with its whole location and the blocks model ids naming it."""
+    def table(self, start_cache_id: int = 0) -> list[tuple[CacheRecord, LocationData, tuple[int, ...]]]:
+        """Remote-accessible live caches with ids from `start_cache_id` on, in id order: each with its whole
+        location and the blocks model ids naming it."""
         with self._lock:
             entries = []
-            for record in self._caches.values():
+            for cache_id in sorted(c for c in self._caches if c >= start_cache_id):
+                record = self._caches[cache_id]
                 if not record.external or not record.remote_accessible:
                     continue
                 model_ids = tuple(m for m, c in self._blocks_keys.items() if c == record.cache_id)
@@ -552,23 +601,20 @@ class CacheTable:
             lease = self._leases.get(lease_id)
             if lease is None or lease.owner is not owner:
                 raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"unknown lease {lease_id}")
-            del self._leases[lease_id]
-            if not ok:
-                self._restore(lease)
-            self._unlease(lease)
+            self._end_lease(lease, restore=not ok)
 
     def holds_leases(self, owner: object) -> bool:
         with self._lock:
-            return any(lease.owner is owner for lease in self._leases.values())
+            return id(owner) in self._leases_by_owner
 
     def drop_owner(self, owner: object) -> int:
         """Release every lease a (dead or departed) connection held, consuming nothing."""
         with self._lock:
+            if id(owner) not in self._leases_by_owner:
+                return 0
             dropped = [lease for lease in self._leases.values() if lease.owner is owner]
             for lease in dropped:
-                del self._leases[lease.lease_id]
-                self._restore(lease)
-                self._unlease(lease)
+                self._end_lease(lease, restore=True)
             return len(dropped)
 
     # ----------------------------------------------------------------- introspection and teardown
@@ -590,6 +636,8 @@ class CacheTable:
             self._slot_req_key.clear()
             self._blocks_keys.clear()
             self._leases.clear()
+            self._leases_by_owner.clear()
+            self._lease_ended.notify_all()
             for pool in self._pools.values():
                 pool.close()
             self._generations.close()
@@ -611,7 +659,7 @@ class CacheTable:
             return record, 0, None
         if key_kind == KEY_CACHE_ID:
             record = self._caches.get(key_id)
-            if record is None:
+            if record is None or (record.registered and not record.external):
                 raise StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key_id} does not exist")
             if batch_index >= record.batch_size:
                 raise StatusError(
@@ -635,6 +683,12 @@ class CacheTable:
         tensor_count: int,
         owner: object,
     ) -> Lease:
+        held = self._leases_by_owner.get(id(owner), 0)
+        if held >= MAX_LEASES_PER_OWNER:
+            raise StatusError(
+                LLMStatusCode.LLM_FAILED,
+                f"this link already holds {held} leases (the limit): release them before asking for more",
+            )
         consumed: frozenset[int] = frozenset()
         unbound_slot: int | None = None
         if consume_key is not None:
@@ -648,7 +702,7 @@ class CacheTable:
                     unbound_slot = key_record.slot
         lease = Lease(
             lease_id=self._next_lease_id,
-            cache_ids=tuple(record.cache_id for record in records),
+            records=records,
             consume_key=consume_key,
             tensor_start=tensor_start,
             tensor_count=tensor_count,
@@ -658,6 +712,7 @@ class CacheTable:
         )
         self._next_lease_id += 1
         self._leases[lease.lease_id] = lease
+        self._leases_by_owner[id(owner)] = held + 1
         for record in records:
             record.leases += 1
         # Unbind only now: the lease keeps the cache alive even if the key was its last reference.
@@ -671,8 +726,8 @@ class CacheTable:
         key = lease.consume_key
         if key is None or not lease.consumed:
             return
-        record = self._caches.get(lease.cache_ids[0])
-        if record is None:
+        record = lease.records[0]
+        if self._caches.get(record.cache_id) is not record:
             return
         key_record = self._keys.get(key)
         if key_record is None and lease.unbound_slot is not None:
@@ -686,11 +741,20 @@ class CacheTable:
         if key_record is not None and key_record.cache_id == record.cache_id:
             key_record.unpulled |= lease.consumed
 
-    def _unlease(self, lease: Lease) -> None:
-        for cache_id in lease.cache_ids:
-            record = self._caches[cache_id]
+    def _end_lease(self, lease: Lease, *, restore: bool) -> None:
+        del self._leases[lease.lease_id]
+        held = self._leases_by_owner[id(lease.owner)] - 1
+        if held:
+            self._leases_by_owner[id(lease.owner)] = held
+        else:
+            del self._leases_by_owner[id(lease.owner)]
+        if restore:
+            self._restore(lease)
+        for record in lease.records:
             record.leases -= 1
+            # A record the owner dropped meanwhile (unregistered) is no longer in the table: nothing to free.
             self._maybe_free(record)
+        self._lease_ended.notify_all()
 
     @staticmethod
     def _check_tensors(record: CacheRecord, tensor_start: int, tensor_count: int, whole: bool) -> None:

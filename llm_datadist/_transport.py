@@ -5,6 +5,9 @@ The server never blocks on one peer: sockets are non-blocking and output is buff
 connection that breaks the protocol is closed with a logged reason and its leases are dropped; the server
 and every other link keep working. Client waits are bounded by the caller's deadline; EOF from the peer is
 reported at once (`PeerGone`), a deadline as `TransferTimeout`, and either leaves the link broken.
+Whatever goes wrong while serving one peer drops that peer's connection only; the server thread never
+dies of it, and if it dies anyway (a bug) `Server.check_alive` says so at once instead of letting callers
+time out.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from protocol.connection import Closed, Connection, ConnRole, ConnState
 from protocol.errors import ProtocolError
 from protocol.messages import (
+    MAX_TABLE_ENTRIES,
     PROTOCOL_VERSION,
     Ack,
     Announce,
@@ -47,6 +51,7 @@ from protocol.messages import (
     WriteRequest,
 )
 from shm.mappings import MappingCache
+from shm.segment import Segment
 
 from ._engine import CacheTable
 from ._errors import PeerGone, StatusError, TransferTimeout
@@ -56,7 +61,11 @@ from .utils.log import log
 
 _RECV_NBYTES = 256 * 1024
 _HANDSHAKE_TIMEOUT_S = 10.0
-_MAX_CONNECTIONS = 512
+MAX_CONNECTIONS = 512
+# Replies a peer has not read yet; a peer that sends requests without reading the answers is dropped.
+MAX_OUTBUF_NBYTES = 16 << 20
+# A page of a Table reply stays well under the frame limit (1 MiB), whatever the caches look like.
+_TABLE_PAGE_NBYTES = 512 << 10
 _PEERCRED = struct.Struct("3i")
 
 
@@ -69,11 +78,13 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class PeerInfo:
-    """Who is at the other end of a link: its cluster id, role, pid and callback socket name ("" if none)."""
+    """Who is at the other end of a link: its cluster id, role, pid, incarnation (drawn once per
+    initialised instance, so a restart at the same address is a new peer) and callback socket ("" if none)."""
 
     cluster_id: int
     role: int
     pid: int
+    incarnation: int
     callback: str = ""
 
 
@@ -93,10 +104,15 @@ class _ServerConn:
         self.closing = False
         self.peer: PeerInfo | None = None
         self.accepted_at = time.monotonic()
+        self.handling = "its traffic"  # the message being handled, for the log when handling fails
 
 
 class ServerHooks:
     """What the server asks of its owner; the defaults serve a plain cache table."""
+
+    # Held while a pull is checked against `is_pushing_to` and granted, so that a transfer that starts
+    # pushing (under the same gate) never overlaps a pull granted in between.
+    pull_gate: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
 
     def is_pushing_to(self, cluster_id: int) -> bool:
         """True while this process pushes into `cluster_id`'s memory (a pull on that link is then busy)."""
@@ -105,15 +121,27 @@ class ServerHooks:
     def peer_gone(self, peer: PeerInfo) -> None:
         """Called on the server thread after a linked peer's connection closed."""
 
+    def housekeeping(self) -> None:
+        """Called on the server thread about twice a second (and never per message)."""
+
 
 class Server:
     """Serves this process's caches from one background thread, on any number of Unix sockets."""
 
     def __init__(
-        self, *, cluster_id: int, role: int, table: CacheTable, hooks: ServerHooks | None = None
+        self,
+        *,
+        cluster_id: int,
+        role: int,
+        table: CacheTable,
+        hooks: ServerHooks | None = None,
+        incarnation: int = 0,
     ) -> None:
         self.cluster_id = cluster_id
         self.role = role
+        self.incarnation = incarnation
+        # Why the server thread stopped serving, if it died (a bug): API calls report it at once.
+        self.failure: str | None = None
         self._table = table
         self._hooks = hooks or ServerHooks()
         self._selector = selectors.DefaultSelector()
@@ -126,7 +154,7 @@ class Server:
         self._lock = threading.Lock()
         # Selector changes requested by other threads, applied by the server thread (selectors are not
         # thread-safe).
-        self._pending: list[tuple[str, Path, socket.socket | None]] = []
+        self._pending: list[tuple[str, Path, socket.socket | None, threading.Event | None]] = []
         self._pending_drops: list[tuple[int, threading.Event]] = []
         self._next_sweep = 0.0
 
@@ -152,17 +180,39 @@ class Server:
             raise
         with self._lock:
             self._listeners[path] = listener
-            self._pending.append(("add", path, listener))
+            self._pending.append(("add", path, listener, None))
         self._wake()
 
-    def unlisten(self, path: Path) -> None:
-        """Stop serving on `path` and remove the socket file; links already made stay up."""
+    def unlisten(self, path: Path, timeout_s: float = 5.0) -> None:
+        """Stop serving on `path` and remove the socket file; links already made stay up.
+
+        Synchronous: when this returns, the listener is closed and the file is gone, so the same address
+        can be listened on again at once.
+        """
+        done = threading.Event()
         with self._lock:
             listener = self._listeners.pop(path, None)
             if listener is None:
                 return
-            self._pending.append(("remove", path, listener))
+            self._pending.append(("remove", path, listener, done))
+        if threading.current_thread() is self._thread:
+            self._apply_pending()
+            return
         self._wake()
+        if not done.wait(timeout_s) or self.failure is not None:
+            # The server thread is gone or stuck: do it here (the selector then still names a closed
+            # socket, which only the dead thread would have looked at).
+            with self._lock:
+                self._pending = [entry for entry in self._pending if entry[1] != path]
+            _close_listener(path, listener)
+
+    def check_alive(self) -> None:
+        """Raise StatusError(LLM_FAILED) if the server thread died (nothing serves this process's caches)."""
+        if self.failure is not None:
+            raise StatusError(
+                LLMStatusCode.LLM_FAILED,
+                f"the server thread of this process stopped ({self.failure}); finalize and init again",
+            )
 
     @property
     def listening(self) -> list[Path]:
@@ -203,11 +253,12 @@ class Server:
             listeners, self._listeners = self._listeners, {}
             pending, self._pending = self._pending, []
         for path, listener in list(listeners.items()) + [
-            (p, sock) for _, p, sock in pending if sock is not None
+            (p, sock) for _, p, sock, _ in pending if sock is not None
         ]:
-            listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            _close_listener(path, listener)
+        for _, _, _, done in pending:
+            if done is not None:
+                done.set()
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
@@ -219,26 +270,70 @@ class Server:
     # --------------------------------------------------------------- the loop
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            self._apply_pending()
-            try:
+        try:
+            while not self._stop.is_set():
+                self._apply_pending()
                 events = self._selector.select(timeout=1.0)
-            except OSError as exc:  # pragma: no cover - the selector itself failing is fatal for the server
-                log.error("server %d: select failed: %s", self.cluster_id, exc)
-                return
-            for key, mask in events:
-                if key.data == "wake":
-                    with contextlib.suppress(OSError):
-                        self._wake_r.recv(64)
-                elif isinstance(key.data, tuple):
-                    self._accept(key.fileobj)  # type: ignore[arg-type]
-                else:
-                    sconn: _ServerConn = key.data
-                    if mask & selectors.EVENT_READ:
-                        self._on_readable(sconn)
-                    if mask & selectors.EVENT_WRITE and sconn.sock.fileno() != -1:
-                        self._flush(sconn)
-            self._sweep_handshakes()
+                for key, mask in events:
+                    self._dispatch(key, mask)
+                self._sweep()
+        except BaseException as exc:
+            # Not one peer's fault (those are handled in _dispatch): the loop itself broke. Say so to every
+            # later API call rather than leaving peers to time out.
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.exception("server %d: the server thread stopped", self.cluster_id)
+            with self._lock:
+                pending, self._pending = self._pending, []
+            for _, path, listener, done in pending:
+                if listener is not None and done is not None:
+                    _close_listener(path, listener)
+                    done.set()
+
+    def _dispatch(self, key: selectors.SelectorKey, mask: int) -> None:
+        """Serve one ready socket. The one chokepoint: whatever a peer's traffic makes go wrong, only that
+        peer's connection is dropped, with the peer and the cause logged."""
+        if key.data == "wake":
+            with contextlib.suppress(OSError):
+                self._wake_r.recv(64)
+            return
+        if isinstance(key.data, tuple):
+            try:
+                self._accept(key.fileobj)  # type: ignore[arg-type]
+            except Exception:
+                log.exception("server %d: accepting on %s failed", self.cluster_id, key.data[1])
+            return
+        sconn: _ServerConn = key.data
+        try:
+            if mask & selectors.EVENT_READ:
+                self._on_readable(sconn)
+            if mask & selectors.EVENT_WRITE and sconn.sock.fileno() != -1:
+                self._flush(sconn)
+        except Exception as exc:
+            peer = sconn.peer
+            who = f"pid {sconn.pid}" + (f", cluster {peer.cluster_id}" if peer is not None else "")
+            log.error(
+                "server %d: dropping the connection of %s: %s while handling %s",
+                self.cluster_id,
+                who,
+                repr(exc),
+                sconn.handling,
+                exc_info=True,
+            )
+            self._drop(sconn, f"internal error while handling {sconn.handling}: {exc!r}")
+
+    def _sweep(self) -> None:
+        # At most twice a second: the limits are seconds long, and this loop runs after every event.
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + 0.5
+        for sconn in list(self._conns.values()):
+            if sconn.peer is None and now - sconn.accepted_at > _HANDSHAKE_TIMEOUT_S:
+                self._drop(sconn, "no handshake within the time limit")
+        try:
+            self._hooks.housekeeping()
+        except Exception:
+            log.exception("server %d: housekeeping failed", self.cluster_id)
 
     def _apply_pending(self) -> None:
         if not (self._pending or self._pending_drops):  # the common case, without taking the lock
@@ -252,16 +347,16 @@ class Server:
                 self._drop(sconn, "unlinked by this side")
         for _, done in drops:
             done.set()
-        for action, path, listener in pending:
+        for action, path, listener, listener_done in pending:
             assert listener is not None
             if action == "add":
                 self._selector.register(listener, selectors.EVENT_READ, ("listen", path))
             else:
                 with contextlib.suppress(KeyError, ValueError):
                     self._selector.unregister(listener)
-                listener.close()
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                _close_listener(path, listener)
+                if listener_done is not None:
+                    listener_done.set()
 
     def _accept(self, listener: socket.socket) -> None:
         while True:
@@ -273,7 +368,7 @@ class Server:
                 log.warning("server %d: accept failed: %s", self.cluster_id, exc)
                 return
             pid, uid, _ = peer_credentials(sock)
-            if len(self._conns) >= _MAX_CONNECTIONS:
+            if len(self._conns) >= MAX_CONNECTIONS:
                 log.warning(
                     "server %d: refusing pid %d, %d connections open", self.cluster_id, pid, len(self._conns)
                 )
@@ -284,16 +379,6 @@ class Server:
             with self._lock:
                 self._conns[sock.fileno()] = sconn
             self._selector.register(sock, selectors.EVENT_READ, sconn)
-
-    def _sweep_handshakes(self) -> None:
-        # At most twice a second: the limit is seconds long, and this loop runs after every event.
-        now = time.monotonic()
-        if now < self._next_sweep:
-            return
-        self._next_sweep = now + 0.5
-        for sconn in list(self._conns.values()):
-            if sconn.peer is None and now - sconn.accepted_at > _HANDSHAKE_TIMEOUT_S:
-                self._drop(sconn, "no handshake within the time limit")
 
     def _on_readable(self, sconn: _ServerConn) -> None:
         try:
@@ -312,9 +397,11 @@ class Server:
                 if isinstance(event, Closed):
                     self._drop(sconn, event.reason or "peer closed")
                     return
+                sconn.handling = type(event).__name__
                 self._handle(sconn, event)
-                if sconn.closing:
-                    break
+                sconn.handling = "its traffic"
+                if sconn.closing or sconn.sock.fileno() == -1:
+                    return
         except ProtocolError as exc:
             log.warning("server %d: closing connection from pid %d: %s", self.cluster_id, sconn.pid, exc)
             self._drop(sconn, f"protocol error: {exc}")
@@ -336,7 +423,9 @@ class Server:
             except StatusError as exc:
                 log.warning("server %d: pid %d: %s", self.cluster_id, sconn.pid, exc.detail)
             return
-        assert sconn.peer is not None  # the connection state machine admits nothing else before Welcome
+        if sconn.peer is None:
+            # The connection state machine admits nothing but Hello before Welcome; never trust it alone.
+            raise ProtocolError(f"{type(msg).__name__} before the handshake")
         seq = getattr(msg, "seq", 0)
         try:
             reply = self._answer(sconn, sconn.peer, msg)
@@ -346,10 +435,16 @@ class Server:
 
     def _answer(self, sconn: _ServerConn, peer: PeerInfo, msg: Message) -> Message:
         """The reply to one request of a linked peer; StatusError becomes an Error reply."""
-        if isinstance(msg, PullRequest | BlocksRequest) and self._hooks.is_pushing_to(peer.cluster_id):
-            raise StatusError(
-                LLMStatusCode.LLM_LINK_BUSY, "a layer-wise transfer into this cluster is running"
-            )
+        if isinstance(msg, PullRequest | BlocksRequest):
+            with self._hooks.pull_gate:
+                if self._hooks.is_pushing_to(peer.cluster_id):
+                    raise StatusError(
+                        LLMStatusCode.LLM_LINK_BUSY, "a layer-wise transfer into this cluster is running"
+                    )
+                return self._answer_pull(sconn, msg)
+        return self._answer_other(sconn, peer, msg)
+
+    def _answer_pull(self, sconn: _ServerConn, msg: PullRequest | BlocksRequest) -> Message:
         if isinstance(msg, PullRequest):
             grant = self._table.resolve(
                 key_kind=msg.key_kind,
@@ -389,6 +484,9 @@ class Server:
                 blocks.block_nbytes,
                 blocks.num_blocks,
             )
+        raise AssertionError(f"not a pull: {type(msg).__name__}")
+
+    def _answer_other(self, sconn: _ServerConn, peer: PeerInfo, msg: Message) -> Message:
         if isinstance(msg, WriteRequest):
             write = self._table.resolve_write(addrs=msg.addrs, nbytes=msg.nbytes, owner=sconn)
             return WriteGrant(
@@ -410,6 +508,7 @@ class Server:
                 whole=msg.whole,
                 consume=msg.consume and not msg.for_write,
                 owner=sconn,
+                for_write=msg.for_write,
             )
             return Location(
                 msg.seq,
@@ -423,7 +522,31 @@ class Server:
                 loc.slot,
             )
         if isinstance(msg, TableRequest):
-            entries = tuple(
+            return self._table_page(msg)
+        if isinstance(msg, PullDone):
+            self._table.release(msg.lease_id, ok=msg.ok, owner=sconn)
+            return Ack(msg.seq)
+        if isinstance(msg, Announce):
+            sconn.peer = replace(peer, callback=msg.callback)
+            return Ack(msg.seq)
+        raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"unexpected {type(msg).__name__}")
+
+    def _table_page(self, msg: TableRequest) -> Table:
+        """The page of the table that starts at cache id `msg.start_cache_id`: as many entries as fit in
+        `_TABLE_PAGE_NBYTES` and `MAX_TABLE_ENTRIES` (at least one), and where the next page starts."""
+        entries: list[tuple[object, ...]] = []
+        page_nbytes = 0
+        next_cache_id = 0
+        for record, loc, model_ids in self._table.table(start_cache_id=msg.start_cache_id):
+            # msgpack needs at most 9 bytes an integer; the fixed fields and the segment name fit in 320.
+            entry_nbytes = 320 + 9 * (len(loc.tensor_bases) + len(model_ids))
+            if entries and (
+                len(entries) == MAX_TABLE_ENTRIES or page_nbytes + entry_nbytes > _TABLE_PAGE_NBYTES
+            ):
+                next_cache_id = record.cache_id
+                break
+            page_nbytes += entry_nbytes
+            entries.append(
                 (
                     record.cache_id,
                     record.is_blocks,
@@ -436,16 +559,8 @@ class Server:
                     record.gen_slot,
                     record.generation,
                 )
-                for record, loc, model_ids in self._table.table()
             )
-            return Table(msg.seq, os.getpid(), self._table.generations_name, entries)
-        if isinstance(msg, PullDone):
-            self._table.release(msg.lease_id, ok=msg.ok, owner=sconn)
-            return Ack(msg.seq)
-        if isinstance(msg, Announce):
-            sconn.peer = replace(peer, callback=msg.callback)
-            return Ack(msg.seq)
-        raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"unexpected {type(msg).__name__}")
+        return Table(msg.seq, os.getpid(), self._table.generations_name, tuple(entries), next_cache_id)
 
     def _on_hello(self, sconn: _ServerConn, hello: Hello) -> None:
         reason = ""
@@ -464,11 +579,18 @@ class Server:
             self._flush(sconn)
             self._drop(sconn, reason)
             return
-        sconn.peer = PeerInfo(hello.cluster_id, hello.role, hello.pid)
-        self._send(sconn, Welcome(PROTOCOL_VERSION, self.cluster_id, self.role, os.getpid()))
+        sconn.peer = PeerInfo(hello.cluster_id, hello.role, hello.pid, hello.incarnation)
+        welcome = Welcome(PROTOCOL_VERSION, self.cluster_id, self.role, os.getpid(), self.incarnation)
+        self._send(sconn, welcome)
 
     def _send(self, sconn: _ServerConn, msg: Message) -> None:
+        if sconn.closing:
+            return
         sconn.outbuf += sconn.conn.send(msg)
+        if len(sconn.outbuf) > MAX_OUTBUF_NBYTES:
+            # A peer that keeps asking and never reads would grow this without bound.
+            sconn.closing = True
+            self._drop(sconn, f"more than {MAX_OUTBUF_NBYTES} bytes of replies unread")
 
     def _flush(self, sconn: _ServerConn) -> None:
         if sconn.sock.fileno() == -1:
@@ -498,18 +620,29 @@ class Server:
             self._selector.unregister(sconn.sock)
         with self._lock:
             self._conns.pop(fd, None)
-        released = self._table.drop_owner(sconn)
-        if released:
-            log.info(
-                "server %d: pid %d gone (%s), released %d leases",
-                self.cluster_id,
-                sconn.pid,
-                reason,
-                released,
-            )
+        sconn.closing = True
         sconn.sock.close()
-        if sconn.peer is not None:
-            self._hooks.peer_gone(sconn.peer)
+        # Neither may take the server down: the connection is gone whatever they raise.
+        try:
+            released = self._table.drop_owner(sconn)
+            if released:
+                log.info(
+                    "server %d: pid %d gone (%s), released %d leases",
+                    self.cluster_id,
+                    sconn.pid,
+                    reason,
+                    released,
+                )
+            if sconn.peer is not None:
+                self._hooks.peer_gone(sconn.peer)
+        except Exception:
+            log.exception("server %d: cleaning up after pid %d failed", self.cluster_id, sconn.pid)
+
+
+def _close_listener(path: Path, listener: socket.socket) -> None:
+    listener.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 # ===================================================================== client side
@@ -523,8 +656,10 @@ class ClientLink:
         self._conn = conn
         self.peer = peer
         self.path = path
-        self.mappings = MappingCache()
+        self.mappings = _LockedMappings()
         self.owned_segments: set[str] = set()  # segment names already checked to be the peer's own
+        # What was learnt from this peer incarnation (its one-sided table): it dies with the link.
+        self.remote_table: object | None = None
         self._lock = threading.Lock()
         self._seq = 0
         self.broken: str | None = None
@@ -541,6 +676,7 @@ class ClientLink:
         role: int,
         deadline: float,
         callback: str = "",
+        incarnation: int = 0,
     ) -> ClientLink:
         """Connect, handshake and announce our callback socket; raises StatusError(LLM_LINK_FAILED)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -554,7 +690,8 @@ class ClientLink:
             if uid != os.getuid():
                 raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"{path} is served by uid {uid}, not by us")
             conn = Connection(ConnRole.CLIENT)
-            sock.sendall(conn.send(Hello(PROTOCOL_VERSION, cluster_id, remote_cluster_id, role, os.getpid())))
+            hello = Hello(PROTOCOL_VERSION, cluster_id, remote_cluster_id, role, os.getpid(), incarnation)
+            sock.sendall(conn.send(hello))
             reply = _receive(sock, conn, deadline)
             if isinstance(reply, Error):
                 raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"refused by the peer: {reply.message}")
@@ -575,7 +712,7 @@ class ClientLink:
                 raise StatusError(
                     LLMStatusCode.LLM_LINK_FAILED, f"peer claims pid {reply.pid}, socket says {pid}"
                 )
-            link = cls(sock, conn, PeerInfo(reply.cluster_id, reply.role, pid), path)
+            link = cls(sock, conn, PeerInfo(reply.cluster_id, reply.role, pid, reply.incarnation), path)
             seq = link.next_seq()
             sock.sendall(conn.send(Announce(seq, callback)))
             ack = _receive(sock, conn, deadline)
@@ -611,7 +748,7 @@ class ClientLink:
     def request(self, msg: Message, seq: int, deadline: float) -> Message:
         """Send `msg` and wait for the reply carrying `seq`; an `Error` reply raises StatusError."""
         try:
-            self._sock.sendall(self._conn.send(msg))
+            _send_all(self._sock, self._conn.send(msg), deadline)
             reply = _receive(self._sock, self._conn, deadline)
         except TransferTimeout as exc:
             self._break(f"timed out: {exc.detail}")
@@ -630,10 +767,13 @@ class ClientLink:
             raise StatusError(code_2_status(reply.status_code), f"remote: {reply.message}")
         return reply
 
-    def send_only(self, msg: Message) -> None:
-        """Send a one-way message (no reply comes); a failure breaks the link."""
+    def send_only(self, msg: Message, deadline: float) -> None:
+        """Send a one-way message (no reply comes) by `deadline`; a failure breaks the link."""
         try:
-            self._sock.sendall(self._conn.send(msg))
+            _send_all(self._sock, self._conn.send(msg), deadline)
+        except TransferTimeout as exc:
+            self._break(f"timed out: {exc.detail}")
+            raise
         except (ProtocolError, OSError) as exc:
             self._break(str(exc))
             raise PeerGone(f"link to cluster {self.peer.cluster_id} failed: {exc}") from exc
@@ -646,6 +786,11 @@ class ClientLink:
         self.broken = self.broken or "closed"
         self._sock.close()
         self.mappings.clear()
+        self.remote_table = None
+
+    def fail(self, reason: str) -> None:
+        """Mark the link broken from outside its socket (the peer was found gone another way)."""
+        self._break(reason)
 
     def _break(self, reason: str) -> None:
         # The server sees EOF and drops our leases; nothing on this link can be trusted any more.
@@ -655,6 +800,30 @@ class ClientLink:
             self._sock.shutdown(socket.SHUT_RDWR)
         if first and self.on_broken is not None:
             self.on_broken(self)
+
+
+class _LockedMappings(MappingCache):
+    """A link's mappings: used by transfers and swept by the server thread (housekeeping) at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.RLock()  # drop_unlinked calls drop
+
+    def get(self, name: str, *, min_nbytes: int = 0, writable: bool = False) -> Segment:
+        with self._lock:
+            return super().get(name, min_nbytes=min_nbytes, writable=writable)
+
+    def drop(self, name: str) -> None:
+        with self._lock:
+            super().drop(name)
+
+    def drop_unlinked(self) -> list[str]:
+        with self._lock:
+            return super().drop_unlinked()
+
+    def clear(self) -> None:
+        with self._lock:
+            super().clear()
 
 
 class _Exclusive:
@@ -688,6 +857,20 @@ class _Exclusive:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self._link._lock.release()
+
+
+def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
+    """sendall bounded by `deadline` (not by whatever timeout the last receive left on the socket)."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TransferTimeout(LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT, "no time left to send to the peer")
+    sock.settimeout(remaining)
+    try:
+        sock.sendall(data)
+    except TimeoutError as exc:
+        raise TransferTimeout(
+            LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT, "the peer did not take the request in time"
+        ) from exc
 
 
 def _receive(sock: socket.socket, conn: Connection, deadline: float) -> Message:

@@ -56,7 +56,7 @@ __all__ = [
     "encode_message",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # PullRequest.key_kind: what key_id names at the owner.
 KEY_REQ = 1  # key_id is a req_id
@@ -331,7 +331,9 @@ def _register(cls: type[_M]) -> type[_M]:
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
     """Client -> server, first message. remote_cluster_id is the cluster id the client expects the server
-    to have. A different version is still delivered: checking it is the receiver's policy."""
+    to have. A different version is still delivered: checking it is the receiver's policy. `incarnation`
+    is a random number drawn once per initialised instance: a process restarted at the same address (even
+    with the same pid) is a new incarnation, and nothing learnt from the old one applies to it."""
 
     TYPE: ClassVar[int] = 1
     version: Annotated[int, U32]
@@ -339,18 +341,20 @@ class Hello(Message):
     remote_cluster_id: Annotated[int, U64]
     role: Annotated[int, _ROLE]
     pid: Annotated[int, U32]
+    incarnation: Annotated[int, U64]
 
 
 @_register
 @dataclass(frozen=True, slots=True)
 class Welcome(Message):
-    """Server -> client: handshake accepted."""
+    """Server -> client: handshake accepted; `incarnation` as in Hello, of the serving instance."""
 
     TYPE: ClassVar[int] = 2
     version: Annotated[int, U32]
     cluster_id: Annotated[int, U64]
     role: Annotated[int, _ROLE]
     pid: Annotated[int, U32]
+    incarnation: Annotated[int, U64]
 
 
 @_register
@@ -605,10 +609,12 @@ class Location(Message):
 @_register
 @dataclass(frozen=True, slots=True)
 class TableRequest(Message):
-    """Client -> server: send the table of remote-accessible caches (one-sided reads and writes)."""
+    """Client -> server: send the table of remote-accessible caches (one-sided reads), the page of
+    entries whose cache id is at least `start_cache_id` (1 for the first page)."""
 
     TYPE: ClassVar[int] = 18
     seq: Annotated[int, U32]
+    start_cache_id: Annotated[int, U64]
 
 
 @_register
@@ -618,13 +624,17 @@ class Table(Message):
     [cache_id, is_blocks, [model_id, ...], segment or "", segment_nbytes, [tensor_base, ...], unit_nbytes,
     num_units, generation_slot, generation], with the same meaning as in Location. Word `generation_slot`
     of the `generations` segment holds the entry's generation while the cache lives, and changes before
-    its memory is reused: a one-sided reader checks it around each copy."""
+    its memory is reused: a one-sided reader checks it around each copy.
+
+    A table is sent in pages ordered by cache id (ids are never reused, so pages never overlap):
+    `next_cache_id` is where the next page starts, 0 when this page is the last."""
 
     TYPE: ClassVar[int] = 19
     seq: Annotated[int, U32]
     pid: Annotated[int, U32]
     generations: Annotated[str, _SEGMENT]
     entries: Annotated[tuple[tuple[object, ...], ...], _TABLE_ENTRIES]
+    next_cache_id: Annotated[int, U64]
 
 
 @_register

@@ -183,6 +183,14 @@ def _prompt_main(
                     view[:] = pattern(seed, cache.cache_id, t, view.nbytes)
                 caches[cache.cache_id] = cache
                 result = cache.cache_id
+            elif command == "v2_alloc_many":
+                # Many one-tensor caches without keys (a large one-sided table); the last cache id.
+                count, shape = args
+                desc = CacheDesc(1, list(shape), DataType.DT_FLOAT16)
+                for _ in range(count):
+                    cache = manager.allocate_cache(desc, [])
+                    caches[cache.cache_id] = cache
+                result = cache.cache_id
             elif command == "v2_rewrite":
                 # New data in the same memory (one-sided readers must see it): pattern of cache index + 1000.
                 cache_id = args
@@ -270,6 +278,13 @@ class PromptPeer:
 
     def call(self, command: str, args: Any = None, timeout_s: float = CALL_TIMEOUT_S) -> Any:
         self._pipe.send((command, args))
+        return self._reply(timeout_s)
+
+    def call_start(self, command: str, args: Any = None) -> None:
+        """The first half of `call`, for a command that blocks in the child; `call_finish` waits for it."""
+        self._pipe.send((command, args))
+
+    def call_finish(self, timeout_s: float = CALL_TIMEOUT_S) -> Any:
         return self._reply(timeout_s)
 
     def stats(self, timeout_s: float = 10.0) -> dict[str, int]:

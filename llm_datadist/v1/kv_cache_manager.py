@@ -543,11 +543,16 @@ def start_transfer(
     for cluster_id in sorted(clusters):
         if cluster_id not in linked:
             raise make_error(api, LLMStatusCode.LLM_NOT_YET_LINK, f"cluster {cluster_id} is not linked")
-        if core.server.peer_has_leases(cluster_id):
-            raise make_error(api, LLMStatusCode.LLM_LINK_BUSY, f"cluster {cluster_id} is pulling from us")
     with api_errors(api):
         pinned = core.table.pin(record.cache_id)
-    core.start_pushing(clusters)
+    # Checked and marked under the gate the server grants pulls under: no pull slips in between.
+    with core.pull_gate:
+        busy = [cluster_id for cluster_id in sorted(clusters) if core.server.peer_has_leases(cluster_id)]
+        if not busy:
+            core.start_pushing(clusters)
+    if busy:
+        core.table.unpin(pinned)
+        raise make_error(api, LLMStatusCode.LLM_LINK_BUSY, f"cluster {busy[0]} is pulling from us")
 
     def finish() -> None:
         core.stop_pushing(clusters)

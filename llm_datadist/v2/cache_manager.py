@@ -10,6 +10,7 @@ link and then read or written with no round trip to the peer. Transfer timeouts 
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -118,6 +119,8 @@ class CacheManager:
 
     def __init__(self, core: Core) -> None:
         self._core: Core | None = core
+        # Guards the two below (user threads call in at once).
+        self._lock = threading.Lock()
         self._registered_addrs = 0
         self._prepared: dict[tuple[object, ...], _OneSidedPull] = {}
 
@@ -256,8 +259,31 @@ class CacheManager:
             )
         if any(addr == 0 for addr in addrs):
             _invalid(api, "addresses must not be 0")
-        if self._registered_addrs + len(addrs) > MAX_REGISTERED_ADDRS:
-            _invalid(api, f"at most {MAX_REGISTERED_ADDRS} addresses may be registered in all")
+        with self._lock:
+            if self._registered_addrs + len(addrs) > MAX_REGISTERED_ADDRS:
+                _invalid(api, f"at most {MAX_REGISTERED_ADDRS} addresses may be registered in all")
+            # Reserved now, given back if the registration fails.
+            self._registered_addrs += len(addrs)
+        try:
+            return self._register_reserved(
+                api, core, desc, addrs, keys, remote_accessible, is_blocks=is_blocks
+            )
+        except BaseException:
+            with self._lock:
+                self._registered_addrs -= len(addrs)
+            raise
+
+    def _register_reserved(
+        self,
+        api: str,
+        core: Core,
+        desc: CacheDesc,
+        addrs: list[int] | tuple[int, ...],
+        keys: list[KeyId | None],
+        remote_accessible: object,
+        *,
+        is_blocks: bool,
+    ) -> Cache:
         linked = core.two_sided_links_made
         if remote_accessible is None:
             remote_accessible = desc.placement == Placement.DEVICE and not linked
@@ -281,7 +307,6 @@ class CacheManager:
                 placement=int(desc.placement),
                 remote_accessible=bool(remote_accessible),
             )
-        self._registered_addrs += len(addrs)
         return self._handle(record, desc)
 
     def register_cache(
@@ -321,13 +346,23 @@ class CacheManager:
 
     def unregister_cache(self, cache_id: int) -> None:
         """Forget a registered cache by id (unknown ids are ignored); its keys then give
-        LLM_KV_CACHE_NOT_EXIST."""
+        LLM_KV_CACHE_NOT_EXIST.
+
+        The memory is the caller's again when this returns: a peer's transfer that pins it (a pull
+        resolved by key, any push) is waited for, up to `sync_kv_timeout`; past that this raises
+        LLM_TIMEOUT and the cache stays registered (without its keys). One-sided reads pin nothing: one
+        that overlaps the unregistration fails its generation check and returns no data."""
         api = "unregister_cache"
         core = self._require_core(api)
         check_int64("cache_id", cache_id)
         record = core.table.get(cache_id)
-        if record is not None and core.table.unregister(cache_id):
-            self._registered_addrs -= record.num_tensors
+        if record is None:
+            return
+        with self._timeout_errors(api):
+            unregistered = core.table.unregister(cache_id, timeout_s=core.sync_kv_timeout_s)
+        if unregistered:
+            with self._lock:
+                self._registered_addrs -= record.num_tensors
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Unbind a key of a pool cache; unknown keys and keys of registered caches are ignored."""
@@ -367,7 +402,8 @@ class CacheManager:
         caller then takes the full path, which raises whatever a changed state calls for)."""
         if key is None:
             return None
-        prepared = self._prepared.get(key)
+        with self._lock:
+            prepared = self._prepared.get(key)
         if prepared is None or prepared.core is not self._core:
             return None
         record = prepared.record
@@ -384,9 +420,10 @@ class CacheManager:
     def _remember(self, key: tuple[object, ...] | None, prepared: _OneSidedPull) -> None:
         if key is None:
             return
-        if len(self._prepared) >= _MAX_PREPARED:
-            self._prepared.clear()
-        self._prepared[key] = prepared
+        with self._lock:
+            if len(self._prepared) >= _MAX_PREPARED:
+                self._prepared.clear()
+            self._prepared[key] = prepared
 
     def _run_one_sided(self, api: str, pull: _OneSidedPull) -> None:
         """The part of a one-sided pull that depends on state: pin the local cache, find the remote one in
@@ -799,9 +836,7 @@ class CacheManager:
                 runs = [UnitRun(key.batch_index * remote.unit_nbytes, config.src_batch_index * unit, unit)]
             self._check_remote_tensors(api, remote, TensorSelection(2 * dst_layer, 2, False, 2 * layer))
             with api_errors(api, timeout_code=LLMStatusCode.LLM_TIMEOUT):
-                core.transfer_one_sided(
-                    key.cluster_id, remote, 2 * dst_layer, record, 2 * layer, 2, runs, to_remote=True
-                )
+                core.write_pinned(key.cluster_id, remote, 2 * dst_layer, record, 2 * layer, 2, runs)
 
         return LayerPush(config.dst_cluster_id, layers, push_layer)
 
@@ -979,7 +1014,6 @@ class CacheManager:
             selection.dst_start,
             selection.count,
             runs,
-            to_remote=False,
         )
 
     @staticmethod
@@ -1038,13 +1072,11 @@ class CacheManager:
         per_layer: int,
         runs: list[UnitRun],
     ) -> None:
-        """push_cache / push_blocks: one one-sided write of `runs` per (source layer, destination layer)."""
+        """push_cache / push_blocks: one pinned write of `runs` per (source layer, destination layer)."""
         for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
             n = per_layer
             self._check_remote_tensors(api, remote, TensorSelection(dst_layer * n, n, False, src_layer * n))
-            core.transfer_one_sided(
-                cluster_id, remote, dst_layer * n, local, src_layer * n, n, runs, to_remote=True
-            )
+            core.write_pinned(cluster_id, remote, dst_layer * n, local, src_layer * n, n, runs)
 
     @staticmethod
     def _push_layers(

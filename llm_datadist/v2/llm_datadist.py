@@ -61,8 +61,9 @@ class LLMDataDist:
     def init(self, options: dict[str, str]) -> None:
         """Start the instance from option strings (`LLMConfig.generate_options()` or a raw dict)."""
         global _atexit_registered
-        if self._core is not None:
-            return
+        with LLMDataDist._instance_lock:
+            if self._core is not None:
+                return
         check_isinstance("options", options, dict)
         settings = parse_options(self._role, self._cluster_id, dict(options))
         if settings.cache_manager_mode and len(settings.device_ids) > 1:
@@ -70,6 +71,8 @@ class LLMDataDist:
                 "init", LLMStatusCode.LLM_PARAM_INVALID, "cache-manager mode takes one device_id"
             )
         with LLMDataDist._instance_lock:
+            if self._core is not None:
+                return  # another thread initialised this instance meanwhile
             current = LLMDataDist.llm_engine_instance
             if current is not None and current is not self:
                 raise LLMException("Cannot init multiple LLMDataDists", status_code=LLMStatusCode.LLM_FAILED)
@@ -181,7 +184,8 @@ class LLMDataDist:
                 results.append(LLMStatusCode.LLM_LINK_FAILED)
                 continue
             ip, port = info.remote_ip_info_list[0]
-            results.append(core.link(info.remote_cluster_id, ip_int_to_str(ip), port, deadline))
+            with api_errors(api):
+                results.append(core.link(info.remote_cluster_id, ip_int_to_str(ip), port, deadline))
         return _overall(results), results
 
     def unlink_clusters(

@@ -17,8 +17,8 @@ with atheris.instrument_imports():
     from protocol.frames import encode_frame
     from protocol.messages import PROTOCOL_VERSION, Hello, Welcome
 
-_HELLO = encode_frame(Hello(PROTOCOL_VERSION, 1, 2, 2, 4242).to_wire())
-_WELCOME = encode_frame(Welcome(PROTOCOL_VERSION, 2, 1, 4343).to_wire())
+_HELLO = encode_frame(Hello(PROTOCOL_VERSION, 1, 2, 2, 4242, 1).to_wire())
+_WELCOME = encode_frame(Welcome(PROTOCOL_VERSION, 2, 1, 4343, 2).to_wire())
 
 
 def _feed(conn: Connection, chunks: list[bytes]) -> None:
@@ -48,11 +48,11 @@ def test_one_input(data: bytes) -> None:
             server = Connection(ConnRole.SERVER)
             server.receive_data(_HELLO)
             server.next_event()
-            server.send(Welcome(PROTOCOL_VERSION, 2, 1, 4343))
+            server.send(Welcome(PROTOCOL_VERSION, 2, 1, 4343, 2))
             _feed(server, chunks)
         else:  # a client after a valid handshake
             client = Connection(ConnRole.CLIENT)
-            client.send(Hello(PROTOCOL_VERSION, 1, 2, 2, 4242))
+            client.send(Hello(PROTOCOL_VERSION, 1, 2, 2, 4242, 1))
             client.receive_data(_WELCOME)
             client.next_event()
             _feed(client, chunks)

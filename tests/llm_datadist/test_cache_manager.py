@@ -474,7 +474,7 @@ def test_one_sided_readers_notice_a_freed_or_reused_cache(seed: int) -> None:
         # A transfer through the stale entry refuses instead of returning the new cache's bytes as the old's.
         pinned = core.table.get(local.cache_id)
         with pytest.raises(Exception, match="was freed"):
-            core.transfer_one_sided(P, stale, 0, pinned, 0, 2, [], to_remote=False)
+            core.transfer_one_sided(P, stale, 0, pinned, 0, 2, [])
         # Through the API the stale entry is noticed and the table fetched again: the new cache is read.
         cm.pull_blocks(BlocksCacheKey(P, 0), local, [2], [0])
         for t, array in enumerate(arrays):

@@ -79,7 +79,7 @@ def _connect(path: str) -> socket.socket:
 
 
 def _handshake(sock: socket.socket) -> None:
-    sock.sendall(encode_frame(Hello(PROTOCOL_VERSION, 66, P, 2, os.getpid()).to_wire()))
+    sock.sendall(encode_frame(Hello(PROTOCOL_VERSION, 66, P, 2, os.getpid(), 66).to_wire()))
     header = sock.recv(4, socket.MSG_WAITALL)
     (length,) = struct.unpack("!I", header)
     reply = msgpack.unpackb(sock.recv(length, socket.MSG_WAITALL))

@@ -150,7 +150,7 @@ def _hello_as(uid: int, path: str, remote_cluster_id: int, version: int | None =
             sock.connect(path)
             conn = Connection(ConnRole.CLIENT)
             hello_version = PROTOCOL_VERSION if version is None else version
-            sock.sendall(conn.send(Hello(hello_version, 5, remote_cluster_id, 2, os.getpid())))
+            sock.sendall(conn.send(Hello(hello_version, 5, remote_cluster_id, 2, os.getpid(), 1)))
             while True:
                 conn.receive_data(sock.recv(65536))
                 event = conn.next_event()

@@ -566,7 +566,7 @@ def test_a_prompt_killed_during_the_copy_leaves_the_bytes_readable(seed: int, _r
                     segment.array[offset : offset + 6666], peer.expected(cache_id, t, 6666)
                 )
             with pytest.raises(PeerGone):
-                link.send_only(Release(grant.lease_id, True))
+                link.send_only(Release(grant.lease_id, True), time.monotonic() + 5)
                 seq = link.next_seq()
                 link.request(Ping(seq), seq, time.monotonic() + 5)  # the next exchange fails at once
         finally:

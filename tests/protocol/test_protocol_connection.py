@@ -40,8 +40,8 @@ from protocol.messages import (
     WriteRequest,
 )
 
-HELLO = Hello(PROTOCOL_VERSION, 11, 22, 2, 4242)
-WELCOME = Welcome(PROTOCOL_VERSION, 22, 1, 3333)
+HELLO = Hello(PROTOCOL_VERSION, 11, 22, 2, 4242, 1)
+WELCOME = Welcome(PROTOCOL_VERSION, 22, 1, 3333, 2)
 REQUEST = PullRequest(1, KEY_REQ, 7, 0, 0, 0, 3, True, 4097, 0, True)
 GRANT = PullGrant(1, 99, "/llmdd_seg", 3 * 4097, (0, 4097, 8194), 4097)
 DONE = PullDone(1, 99, True)
@@ -138,9 +138,9 @@ def test_pipelined_messages_in_one_chunk() -> None:
 
 def test_different_version_is_delivered_not_judged() -> None:
     client, server = Connection(ConnRole.CLIENT), Connection(ConnRole.SERVER)
-    hello_v2 = Hello(PROTOCOL_VERSION + 1, 1, 2, 1, 1)
+    hello_v2 = Hello(PROTOCOL_VERSION + 1, 1, 2, 1, 1, 1)
     assert deliver(client.send(hello_v2), server) == [hello_v2]
-    welcome_v7 = Welcome(7, 2, 2, 2)
+    welcome_v7 = Welcome(7, 2, 2, 2, 2)
     assert deliver(server.send(welcome_v7), client) == [welcome_v7]
     assert state(client) is ConnState.READY
 

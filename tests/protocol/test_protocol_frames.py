@@ -31,16 +31,17 @@ def _decode_all(decoder: FrameDecoder) -> list[object]:
 
 
 def test_golden_hello() -> None:
-    hello = Hello(PROTOCOL_VERSION, 0x0102030405060708, 2**64 - 1, 2, 4242)
+    hello = Hello(PROTOCOL_VERSION, 0x0102030405060708, 2**64 - 1, 2, 4242, 7)
     expected = bytes.fromhex(
-        "00000019"  # payload length 25
-        "96"  # array of 6
+        "0000001a"  # payload length 26
+        "97"  # array of 7
         "01"  # TYPE 1 (Hello)
-        "01"  # version 1
+        "02"  # version 2
         "cf0102030405060708"  # cluster_id as uint64
         "cfffffffffffffffff"  # remote_cluster_id 2**64-1
         "02"  # role DECODER
         "cd1092"  # pid 4242 as uint16
+        "07"  # incarnation 7
     )
     assert encode_frame(hello.to_wire()) == expected
     decoder = FrameDecoder()

@@ -120,8 +120,8 @@ def write_grants(draw: st.DrawFn) -> WriteGrant:
 
 
 MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
-    Hello: st.builds(Hello, u32, u64, u64, roles, u32),
-    Welcome: st.builds(Welcome, u32, u64, roles, u32),
+    Hello: st.builds(Hello, u32, u64, u64, roles, u32, u64),
+    Welcome: st.builds(Welcome, u32, u64, roles, u32, u64),
     PullRequest: st.builds(
         PullRequest,
         u32,
@@ -162,7 +162,7 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
         st.booleans(),
     ),
     Location: locations(),
-    TableRequest: st.builds(TableRequest, u32),
+    TableRequest: st.builds(TableRequest, u32, u64),
     Release: st.builds(Release, u64, st.booleans()),
     Table: st.builds(
         Table,
@@ -170,14 +170,15 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
         u32,
         segment_names,
         st.lists(st.just(TABLE_ENTRY), max_size=3).map(tuple),  # type: ignore[arg-type]
+        u64,
     ),
 }
 any_message = st.one_of(*MESSAGES.values())
 
 # One valid instance per type, with fields at odd, non-trivial values.
 VALID: list[Message] = [
-    Hello(PROTOCOL_VERSION, 3333, 4097, 1, 4242),
-    Welcome(PROTOCOL_VERSION, 4097, 3, 1),
+    Hello(PROTOCOL_VERSION, 3333, 4097, 1, 4242, 2**64 - 1),
+    Welcome(PROTOCOL_VERSION, 4097, 3, 1, 3333),
     PullRequest(3333, KEY_CACHE_ID, 7, 0, 4097, 1, 3333, True, 4097, 3333, False),
     PullGrant(1, 2, "llmdd_0_3333.x", 3333 * 4097, tuple(range(0, 3333 * 4097, 4097)), 4097),
     PullDone(3333, U64_MAX, True),
@@ -193,9 +194,9 @@ VALID: list[Message] = [
     WriteGrant(4097, 3333, ("/a", "/b"), (3333, 4097), (1, 0, 1), (0, 3333, 4097)),
     ResolveRequest(3333, 4, 0, 4097, 1, 2, 3333, False, True, False),
     Location(1, 2, 4097, "/seg", 4097 * 3333 * 2, (0, 4097 * 3333), 4097, 3333, 3332),
-    TableRequest(4097),
+    TableRequest(4097, 1),
     Release(U64_MAX, False),
-    Table(3333, 4097, "/llmdd.0.1.2.gen", (TABLE_ENTRY, (1, False, (), "", 0, (2**47,), 3333, 1, 0, 1))),
+    Table(3333, 4097, "/llmdd.0.1.2.gen", (TABLE_ENTRY, (1, False, (), "", 0, (2**47,), 3333, 1, 0, 1)), 0),
 ]
 
 
@@ -224,7 +225,7 @@ def test_registry_is_complete() -> None:
         15,
     ]
     assert {type(msg) for msg in VALID} == set(MESSAGE_TYPES.values())
-    assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 1)
+    assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 2)
 
 
 @pytest.mark.parametrize("msg", VALID, ids=lambda m: type(m).__name__)
@@ -305,8 +306,15 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
         "remote_cluster_id": BAD_U64,
         "role": BAD_ROLE,
         "pid": BAD_U32,
+        "incarnation": BAD_U64,
     },
-    Welcome: {"version": BAD_U32, "cluster_id": BAD_U64, "role": BAD_ROLE, "pid": BAD_U32},
+    Welcome: {
+        "version": BAD_U32,
+        "cluster_id": BAD_U64,
+        "role": BAD_ROLE,
+        "pid": BAD_U32,
+        "incarnation": BAD_U64,
+    },
     PullRequest: {
         "seq": BAD_U32,
         "key_kind": BAD_KEY_KIND,
@@ -375,11 +383,12 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
         "num_units": [0, 3334, 3332, *BAD_U64],  # 3332: the slot (3332) would be out of range
         "slot": [3333, *BAD_U32],
     },
-    TableRequest: {"seq": BAD_U32},
+    TableRequest: {"seq": BAD_U32, "start_cache_id": BAD_U64},
     Release: {"lease_id": BAD_U64, "ok": BAD_BOOL},
     Table: {
         "seq": BAD_U32,
         "pid": BAD_U32,
+        "next_cache_id": BAD_U64,
         "generations": BAD_SEGMENT,
         "entries": [
             None,
@@ -481,12 +490,12 @@ _BAD_SHAPES: dict[str, object] = {
     "unknown type 11": [11, 1],
     "unknown type u64 max": [U64_MAX, 1],
     "negative type": [-1, 1],
-    "bool type": [True, 1, 2, 3, 1, 4],  # True == Hello.TYPE in Python; must not pass as one
-    "str type": ["1", 1, 2, 3, 1, 4],
-    "float type": [1.0, 1, 2, 3, 1, 4],
+    "bool type": [True, 1, 2, 3, 1, 4, 5],  # True == Hello.TYPE in Python; must not pass as one
+    "str type": ["1", 1, 2, 3, 1, 4, 5],
+    "float type": [1.0, 1, 2, 3, 1, 4, 5],
     "nested array type": [[1], 1],
-    "Hello missing a field": [1, 1, 2, 3, 1],
-    "Hello with an extra field": [1, 1, 2, 3, 1, 4, 5],
+    "Hello missing a field": [1, 1, 2, 3, 1, 4],
+    "Hello with an extra field": [1, 1, 2, 3, 1, 4, 5, 6],
     "Ack without seq": [6],
     "Bye with two reasons": [8, "a", "b"],
 }
@@ -516,10 +525,10 @@ def test_the_inline_shortcut_admits_nothing_the_full_check_refuses() -> None:
     class Role(enum.IntEnum):
         DECODER = 2
 
-    hello = Hello(1, 7, 8, Role.DECODER, 42)  # an IntEnum is an int, though not exactly one
+    hello = Hello(1, 7, 8, Role.DECODER, 42, 1)  # an IntEnum is an int, though not exactly one
     assert hello.role == 2
     with pytest.raises(MalformedFrame, match="role"):
-        Hello(1, 7, 8, True, 42)
+        Hello(1, 7, 8, True, 42, 1)
     odd = _int_in(frozenset({1, 3}), "1 or 3")
     assert odd.int_range is None  # {1, 3} is not a range: 2 must not pass inline
     assert odd.check(2) is None and odd.check(3) == 3

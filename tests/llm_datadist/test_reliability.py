@@ -1,0 +1,459 @@
+"""Long-lived processes: what an owner does to its caches while peers hold leases never stops its server,
+a peer restarted at the same address is a new peer, pullers unmap what owners retired, and every bound
+(replies unread, leases, links, table size) has a clear error. Real processes, sockets and shared memory."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llm_datadist import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    _core,
+    _engine,
+    _transport,
+)
+from llm_datadist._engine import KEY_BLOCKS, CacheTable
+from llm_datadist._errors import PeerGone, StatusError
+from llm_datadist._transport import ClientLink, Server, ServerHooks
+from llm_datadist.ext import tensor_views
+from protocol.frames import encode_frame
+from protocol.messages import PROTOCOL_VERSION, Hello, Location, Ping, Pong, Release, ResolveRequest
+from shm.pool import Pool
+from tests._peer import PROMPT_IP, PromptPeer, decoder, tensor_views_v2
+
+P, D = 1, 2
+_ports = itertools.count(24100)
+
+
+def _v2_extra(*, page_shift: int = 16, sync_kv_timeout_ms: int | None = None) -> dict[str, str]:
+    extra = {
+        "llm.EnableCacheManager": "1",
+        "llm.EnableRemoteCacheAccessible": "1",
+        "llm.MemPoolConfig": json.dumps({"memory_size": 64 << 20, "page_shift": page_shift}),
+    }
+    if sync_kv_timeout_ms is not None:
+        extra["llm.SyncKvCacheWaitTime"] = str(sync_kv_timeout_ms)
+    return extra
+
+
+class _V2:
+    """This process as a v2 instance with remote cache access and a pool; finalized on exit."""
+
+    def __init__(self) -> None:
+        self.dd = LLMDataDist(LLMRole.DECODER, D)
+        config = LLMConfig()
+        config.device_id = 0
+        config.sync_kv_timeout = 5000
+        options = dict(config.generate_options())
+        options.update(_v2_extra())
+        self.dd.init(options)
+
+    def __enter__(self) -> LLMDataDist:
+        return self.dd
+
+    def __exit__(self, *exc: object) -> None:
+        self.dd.finalize()
+
+
+def _cluster(port: int) -> LLMClusterInfo:
+    info = LLMClusterInfo()
+    info.remote_cluster_id = P
+    info.append_local_ip_info(PROMPT_IP, 0)
+    info.append_remote_ip_info(PROMPT_IP, port)
+    return info
+
+
+def _blocks(dd: LLMDataDist, num_blocks: int, block_elems: int) -> tuple[list[np.ndarray], Cache]:
+    desc = CacheDesc(2, [num_blocks, block_elems], DataType.DT_FLOAT16)
+    cache = dd.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(D, 0))
+    return [view.reshape(num_blocks, -1) for view in tensor_views_v2(cache)], cache
+
+
+def _raw_link(runtime: Path, port: int) -> ClientLink:
+    return ClientLink.connect(
+        runtime / f"{PROMPT_IP}_{port}.sock",
+        cluster_id=77,
+        remote_cluster_id=P,
+        role=2,
+        deadline=time.monotonic() + 5,
+        incarnation=77,
+    )
+
+
+def _ping(link: ClientLink) -> None:
+    seq = link.next_seq()
+    assert isinstance(link.request(Ping(seq), seq, time.monotonic() + 5), Pong)
+
+
+# ---------------------------------------------------------------------------- the owner's server survives
+
+
+def test_unregister_waits_for_a_peers_lease_and_the_server_keeps_serving(
+    seed: int, _runtime_dir: Path
+) -> None:
+    port = next(_ports)
+    with PromptPeer(P, port, seed, extra=_v2_extra(sync_kv_timeout_ms=3000)) as peer:
+        cache_id = peer.call("v2_register_blocks", (2, [8, 64], 5, True))
+        holder = _raw_link(_runtime_dir, port)
+        try:
+            seq = holder.next_seq()
+            request = ResolveRequest(seq, KEY_BLOCKS, 0, 5, 0, 0, 2, True, False, False)
+            location = holder.request(request, seq, time.monotonic() + 5)
+            assert isinstance(location, Location)
+            # The owner unregisters while we hold the lease: it waits for us (its caller reuses the memory
+            # as soon as the call returns) instead of letting our Release meet a cache it forgot.
+            peer.call_start("v2_unregister", cache_id)
+            time.sleep(0.3)
+            holder.send_only(Release(location.lease_id, True), time.monotonic() + 5)
+            assert peer.call_finish() is None
+            _ping(holder)  # the server thread is alive and serves this very connection
+            seq = holder.next_seq()
+            again = ResolveRequest(seq, KEY_BLOCKS, 0, 5, 0, 0, 2, True, False, False)
+            with pytest.raises(StatusError) as info:
+                holder.request(again, seq, time.monotonic() + 5)
+            assert info.value.code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        finally:
+            holder.close(say_bye=True)
+        assert peer.stats()["leases"] == 0
+
+
+def test_unregister_times_out_while_a_lease_is_held_and_a_dead_holder_frees_it(
+    seed: int, _runtime_dir: Path
+) -> None:
+    port = next(_ports)
+    with PromptPeer(P, port, seed, extra=_v2_extra(sync_kv_timeout_ms=300)) as peer:
+        cache_id = peer.call("v2_register_blocks", (2, [8, 64], 5, True))
+        holder = _raw_link(_runtime_dir, port)
+        seq = holder.next_seq()
+        location = holder.request(
+            ResolveRequest(seq, KEY_BLOCKS, 0, 5, 0, 0, 2, True, False, False), seq, time.monotonic() + 5
+        )
+        assert isinstance(location, Location)
+        with pytest.raises(RuntimeError, match="LLM_TIMEOUT"):
+            peer.call("v2_unregister", cache_id)
+        # The holder goes away without releasing: its connection's leases go with it, and the owner's
+        # server is unharmed by the cache having lost its keys meanwhile.
+        holder.close(say_bye=False)
+        deadline = time.monotonic() + 5
+        while peer.call("stats")["leases"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        peer.call("v2_unregister", cache_id)
+        again = _raw_link(_runtime_dir, port)
+        _ping(again)
+        again.close(say_bye=True)
+
+
+def test_a_release_for_a_deallocated_cache_and_a_dropped_connection_leave_the_server_up(
+    seed: int, _runtime_dir: Path
+) -> None:
+    port = next(_ports)
+    with PromptPeer(P, port, seed, extra=_v2_extra()) as peer:
+        for round_index in range(3):
+            cache_id = peer.call("v2_alloc", (2, [8, 64], [], 7))
+            holder = _raw_link(_runtime_dir, port)
+            seq = holder.next_seq()
+            location = holder.request(
+                ResolveRequest(seq, KEY_BLOCKS, 0, 7, 0, 0, 2, True, False, False), seq, time.monotonic() + 5
+            )
+            assert isinstance(location, Location)
+            peer.call("v2_dealloc_blocks", cache_id)  # deferred: the lease keeps the memory
+            if round_index % 2:
+                holder.send_only(Release(location.lease_id, True), time.monotonic() + 5)
+                _ping(holder)
+                holder.close(say_bye=True)
+            else:
+                holder.close(say_bye=False)  # the server drops the lease with the connection
+        stats = peer.stats()
+        assert stats["leases"] == 0 and stats["caches"] == 0 and stats["pool_used_nbytes"] == 0
+
+
+class _ExplodingHooks(ServerHooks):
+    def is_pushing_to(self, cluster_id: int) -> bool:
+        raise RuntimeError("a bug while handling one message")
+
+
+def test_an_exception_while_handling_one_message_drops_only_that_connection(tmp_path: Path) -> None:
+    table = CacheTable({1: Pool(capacity_nbytes=1 << 20)}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
+    server = Server(cluster_id=P, role=1, table=table, hooks=_ExplodingHooks(), incarnation=5)
+    path = tmp_path / "s.sock"
+    try:
+        server.start()
+        server.listen(path)
+        bystander = ClientLink.connect(
+            path, cluster_id=3, remote_cluster_id=P, role=2, deadline=time.monotonic() + 5, incarnation=3
+        )
+        victim = ClientLink.connect(
+            path, cluster_id=4, remote_cluster_id=P, role=2, deadline=time.monotonic() + 5, incarnation=4
+        )
+        assert victim.peer.incarnation == 5
+        from protocol.messages import PullRequest
+
+        seq = victim.next_seq()
+        with pytest.raises(PeerGone):
+            victim.request(PullRequest(seq, 1, 1, 0, 0, 0, 1, False, 8, 0, True), seq, time.monotonic() + 5)
+        _ping(bystander)
+        server.check_alive()
+        bystander.close(say_bye=True)
+        victim.close(say_bye=False)
+    finally:
+        server.close()
+        table.close()
+
+
+def test_api_calls_fail_at_once_if_the_server_thread_died() -> None:
+    with decoder(D) as dd:
+        core = dd._core
+        assert core is not None
+        core.server._selector.close()  # the loop's next select fails: the thread dies
+        core.server._wake()
+        deadline = time.monotonic() + 5
+        while core.server.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.server.failure is not None
+        started = time.monotonic()
+        with pytest.raises(LLMException) as info:
+            dd.link_clusters([_cluster(1)], 5000)
+        assert info.value.status_code == LLMStatusCode.LLM_FAILED
+        assert "server thread" in str(info.value)
+        assert time.monotonic() - started < 1.0
+
+
+# ---------------------------------------------------------------------------- restarts and identities
+
+
+def test_a_pull_after_the_owner_restarted_at_the_same_address_reads_the_new_owner(seed: int) -> None:
+    port = next(_ports)
+    with _V2() as dd:
+        local, cache = _blocks(dd, 8, 96)
+        with PromptPeer(P, port, seed, extra=_v2_extra()) as first:
+            cache_id = first.call("v2_alloc", (2, [8, 96], [], 0))
+            assert dd.link_clusters([_cluster(port)], 5000)[0] == LLMStatusCode.LLM_SUCCESS
+            dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), cache, [3], [1])
+            expected = first.expected(cache_id, 0, 8 * 192).reshape(8, 192)
+            np.testing.assert_array_equal(local[0][1], expected[3])
+            first.kill()
+        with PromptPeer(P, port, seed + 1, extra=_v2_extra()) as second:
+            # The same cache id and model id at the same address, with other bytes.
+            assert second.call("v2_alloc", (2, [8, 96], [], 0)) == cache_id
+            with pytest.raises(LLMException) as info:
+                dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), cache, [3], [1])
+            assert info.value.status_code in (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_NOT_YET_LINK)
+            assert dd.unlink_clusters([_cluster(port)], 5000, force=True)[0] == LLMStatusCode.LLM_SUCCESS
+            assert dd.link_clusters([_cluster(port)], 5000)[0] == LLMStatusCode.LLM_SUCCESS
+            for _round in range(2):
+                dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), cache, [3, 5], [1, 2])
+                expected = second.expected(cache_id, 1, 8 * 192).reshape(8, 192)
+                np.testing.assert_array_equal(local[1][[1, 2]], expected[[3, 5]])
+
+
+# ---------------------------------------------------------------------------- mappings follow segments
+
+
+def _mapped_shm(pid: int) -> set[str]:
+    names = set()
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            if "/dev/shm/" in line:
+                names.add(line.split("/dev/shm/")[1].split()[0])
+    return names
+
+
+def test_a_puller_unmaps_the_segments_its_owner_retired(seed: int) -> None:
+    port = next(_ports)
+    big = 70 << 20  # more than the growing pool's 64 MiB chunk: a segment of its own
+    with PromptPeer(P, port, seed) as peer, decoder(D) as dd:
+        info = peer.cluster_info()
+        assert dd.link_clusters([info], 5000)[0] == LLMStatusCode.LLM_SUCCESS
+        manager = dd.kv_cache_manager
+        desc = CacheDesc(1, [1, big // 2], DataType.DT_FLOAT16)
+        local = manager.allocate_cache(desc)
+        try:
+            cache_id = peer.alloc(1, [1, big // 2], [(P, 0)])
+            peer.alloc(1, [1, 1024], [])  # a newer segment, so the big one is not the pool's last
+            manager.pull_cache(CacheKey(P, 0), local, 0)
+            got = tensor_views(local)[0].view(np.uint8).reshape(-1)
+            np.testing.assert_array_equal(got, peer.expected(cache_id, 0, big))
+            owner_segments = {n for n in _mapped_shm(os.getpid()) if f".{peer.pid}." in n}
+            assert len(owner_segments) == 1
+            peer.call("dealloc", cache_id)  # its segment falls empty and the owner unlinks it
+            deadline = time.monotonic() + 5
+            while owner_segments & _mapped_shm(os.getpid()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not any(os.path.exists(f"/dev/shm/{name}") for name in owner_segments)
+            assert not owner_segments & _mapped_shm(os.getpid()), "the puller still maps a retired segment"
+        finally:
+            manager.deallocate_cache(local)
+
+
+# ---------------------------------------------------------------------------- bounds
+
+
+def test_a_table_of_thousands_of_caches_comes_in_pages(seed: int) -> None:
+    port = next(_ports)
+    with PromptPeer(P, port, seed, extra=_v2_extra(page_shift=12)) as peer, _V2() as dd:
+        count = 4200  # more than one Table frame may carry (4096 entries)
+        peer.call("v2_alloc_many", (count, [1, 8]))
+        cache_id = peer.call("v2_alloc", (2, [8, 96], [], 0))
+        assert cache_id == count + 1
+        local, cache = _blocks(dd, 8, 96)
+        assert dd.link_clusters([_cluster(port)], 5000)[0] == LLMStatusCode.LLM_SUCCESS
+        dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), cache, [7], [0])
+        np.testing.assert_array_equal(local[1][0], peer.expected(cache_id, 1, 8 * 192).reshape(8, 192)[7])
+
+
+def test_a_peer_that_never_reads_its_replies_is_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_transport, "MAX_OUTBUF_NBYTES", 64 << 10)
+    table = CacheTable({1: Pool(capacity_nbytes=1 << 20)}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
+    server = Server(cluster_id=P, role=1, table=table, incarnation=5)
+    path = tmp_path / "s.sock"
+    try:
+        server.start()
+        server.listen(path)
+        flood = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        flood.settimeout(5)
+        flood.connect(os.fspath(path))
+        flood.sendall(encode_frame(Hello(PROTOCOL_VERSION, 9, P, 2, os.getpid(), 9).to_wire()))
+        pings = b"".join(encode_frame(Ping(i).to_wire()) for i in range(1, 20001))
+        dropped = False
+        try:
+            for _ in range(100):  # the server answers every ping; we read none of it
+                flood.sendall(pings)
+        except (BrokenPipeError, ConnectionResetError):
+            dropped = True
+        if not dropped:
+            flood.settimeout(1)
+            with pytest.raises((ConnectionResetError, BrokenPipeError, TimeoutError)):
+                while flood.recv(1 << 20):
+                    pass
+        flood.close()
+        other = ClientLink.connect(
+            path, cluster_id=3, remote_cluster_id=P, role=2, deadline=time.monotonic() + 5, incarnation=3
+        )
+        _ping(other)
+        other.close(say_bye=True)
+        server.check_alive()
+    finally:
+        server.close()
+        table.close()
+
+
+def test_leases_per_connection_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_engine, "MAX_LEASES_PER_OWNER", 3)
+    table = CacheTable({1: Pool(capacity_nbytes=1 << 20)}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
+    try:
+        record = table.allocate(num_tensors=1, tensor_nbytes=4096, batch_size=1, keys=[], is_blocks=True)
+        table.bind_blocks_key(0, record.cache_id)
+        owner, other = object(), object()
+        grants = [
+            table.resolve_blocks(model_id=0, tensor_start=0, tensor_count=1, whole=True, owner=owner)
+            for _ in range(3)
+        ]
+        with pytest.raises(StatusError) as info:
+            table.resolve_blocks(model_id=0, tensor_start=0, tensor_count=1, whole=True, owner=owner)
+        assert info.value.code == LLMStatusCode.LLM_FAILED and "limit" in info.value.detail
+        table.resolve_blocks(model_id=0, tensor_start=0, tensor_count=1, whole=True, owner=other)
+        table.release(grants[0].lease_id, ok=True, owner=owner)
+        table.resolve_blocks(model_id=0, tensor_start=0, tensor_count=1, whole=True, owner=owner)
+        assert table.drop_owner(owner) == 3 and table.drop_owner(other) == 1
+        assert not table.holds_leases(owner)
+    finally:
+        table.close()
+
+
+def test_a_failed_generation_slot_gives_the_pool_block_back() -> None:
+    from shm.generations import GenerationTable
+
+    pool = Pool(capacity_nbytes=1 << 20)
+    table = CacheTable({1: pool}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
+    try:
+        table._generations.close()
+        table._generations = GenerationTable(capacity=1)
+        table.allocate(num_tensors=1, tensor_nbytes=4096, batch_size=1, keys=[])
+        used = pool.used_nbytes
+        with pytest.raises(StatusError) as info:
+            table.allocate(num_tensors=1, tensor_nbytes=4096, batch_size=1, keys=[])
+        assert info.value.code == LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
+        assert pool.used_nbytes == used
+    finally:
+        table.close()
+
+
+def test_links_per_process_are_bounded(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_core, "MAX_LINKS", 0)
+    with PromptPeer(P, next(_ports), seed) as peer, decoder(D) as dd:
+        assert dd.link_clusters([peer.cluster_info()], 5000)[1] == [LLMStatusCode.LLM_LINK_FAILED]
+
+
+# ---------------------------------------------------------------------------- sockets and listening
+
+
+def test_init_removes_sockets_of_dead_processes(_runtime_dir: Path) -> None:
+    _runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    stale = _runtime_dir / "127.0.0.1_24999.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(os.fspath(stale))
+    sock.close()  # bound, never unlinked: what a SIGKILLed listener leaves
+    assert stale.exists()
+    with decoder(D):
+        assert not stale.exists()
+
+
+def test_switching_role_back_and_forth_on_the_same_address_never_finds_it_taken() -> None:
+    config = LLMConfig()
+    config.device_id = 0
+    config.enable_switch_role = True
+    options = dict(config.generate_options())
+    dd = LLMDataDist(LLMRole.DECODER, D)
+    dd.init(options)
+    address = {"llm.listenIpInfo": f"{PROMPT_IP}:{next(_ports)}"}
+    try:
+        for _ in range(30):
+            dd.switch_role(LLMRole.PROMPT, address)
+            dd.switch_role(LLMRole.DECODER)
+    finally:
+        dd.finalize()
+
+
+def test_many_threads_initialising_one_instance_make_one_core() -> None:
+    config = LLMConfig()
+    config.device_id = 0
+    dd = LLMDataDist(LLMRole.DECODER, D)
+    errors: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            dd.init(dict(config.generate_options()))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=init) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    try:
+        assert not errors
+        assert dd._core is not None
+    finally:
+        dd.finalize()
