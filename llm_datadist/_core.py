@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import json
 import os
+import platform
 import secrets
 import threading
 import time
@@ -725,6 +726,7 @@ class Core(ServerHooks):
     def link_to(self, remote_cluster_id: int, deadline: float) -> ClientLink:
         """A link to `remote_cluster_id`: ours if we linked to it, else the link back to its callback socket
         when it linked to us (in v2 either side may pull and push)."""
+        self.server.check_alive()
         with self._links_lock:
             link = self._links.get(remote_cluster_id)
         return link if link is not None else self.push_link(remote_cluster_id, deadline)
@@ -813,6 +815,7 @@ class Core(ServerHooks):
                 link.fail(f"the peer's generation table is gone: {exc}")
                 raise PeerGone(f"cluster {link.peer.cluster_id} is gone: {exc}") from exc
             raise
+        _order_loads()
         return read_generation(words, remote.gen_slot) == remote.generation
 
     def write_pinned(
@@ -1146,6 +1149,23 @@ class UnitRun:
     remote_offset: int
     local_offset: int
     nbytes: int
+
+
+# x86-64 never reorders a load with an earlier load, so the copy's loads are done before the generation
+# word is read. Weakly ordered CPUs (aarch64) may read the word first: there a lock's release followed by
+# an acquire sits between them (a store-release is never reordered with a later load-acquire, and neither
+# with the loads on its side), which is the barrier CPython can place without compiled code.
+_STRONGLY_ORDERED = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
+_FENCE = threading.Lock()
+
+
+def _order_loads() -> None:
+    if _STRONGLY_ORDERED:
+        return
+    with _FENCE:
+        pass
+    with _FENCE:
+        pass
 
 
 def _add_table_page(reply: Table, caches: dict[int, RemoteCache], blocks: dict[int, int]) -> None:

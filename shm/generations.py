@@ -7,9 +7,12 @@ Layout of the owner's generation segment (created by `GenerationTable`, mapped r
 
 Slot i holds the generation of the live cache assigned to it, or 0 while free. The owner writes a cache's
 word when it is created and zeroes it *before* its memory goes back to the pool, so a reader that sees the
-same non-zero generation before and after its copy read a cache that lived throughout (x86's in-order
-stores and loads make the word's store visible no later than the new owner's data). Not thread-safe: the
-owner's cache table serialises calls. The owner creates, closes and unlinks the segment.
+cache's generation after its copy read a cache that lived throughout. Ordering: on the owner's side the
+zeroing store precedes, in program order, the lock release through which the memory is handed out again
+(a release orders earlier stores on every CPU); on the reader's side the copy's loads must complete before
+the word is read, which x86-64 guarantees and weakly ordered CPUs (aarch64) need a barrier for: the reader
+places one (see `llm_datadist._core`). Not thread-safe: the owner's cache table serialises calls. The
+owner creates, closes and unlinks the segment.
 """
 
 from __future__ import annotations
