@@ -13,10 +13,13 @@ import os
 import socket
 import stat
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ENV_RUNTIME_DIR = "LLM_DATADIST_RUNTIME_DIR"
+# A listener is bound under a hidden name starting so and linked to its real name once it listens.
+TEMP_SOCKET_PREFIX = ".bind-"
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 _MAX_SOCKET_PATH_NBYTES = 107
 
@@ -127,6 +130,8 @@ def list_sockets() -> list[SocketInfo]:
         return []
     found = []
     for path in sorted(directory.glob("*.sock")):
+        if path.name.startswith("."):
+            continue  # a listener being set up (see TEMP_SOCKET_PREFIX)
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.settimeout(1.0)
@@ -148,4 +153,12 @@ def remove_stale_sockets() -> list[Path]:
             with contextlib.suppress(FileNotFoundError, FileExistsError, OSError):
                 remove_stale_socket(info.path)
                 removed.append(info.path)
+    # A temporary name lives for microseconds; one a minute old was left by a process that died then.
+    directory = runtime_dir()
+    if directory.is_dir():
+        for path in directory.glob(f"{TEMP_SOCKET_PREFIX}*.sock"):
+            with contextlib.suppress(OSError):
+                if time.time() - os.lstat(path).st_mtime > 60:
+                    os.unlink(path)
+                    removed.append(path)
     return removed

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import selectors
 import socket
 import struct
@@ -55,7 +56,7 @@ from shm.segment import Segment
 
 from ._engine import CacheTable
 from ._errors import PeerGone, StatusError, TransferTimeout
-from ._runtime import remove_stale_socket
+from ._runtime import TEMP_SOCKET_PREFIX, remove_stale_socket
 from .status import LLMStatusCode, code_2_status
 from .utils.log import log
 
@@ -166,15 +167,29 @@ class Server:
         self._thread.start()
 
     def listen(self, path: Path) -> None:
-        """Serve on `path` too (created mode 0600). FileExistsError if a live process serves there."""
+        """Serve on `path` too (created mode 0600). FileExistsError if a live process serves there.
+
+        The socket is bound under a hidden temporary name and linked to `path` only once it listens: a
+        name that exists is always served, so another process probing for stale sockets (a bound socket
+        that refuses connections looks exactly like a dead one) never removes a live one.
+        """
         remove_stale_socket(path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        temporary = path.with_name(f"{TEMP_SOCKET_PREFIX}{secrets.token_hex(4)}.sock")
         try:
-            listener.bind(os.fspath(path))
-            # Before listen(): nobody can connect until the socket is private.
-            os.chmod(path, 0o600)
-            listener.listen(128)
-            listener.setblocking(False)
+            listener.bind(os.fspath(temporary))
+            try:
+                # Before listen(): nobody can connect until the socket is private.
+                os.chmod(temporary, 0o600)
+                listener.listen(128)
+                listener.setblocking(False)
+                os.link(temporary, path)  # EEXIST if a live process took the name meanwhile
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temporary)
+        except FileExistsError as exc:
+            listener.close()
+            raise FileExistsError(f"another process is already listening on {path}") from exc
         except OSError:
             listener.close()
             raise
