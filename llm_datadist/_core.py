@@ -975,6 +975,11 @@ class Core(ServerHooks):
                 comm = Comm(self._next_comm_id, comm_name, dict(members), path, time.monotonic() + total_s)
                 self._next_comm_id += 1
                 self._comms[comm.comm_id] = comm
+        if not full:
+            # Members that connected before the comm was recorded (the hook only sees later ones).
+            connected = {peer.cluster_id for peer in self.server.peers()}
+            with self._links_lock:
+                comm.incoming |= connected & set(members)
         if full:
             self.server.unlisten(path)
             raise StatusError(LLMStatusCode.LLM_FAILED, f"{MAX_COMMS} open link() communicators is the limit")
@@ -989,9 +994,19 @@ class Core(ServerHooks):
         thread.start()
         return comm.comm_id
 
+    def peer_linked(self, peer: PeerInfo) -> None:
+        """Server thread: a peer completed its handshake; two-sided links count it as linked to us."""
+        with self._links_lock:
+            for comm in self._comms.values():
+                if peer.cluster_id in comm.members:
+                    comm.incoming.add(peer.cluster_id)
+
     def _connect_comm(self, comm: Comm, others: dict[int, int], digest: str) -> None:
+        """Connect to every other member; the link is OK once that is done and every other member has
+        connected to us too, as the real link is a collective that completes for all members at once
+        (so no member sees OK, pulls and unlinks while another is still coming up)."""
         pending = dict(others)
-        while pending and not comm.stop.is_set():
+        while not comm.stop.is_set():
             for cluster_id, rank in list(pending.items()):
                 with self._links_lock:
                     if cluster_id in self._links:
@@ -1030,14 +1045,16 @@ class Core(ServerHooks):
                     if comm.stop.is_set():
                         return
                 del pending[cluster_id]
-            if pending:
-                if time.monotonic() >= comm.deadline:
-                    comm.status = COMM_FAILED
-                    log.error("link %r: members %s never came up", comm.name, sorted(pending))
-                    return
-                comm.stop.wait(0.02)
-        if not pending:
-            comm.status = COMM_OK
+            with self._links_lock:
+                missing = sorted(set(pending) | (set(others) - comm.incoming))
+            if not missing:
+                comm.status = COMM_OK
+                return
+            if time.monotonic() >= comm.deadline:
+                comm.status = COMM_FAILED
+                log.error("link %r: members %s never came up", comm.name, missing)
+                return
+            comm.stop.wait(0.02)
 
     def comm_status(self, comm_id: int) -> int:
         with self._links_lock:
@@ -1138,6 +1155,8 @@ class Comm:
     deadline: float
     status: int = COMM_PREPARING
     clusters: set[int] = field(default_factory=set)
+    # Members that have connected to us (any socket) since the comm began.
+    incoming: set[int] = field(default_factory=set)
     stop: threading.Event = field(default_factory=threading.Event)
 
 

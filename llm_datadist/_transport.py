@@ -125,6 +125,9 @@ class ServerHooks:
     def housekeeping(self) -> None:
         """Called on the server thread about twice a second (and never per message)."""
 
+    def peer_linked(self, peer: PeerInfo) -> None:
+        """Called on the server thread when a peer completed its handshake."""
+
 
 class Server:
     """Serves this process's caches from one background thread, on any number of Unix sockets."""
@@ -597,6 +600,7 @@ class Server:
         sconn.peer = PeerInfo(hello.cluster_id, hello.role, hello.pid, hello.incarnation)
         welcome = Welcome(PROTOCOL_VERSION, self.cluster_id, self.role, os.getpid(), self.incarnation)
         self._send(sconn, welcome)
+        self._hooks.peer_linked(sconn.peer)
 
     def _send(self, sconn: _ServerConn, msg: Message) -> None:
         if sconn.closing:

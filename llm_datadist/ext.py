@@ -1,4 +1,5 @@
-"""Extensions outside the real API (not in `__all__`): numpy views of a cache's tensors.
+"""Extensions outside the real API (not in `__all__`): numpy views of a cache's tensors and a rank table for
+links on one host.
 
 Rules: a view aliases the cache's shared memory; it is valid until the cache is freed (after that the
 memory may be handed to another cache). bf16 tensors come back as `ml_dtypes.bfloat16` when ml_dtypes is
@@ -31,3 +32,26 @@ def tensor_views(cache: KvCache) -> list[np.ndarray]:
         raw = segment.array[start : start + record.tensor_nbytes]
         views.append(raw.view(dtype).reshape(tuple(desc.shape)))
     return views
+
+
+def local_rank_table(cluster_rank_info: dict[int, int]) -> str:
+    """A rank table (JSON text) for `LLMDataDist.link(comm_name, cluster_rank_info, rank_table)` between
+    processes of this host.
+
+    `cluster_rank_info` maps each member's cluster id to its rank, as `link` takes it. The result is an
+    HCCL rank table of version "1.0" with one server, `"127.0.0.1"`, and one device per rank from 0 to the
+    highest rank (`device_id` = `rank_id` = the rank, as strings; no `device_ip`, which one host does not
+    need)::
+
+        {"version": "1.0", "server_count": "1", "status": "completed",
+         "server_list": [{"server_id": "127.0.0.1",
+                          "device": [{"device_id": "0", "rank_id": "0"},
+                                     {"device_id": "1", "rank_id": "1"}]}]}
+
+    On Ascend the same argument is the cluster's real rank table (server ips, device ips); both are parsed
+    and validated the same way here. TypeError / ValueError for a dict that is not cluster id -> rank, is
+    empty, or has a rank of 4096 or more.
+    """
+    from ._rank_table import default_rank_table
+
+    return default_rank_table(cluster_rank_info)
