@@ -218,7 +218,7 @@ def _decoder(pipe: Connection, peer: Connection, shape: Shape, port: int, timeou
     from llm_datadist.ext import tensor_views
 
     datadist = LLMDataDist(LLMRole.DECODER, DECODER_CLUSTER)
-    rows: list[dict[str, Any]] = []
+    rows = _Rows(pipe)
     mismatches = 0
     try:
         datadist.init(_options(None, timeout_ms))
@@ -386,20 +386,41 @@ def _decoder(pipe: Connection, peer: Connection, shape: Shape, port: int, timeou
         manager.deallocate_cache(paged)
 
         datadist.unlink_clusters([info])
-        pipe.send(("done", {"rows": rows, "mismatches": mismatches}))
+        pipe.send(("done", {"rows": list(rows), "mismatches": mismatches}))
     except Exception:
         pipe.send(("error", traceback.format_exc()))
     finally:
         datadist.finalize()
 
 
+class _Rows(list[dict[str, Any]]):
+    """The Decoder's result rows; each is also sent to the parent as it is added, which prints it as a
+    line of progress (a full-sized run takes a while)."""
+
+    def __init__(self, pipe: Connection) -> None:
+        super().__init__()
+        self._pipe = pipe
+
+    def append(self, row: dict[str, Any]) -> None:
+        super().append(row)
+        self._pipe.send(("progress", row))
+
+
 def _wait(pipe: Connection, what: str, timeout_s: float) -> Any:
-    if not pipe.poll(timeout_s):
-        raise TimeoutError(f"{what} did not answer within {timeout_s:.0f} s")
-    status, value = pipe.recv()
-    if status == "error":
-        raise RuntimeError(f"{what} failed:\n{value}")
-    return value
+    """The next result from a child, printing its progress rows as they come; every wait is bounded."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not pipe.poll(max(deadline - time.monotonic(), 0)):
+            raise TimeoutError(f"{what} did not answer within {timeout_s:.0f} s")
+        status, value = pipe.recv()
+        if status == "progress":
+            seconds = value.get("seconds")
+            took = f" in {seconds * 1e3:.1f} ms" if seconds is not None else ""
+            print(f"  done: {value['name']}, {_format_nbytes(value['nbytes'])}{took}", flush=True)
+            continue
+        if status == "error":
+            raise RuntimeError(f"{what} failed:\n{value}")
+        return value
 
 
 def _format_nbytes(nbytes: int) -> str:
@@ -423,6 +444,13 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
             file=out,
         )
 
+
+RATIO_NOTE = """
+x memcpy(2T): each row's rate divided by the 2-thread numpy.copyto row of this same run, which moves the
+same bytes between two private buffers. Near 1 means the pull costs about what copying the bytes costs.
+Absolute GB/s vary from run to run (often by 30% or more on a shared or virtual machine: other load,
+frequency scaling, where the pages landed), so compare rows of one run; the ratios move much less.
+A full run with NIXL and Mooncake beside us: `llm-datadist bench` (figures in bench/README.md)."""
 
 COMM_NAME = "pd_comm_demo"
 V2_MEMBERS = {PROMPT_CLUSTER: 0, DECODER_CLUSTER: 1}
@@ -492,7 +520,7 @@ def _decoder_v2(pipe: Connection, peer: Connection, shape: Shape, port: int, tim
     from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole
 
     datadist = LLMDataDist(LLMRole.DECODER, DECODER_CLUSTER)
-    rows: list[dict[str, Any]] = []
+    rows = _Rows(pipe)
     mismatches = 0
     try:
         datadist.init(_v2_options(timeout_ms))
@@ -523,7 +551,7 @@ def _decoder_v2(pipe: Connection, peer: Connection, shape: Shape, port: int, tim
                 mismatches += int(np.count_nonzero(blocks[untouched]))
         datadist.unlink(comm_id)
         manager.unregister_cache(cache.cache_id)
-        pipe.send(("done", {"rows": rows, "mismatches": mismatches}))
+        pipe.send(("done", {"rows": list(rows), "mismatches": mismatches}))
     except Exception:
         pipe.send(("error", traceback.format_exc()))
     finally:
@@ -551,6 +579,7 @@ def _run_pair(
         if together:
             decoder.start()
         _wait(prompt_pipe, "prompt", 600)
+        print("  done: Prompt ready", flush=True)
         if not together:
             decoder.start()
         result = _wait(decoder_pipe, "decoder", 1800)
@@ -582,13 +611,17 @@ def run(args: argparse.Namespace) -> int:
         f"KV cache: {shape.layers} layers x (K, V), {shape.tokens} tokens, {shape.kv_heads} KV heads x "
         f"{shape.head_dim}, fp16: {_format_nbytes(total)} per request, {os.cpu_count()} CPUs"
     )
+    print("v1 (kv_cache_manager): starting a Prompt that allocates, prefaults and fills the requests...")
     v1 = _run_pair(_prompt, _decoder, shape, port, args.timeout_ms, together=False)
     # Cache-manager mode, shaped like vllm-ascend's connector: both sides register memory they own,
     # link two-sided, and the Decoder pulls a block table.
+    print("v2 (cache_manager): both sides register numpy memory and link two-sided...")
     v2 = _run_pair(_prompt_v2, _decoder_v2, shape, port, args.timeout_ms, together=True)
     if v1 is None or v2 is None:
         return 1
+    print()
     print_table(v1["rows"] + v2["rows"])
+    print(RATIO_NOTE)
     mismatches = v1["mismatches"] + v2["mismatches"]
     if mismatches:
         print(f"FAILED: {mismatches} bytes differ", file=sys.stderr)
