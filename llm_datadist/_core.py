@@ -64,7 +64,7 @@ from ._runtime import (
     socket_path_in_runtime,
 )
 from ._transport import ClientLink, PeerInfo, Server, ServerHooks
-from ._vm import FEW_RUNS, VmError, VmNotPermitted, VmRun, read_from, write_to
+from ._vm import FEW_RUNS, VmError, VmNotPermitted, VmProcessGone, VmRun, read_from, write_to
 from .configs import LLMRole
 from .status import LLMStatusCode, make_error
 from .utils.log import log
@@ -797,6 +797,7 @@ class Core(ServerHooks):
                 runs,
                 to_remote=False,
             )
+            link.check_peer_alive()
             if not self.remote_cache_current(link, remote):
                 raise StatusError(
                     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
@@ -925,6 +926,11 @@ class Core(ServerHooks):
                     LLMStatusCode.LLM_FAILED, f"cross-memory attach to pid {pid} refused: {exc}"
                 ) from exc
             except VmError as exc:
+                if isinstance(exc, VmProcessGone) or not _process_alive(pid):
+                    # The peer died (or is exiting, its memory already unmapped): a link failure, noticed
+                    # here before the socket said so.
+                    link.fail(f"process {pid} is gone")
+                    raise PeerGone(f"cluster {link.peer.cluster_id} (pid {pid}) is gone: {exc}") from exc
                 raise StatusError(
                     LLMStatusCode.LLM_PARAM_INVALID, f"cross-memory copy with pid {pid} failed: {exc}"
                 ) from exc

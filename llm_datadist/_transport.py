@@ -807,6 +807,24 @@ class ClientLink:
         self.mappings.clear()
         self.remote_table = None
 
+    def check_peer_alive(self) -> None:
+        """PeerGone if the peer's end of the socket is closed (it exited or died), without waiting: one
+        non-blocking peek. A transfer that never talks to the peer (a one-sided read) asks this, so that
+        it never returns what a dead process left in memory that is still mapped here."""
+        try:
+            # Non-blocking for the peek (a socket with a timeout would wait for data first); every send and
+            # receive sets its own deadline again.
+            self._sock.setblocking(False)
+            data = self._sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return  # open, nothing to read: alive
+        except OSError as exc:
+            self._break(f"connection failed: {exc}")
+            raise PeerGone(f"link to cluster {self.peer.cluster_id} failed: {exc}") from exc
+        if not data:
+            self._break("peer closed the connection")
+            raise PeerGone(f"cluster {self.peer.cluster_id} closed the link (the process ended)")
+
     def fail(self, reason: str) -> None:
         """Mark the link broken from outside its socket (the peer was found gone another way)."""
         self._break(reason)

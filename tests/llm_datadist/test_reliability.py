@@ -457,3 +457,25 @@ def test_many_threads_initialising_one_instance_make_one_core() -> None:
         assert dd._core is not None
     finally:
         dd.finalize()
+
+
+@pytest.mark.parametrize("memory", ["registered", "pool"])
+def test_a_one_sided_pull_from_a_killed_owner_is_a_link_failure(seed: int, memory: str) -> None:
+    port = next(_ports)
+    with _V2() as dd, PromptPeer(P, port, seed, extra=_v2_extra()) as peer:
+        if memory == "registered":
+            cache_id = peer.call("v2_register_blocks", (2, [8, 96], 0, True))
+        else:
+            cache_id = peer.call("v2_alloc", (2, [8, 96], [], 0))
+        local, cache = _blocks(dd, 8, 96)
+        assert dd.link_clusters([_cluster(port)], 5000)[0] == LLMStatusCode.LLM_SUCCESS
+        dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), cache, [2], [2])
+        np.testing.assert_array_equal(local[0][2], peer.expected(cache_id, 0, 8 * 192).reshape(8, 192)[2])
+        peer.kill()
+        for _attempt in range(2):  # the first notices, the second finds the link broken
+            with pytest.raises(LLMException) as info:
+                dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), cache, [2], [2])
+            assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED, info.value
+    from shm.reaper import reap
+
+    reap()
