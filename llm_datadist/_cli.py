@@ -1,4 +1,4 @@
-"""The `llm-datadist` command: `demo`, `bench`, `gc` (remove what dead processes left), `ls`.
+"""The `llm-datadist` command: `demo`, `bench`, `soak`, `gc` (remove what dead processes left), `ls`.
 
 Rules: every subcommand exits 0 on success and non-zero with a message on stderr otherwise.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import _bench, _demo
+from . import _bench, _demo, _soak
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="measure transfers against memcpy and the alternatives")
     _bench.add_arguments(bench)
     bench.set_defaults(func=_bench.run)
+    soak = sub.add_parser(
+        "soak",
+        help="owners restart, pools grow and shrink, pullers verify every byte; figures must stay flat",
+    )
+    _soak.add_arguments(soak)
+    soak.set_defaults(func=_soak.run)
     sub.add_parser("gc", help="unlink shared memory and sockets left by dead processes").set_defaults(
         func=_gc
     )

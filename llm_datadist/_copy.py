@@ -82,6 +82,20 @@ def _default_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def _started_pool(workers: int) -> ThreadPoolExecutor:
+    """A pool whose `workers` threads all exist when this returns (ThreadPoolExecutor starts them one per
+    submit, and only while none is idle: tasks that wait for each other make it start every one)."""
+    executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llmdd-copy")
+    barrier = threading.Barrier(workers)
+
+    def meet() -> None:
+        barrier.wait(timeout=10.0)
+
+    for future in [executor.submit(meet) for _ in range(workers)]:
+        future.result(timeout=15.0)
+    return executor
+
+
 class Copier:
     """Runs copy plans; one instance per process, shared by every pull."""
 
@@ -224,10 +238,14 @@ class Copier:
     def _get_executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=self.threads - 1, thread_name_prefix="llmdd-copy"
-                )
+                self._executor = _started_pool(self.threads - 1)
             return self._executor
+
+    def start(self) -> None:
+        """Start the copy threads now rather than at the first large copy, so that a process's thread
+        count is the same from `init` on (a long-lived process stays flat on every figure)."""
+        if self.threads > 1:
+            self._get_executor()
 
     def close(self) -> None:
         with self._lock:

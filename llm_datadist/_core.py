@@ -64,7 +64,16 @@ from ._runtime import (
     socket_path_in_runtime,
 )
 from ._transport import ClientLink, PeerInfo, Server, ServerHooks
-from ._vm import FEW_RUNS, VmError, VmNotPermitted, VmProcessGone, VmRun, read_from, write_to
+from ._vm import (
+    FEW_RUNS,
+    VmBadAddress,
+    VmError,
+    VmNotPermitted,
+    VmProcessGone,
+    VmRun,
+    read_from,
+    write_to,
+)
 from .configs import LLMRole
 from .status import LLMStatusCode, make_error
 from .utils.log import log
@@ -326,6 +335,7 @@ class Core(ServerHooks):
             oom_code = LLMStatusCode.LLM_OUT_OF_MEMORY
         self.table = CacheTable(pools, oom_code=oom_code)
         self.copier = Copier()
+        self.copier.start()
         # Drawn once per instance: peers tell a restarted process at the same address from the old one.
         self.incarnation = secrets.randbits(64) or 1
         self._closed = False
@@ -786,17 +796,27 @@ class Core(ServerHooks):
         link = self.link_to(remote_cluster_id, deadline)
         bases = remote.tensor_bases[remote_tensor_start : remote_tensor_start + tensor_count]
         with link.exclusive(deadline):
-            self._copy_units(
-                link,
-                remote.pid,
-                remote.segment,
-                remote.segment_nbytes,
-                bases,
-                local,
-                local_tensor_start,
-                runs,
-                to_remote=False,
-            )
+            try:
+                self._copy_units(
+                    link,
+                    remote.pid,
+                    remote.segment,
+                    remote.segment_nbytes,
+                    bases,
+                    local,
+                    local_tensor_start,
+                    runs,
+                    to_remote=False,
+                )
+            except RangeUnmapped as exc:
+                # The owner unregistered and freed that memory during the read (nothing pins it): the
+                # generation check tells that from a bad local range.
+                if not self.remote_cache_current(link, remote):
+                    raise StatusError(
+                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                        f"remote cache {remote.cache_id} was unregistered during the transfer",
+                    ) from exc
+                raise
             link.check_peer_alive()
             if not self.remote_cache_current(link, remote):
                 raise StatusError(
@@ -924,6 +944,13 @@ class Core(ServerHooks):
             except VmNotPermitted as exc:
                 raise StatusError(
                     LLMStatusCode.LLM_FAILED, f"cross-memory attach to pid {pid} refused: {exc}"
+                ) from exc
+            except VmBadAddress as exc:
+                if not _process_alive(pid):
+                    link.fail(f"process {pid} is gone")
+                    raise PeerGone(f"cluster {link.peer.cluster_id} (pid {pid}) is gone: {exc}") from exc
+                raise RangeUnmapped(
+                    LLMStatusCode.LLM_PARAM_INVALID, f"cross-memory copy with pid {pid} failed: {exc}"
                 ) from exc
             except VmError as exc:
                 if isinstance(exc, VmProcessGone) or not _process_alive(pid):
@@ -1191,6 +1218,10 @@ def _order_loads() -> None:
         pass
     with _FENCE:
         pass
+
+
+class RangeUnmapped(StatusError):
+    """A cross-memory copy met an address range that is not mapped (on either side)."""
 
 
 def _add_table_page(reply: Table, caches: dict[int, RemoteCache], blocks: dict[int, int]) -> None:

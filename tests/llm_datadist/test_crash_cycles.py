@@ -63,6 +63,11 @@ def test_prompt_crash_cycles_leak_nothing(seed: int, _runtime_dir) -> None:  # t
                 assert dd.unlink_clusters([info])[0] == LLMStatusCode.LLM_SUCCESS
             finally:
                 peer.close()
+            # The survivor's server thread may still hold a descriptor for a moment (cleaning up after
+            # the dead peer probes the runtime directory's sockets): wait for it to settle.
+            settle_deadline = time.monotonic() + 3
+            while fds_after and _fds() != fds_after[0] and time.monotonic() < settle_deadline:
+                time.sleep(0.02)
             fds_after.append(_fds())
         assert not _segments_of(dead)
         assert not list(_runtime_dir.glob("127.0.0.1_*.sock"))

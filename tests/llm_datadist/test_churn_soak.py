@@ -1,0 +1,36 @@
+"""`llm-datadist soak` as a user runs it, for a few seconds: owners restart (SIGKILL and `finalize()`),
+pools grow and shrink, caches are registered and unregistered while three pullers verify every byte, and
+every process's figures are flat. No timing is asserted; the command itself checks bytes and figures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CLI = [sys.executable, "-m", "llm_datadist._cli"]
+
+
+def test_short_churn_soak_passes_and_reports_every_process(seed: int) -> None:
+    result = subprocess.run(
+        [*CLI, "soak", "--seconds", "8", "--seed", str(seed)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "soak: PASS" in result.stdout, output
+    for process in (
+        "driver",
+        "v1-steady#1 (v1 owner)",
+        "v2-steady#1 (v2 owner)",
+        "puller-1 (v1 puller)",
+        "puller-2 (v2 puller)",
+        "puller-3 (v2-leased puller)",
+        "v1-restart#1 (v1 owner)",
+        "v2-restart#1 (v2 owner)",
+    ):
+        assert process in result.stdout, f"{process!r} missing from the table:\n{output}"
+    assert "pulls verified:" in result.stdout
+    assert "NOT FLAT" not in result.stdout
