@@ -8,6 +8,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import time
 import traceback
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -165,6 +166,21 @@ def _prompt_main(
                 owned[cache.cache_id] = arrays
                 caches[cache.cache_id] = cache
                 result = cache.cache_id
+            elif command == "v2_churn_blocks":
+                # Register a blocks cache (filled like `pattern` with cache index 0) under `model_id` and
+                # unregister it again, `rounds` times: peers pull it meanwhile.
+                rounds, num_tensors, shape, model_id = args
+                desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)
+                for _ in range(rounds):
+                    arrays = [np.zeros(int(np.prod(shape)), dtype=np.float16) for _ in range(num_tensors)]
+                    for t, array in enumerate(arrays):
+                        array.view(np.uint8)[:] = pattern(seed, 0, t, array.nbytes)
+                    cache = manager.register_blocks_cache(
+                        desc, [a.ctypes.data for a in arrays], BlocksCacheKey(cluster_id, model_id), None
+                    )
+                    time.sleep(0.002)
+                    manager.unregister_cache(cache.cache_id)
+                result = rounds
             elif command == "v2_unregister":
                 manager.unregister_cache(args)
                 caches.pop(args)

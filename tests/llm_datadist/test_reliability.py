@@ -479,3 +479,49 @@ def test_a_one_sided_pull_from_a_killed_owner_is_a_link_failure(seed: int, memor
     from shm.reaper import reap
 
     reap()
+
+
+def test_pulls_while_the_owner_registers_and_unregisters_in_a_loop(seed: int) -> None:
+    """The issue's first scenario through the public API: leased pulls (no remote access) of a blocks
+    cache its owner keeps unregistering and registering again. Every pull gets the bytes or
+    LLM_KV_CACHE_NOT_EXIST; the owner's server keeps serving throughout and holds no lease at the end."""
+    port = next(_ports)
+    extra = {"llm.EnableCacheManager": "1", "llm.EnableRemoteCacheAccessible": "0"}
+    with PromptPeer(P, port, seed, extra=extra) as peer:
+        dd = LLMDataDist(LLMRole.DECODER, D)
+        config = LLMConfig()
+        config.device_id = 0
+        config.enable_cache_manager = True
+        config.sync_kv_timeout = 5000
+        dd.init(config.generate_options())
+        try:
+            arrays = [np.zeros(8 * 96, dtype=np.float16) for _ in range(2)]
+            desc = CacheDesc(2, [8, 96], DataType.DT_FLOAT16)
+            local = dd.cache_manager.register_blocks_cache(desc, [a.ctypes.data for a in arrays])
+            assert dd.link_clusters([_cluster(port)], 5000)[0] == LLMStatusCode.LLM_SUCCESS
+            expected = [peer.expected(0, t, 8 * 192).reshape(8, 192) for t in range(2)]
+            peer.call_start("v2_churn_blocks", (150, 2, [8, 96], 4))
+            outcomes = {"ok": 0, "gone": 0}
+            deadline = time.monotonic() + 60
+            while not peer._pipe.poll(0) and time.monotonic() < deadline:
+                for array in arrays:
+                    array[:] = 0
+                try:
+                    dd.cache_manager.pull_blocks(BlocksCacheKey(P, 4), local, [5, 1], [0, 7])
+                except LLMException as exc:
+                    assert exc.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, exc
+                    outcomes["gone"] += 1
+                    continue
+                for t, array in enumerate(arrays):
+                    np.testing.assert_array_equal(
+                        array.view(np.uint8).reshape(8, 192)[[0, 7]], expected[t][[5, 1]]
+                    )
+                outcomes["ok"] += 1
+            assert peer.call_finish() == 150
+            print(f"pulls during the churn: {outcomes}")
+            assert outcomes["ok"] + outcomes["gone"] > 0
+            peer.call("v2_register_blocks", (2, [8, 96], 4, None))
+            dd.cache_manager.pull_blocks(BlocksCacheKey(P, 4), local, [1], [1])  # still served
+            assert peer.stats()["leases"] == 0
+        finally:
+            dd.finalize()
