@@ -476,17 +476,19 @@ class CacheTable:
                     LLMStatusCode.LLM_PARAM_INVALID,
                     f"src_cache_offset {src_offset} + size {nbytes} > source slot {record.slot_nbytes}",
                 )
-            lease = self._lease(
-                (record,), consume_key if consume else None, tensor_start, tensor_count, owner
-            )
+            # Everything that can refuse comes before the lease: a refused request pins nothing.
+            segment = _segment_of(record)
             base = slot * record.slot_nbytes + src_offset
             offsets = tuple(
                 record.tensor_offset(t) + base for t in range(tensor_start, tensor_start + tensor_count)
             )
+            lease = self._lease(
+                (record,), consume_key if consume else None, tensor_start, tensor_count, owner
+            )
             return Grant(
                 lease_id=lease.lease_id,
-                segment_name=_segment_of(record).name,
-                segment_nbytes=_segment_of(record).nbytes,
+                segment_name=segment.name,
+                segment_nbytes=segment.nbytes,
                 tensor_offsets=offsets,
                 nbytes=nbytes,
             )
@@ -498,14 +500,14 @@ class CacheTable:
         with self._lock:
             record, _, _ = self._find(KEY_BLOCKS, 0, model_id, 0)
             self._check_tensors(record, tensor_start, tensor_count, whole)
+            segment = _segment_of(record)  # before the lease: a refused request pins nothing
+            offsets = tuple(record.tensor_offset(t) for t in range(tensor_start, tensor_start + tensor_count))
             lease = self._lease((record,), None, tensor_start, tensor_count, owner)
             return BlocksGrant(
                 lease_id=lease.lease_id,
-                segment_name=_segment_of(record).name,
-                segment_nbytes=_segment_of(record).nbytes,
-                tensor_offsets=tuple(
-                    record.tensor_offset(t) for t in range(tensor_start, tensor_start + tensor_count)
-                ),
+                segment_name=segment.name,
+                segment_nbytes=segment.nbytes,
+                tensor_offsets=offsets,
                 block_nbytes=record.slot_nbytes,
                 num_blocks=record.batch_size,
             )
