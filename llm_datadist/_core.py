@@ -165,6 +165,12 @@ def parse_options(role: LLMRole, cluster_id: int, options: dict[str, str]) -> Se
     local_comm_res = options.get("llm.LocalCommRes")
     enable_text = options.get("llm.EnableCacheManager", "1" if local_comm_res is not None else "0")
     cache_manager_mode = enable_text == "1"
+    if local_comm_res is not None and not cache_manager_mode:
+        raise make_error(
+            api,
+            LLMStatusCode.LLM_PARAM_INVALID,
+            "llm.LocalCommRes is not supported when llm.EnableCacheManager is not configured",
+        )
     remote_text = options.get("llm.EnableRemoteCacheAccessible")
     backend = options.get("llm.TransferBackend")
     if remote_text is None and (local_comm_res is not None or backend is not None):
@@ -231,16 +237,20 @@ def parse_options(role: LLMRole, cluster_id: int, options: dict[str, str]) -> Se
 
     listen: tuple[str, int] | None = None
     listen_text = options.get("llm.listenIpInfo")
-    if listen_text:
-        # v1 allows one "ip:port" per device joined with ';'; one host needs only the first.
-        try:
-            listen = parse_listen_ip_info(listen_text.split(";")[0])
-        except ValueError as exc:
-            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, str(exc)) from exc
-    if role == LLMRole.PROMPT and listen is None and not cache_manager_mode:
-        raise make_error(
-            api, LLMStatusCode.LLM_PARAM_INVALID, "a PROMPT needs llm.listenIpInfo (listen_ip_info)"
-        )
+    if cache_manager_mode:
+        if listen_text is not None:
+            listen = parse_listen_ip_info(listen_text)  # "" is one part: PI, as in the real v2
+    elif role == LLMRole.PROMPT:
+        if listen_text is None:
+            raise make_error(
+                api, LLMStatusCode.LLM_PARAM_INVALID, "a PROMPT needs llm.listenIpInfo (listen_ip_info)"
+            )
+        from .configs import parse_v1_listen_ip_info
+
+        listen = parse_v1_listen_ip_info(api, listen_text, device_count=len(device_ids))
+    elif listen_text:
+        # The real v1 reads no listen address on a DECODER; one given here serves too (its first entry).
+        listen = parse_listen_ip_info(listen_text.split(";")[0])
 
     return Settings(
         role=role,
@@ -723,13 +733,20 @@ class Core(ServerHooks):
     @staticmethod
     def _peer_segment(link: ClientLink, name: str, nbytes: int, *, writable: bool) -> Segment:
         """Map a segment a peer granted. Never trust a peer's description of memory: the segment must be
-        the peer's own (its pid and our uid in the name) and hold what the grant says."""
+        the peer's own (its pid and our uid in the name) and hold what the grant says. A segment that
+        cannot be mapped because its owner died is a link failure, not a shared-memory one."""
         if name not in link.owned_segments:
             owner = parse_segment_name(name)
             if owner is None or owner.pid != link.peer.pid or owner.uid != os.getuid():
                 raise StatusError(LLMStatusCode.LLM_FAILED, f"peer granted a segment it does not own: {name}")
             link.owned_segments.add(name)  # a name carries its owner: once checked, it stays the peer's
-        return link.mappings.get(name, min_nbytes=nbytes, writable=writable)
+        try:
+            return link.mappings.get(name, min_nbytes=nbytes, writable=writable)
+        except ShmError as exc:
+            if _process_alive(link.peer.pid):
+                raise
+            link.fail(f"process {link.peer.pid} is gone")
+            raise PeerGone(f"cluster {link.peer.cluster_id} (pid {link.peer.pid}) is gone: {exc}") from exc
 
     # ------------------------------------------------------------------ cache-manager (v2) transfers
 
@@ -752,6 +769,8 @@ class Core(ServerHooks):
         caches: dict[int, RemoteCache] = {}
         blocks: dict[int, int] = {}
         start_cache_id = 1
+        versions: set[int] = set()
+        generations = ""
         with link.exclusive(deadline):
             for _ in range(_MAX_TABLE_PAGES):
                 seq = link.next_seq()
@@ -763,6 +782,8 @@ class Core(ServerHooks):
                         LLMStatusCode.LLM_FAILED, f"peer {link.peer.pid} sent the table of pid {reply.pid}"
                     )
                 _add_table_page(reply, caches, blocks)
+                versions.add(reply.version)
+                generations = reply.generations
                 if reply.next_cache_id == 0:
                     break
                 if reply.next_cache_id <= start_cache_id:
@@ -770,9 +791,29 @@ class Core(ServerHooks):
                 start_cache_id = reply.next_cache_id
             else:
                 raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's table has over {_MAX_TABLE_PAGES} pages")
-            table = RemoteTable(caches, blocks)
+            # Pages taken at different versions: keep the table for this call, refetch at the next.
+            version = versions.pop() if len(versions) == 1 else 0
+            table = RemoteTable(caches, blocks, generations, version)
             link.remote_table = table
         return table
+
+    def remote_table_current(self, remote_cluster_id: int, table: RemoteTable) -> bool:
+        """Whether what `table`'s model ids name is still what the peer's keys name (its version word)."""
+        deadline = time.monotonic() + self.sync_kv_timeout_s
+        link = self.link_to(remote_cluster_id, deadline)
+        if not table.version or not table.generations:
+            return False
+        words = self._peer_segment(link, table.generations, 8, writable=False)
+        _order_loads()
+        return read_generation(words, 0) == table.version
+
+    def check_peer(self, remote_cluster_id: int) -> None:
+        """LLM_LINK_FAILED at once if the link to `remote_cluster_id` is broken or its peer has ended: a
+        one-sided transfer checks this before it trusts anything it learnt from that peer."""
+        deadline = time.monotonic() + self.sync_kv_timeout_s
+        link = self.link_to(remote_cluster_id, deadline)
+        link.check_usable()
+        link.check_peer_alive()
 
     def transfer_one_sided(
         self,
@@ -1168,10 +1209,13 @@ class RemoteCache:
 
 @dataclass
 class RemoteTable:
-    """A peer's remote-accessible caches, fetched once per link (as the real library caches it)."""
+    """A peer's remote-accessible caches, fetched once per link (as the real library caches it), with the
+    version word it was fetched at (0: unknown, refetch before trusting its model ids)."""
 
     caches: dict[int, RemoteCache]
     blocks: dict[int, int]
+    generations: str = ""
+    version: int = 0
 
 
 COMM_OK, COMM_PREPARING, COMM_FAILED = 0, 1, 2  # RegisterMemStatus values

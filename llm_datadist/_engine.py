@@ -396,7 +396,16 @@ class CacheTable:
 
     def bind_blocks_key(self, model_id: int, cache_id: int) -> None:
         with self._lock:
+            if model_id in self._blocks_keys:
+                # Peers' copies of the table name the old cache under this model id: make them refetch.
+                self._generations.bump_version()
             self._blocks_keys[model_id] = cache_id
+
+    @property
+    def table_version(self) -> int:
+        """The version word of the generation segment (see shm.generations)."""
+        with self._lock:
+            return self._generations.version
 
     def deallocate(self, cache_id: int) -> None:
         """Drop the user's reference; the memory goes back once no key, lease or pin remains."""

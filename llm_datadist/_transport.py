@@ -555,6 +555,8 @@ class Server:
         entries: list[tuple[object, ...]] = []
         page_nbytes = 0
         next_cache_id = 0
+        # Read before the entries: a change in between makes the reader refetch once more, never miss it.
+        version = self._table.table_version
         for record, loc, model_ids in self._table.table(start_cache_id=msg.start_cache_id):
             # msgpack needs at most 9 bytes an integer; the fixed fields and the segment name fit in 320.
             entry_nbytes = 320 + 9 * (len(loc.tensor_bases) + len(model_ids))
@@ -578,7 +580,9 @@ class Server:
                     record.generation,
                 )
             )
-        return Table(msg.seq, os.getpid(), self._table.generations_name, tuple(entries), next_cache_id)
+        return Table(
+            msg.seq, os.getpid(), self._table.generations_name, tuple(entries), next_cache_id, version
+        )
 
     def _on_hello(self, sconn: _ServerConn, hello: Hello) -> None:
         reason = ""

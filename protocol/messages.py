@@ -627,7 +627,9 @@ class Table(Message):
     its memory is reused: a one-sided reader checks it around each copy.
 
     A table is sent in pages ordered by cache id (ids are never reused, so pages never overlap):
-    `next_cache_id` is where the next page starts, 0 when this page is the last."""
+    `next_cache_id` is where the next page starts, 0 when this page is the last. `version` is word 0 of
+    the generations segment, read before the page was taken: while the word still holds it, what the
+    table's model ids name has not changed."""
 
     TYPE: ClassVar[int] = 19
     seq: Annotated[int, U32]
@@ -635,6 +637,7 @@ class Table(Message):
     generations: Annotated[str, _SEGMENT]
     entries: Annotated[tuple[tuple[object, ...], ...], _TABLE_ENTRIES]
     next_cache_id: Annotated[int, U64]
+    version: Annotated[int, U64]
 
 
 @_register

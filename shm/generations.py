@@ -2,10 +2,13 @@
 
 Layout of the owner's generation segment (created by `GenerationTable`, mapped read-only by readers)::
 
-    offset 0        8               16                    8*capacity
-    | slot 0: u64   | slot 1: u64   | ...                 |
+    offset 0           8               16                    8*capacity
+    | version: u64     | slot 1: u64   | ...                 |
 
-Slot i holds the generation of the live cache assigned to it, or 0 while free. The owner writes a cache's
+Word 0 is the table's version: it starts at 1 and the owner increments it whenever what its keys name
+changes in a way a reader's copy of the table cannot notice by itself (a blocks key bound to another
+cache); a reader that fetched the table at version v refetches once the word is no longer v. Slot i >= 1
+holds the generation of the live cache assigned to it, or 0 while free. The owner writes a cache's
 word when it is created and zeroes it *before* its memory goes back to the pool, so a reader that sees the
 cache's generation after its copy read a cache that lived throughout. Ordering: on the owner's side the
 zeroing store precedes, in program order, the lock release through which the memory is handed out again
@@ -35,12 +38,21 @@ class GenerationTable:
     """The owner's side: hands out (slot, generation) pairs and retires them."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
+        if capacity <= 1:
+            raise ValueError(f"capacity must be at least 2 (the version word and a slot), got {capacity}")
         self.segment = Segment.create(capacity * 8)
         self._words = self.segment.array.view(np.uint64)
-        self._free = list(range(capacity - 1, -1, -1))
+        self._words[0] = 1
+        self._free = list(range(capacity - 1, 0, -1))
         self._next_generation = 1
+
+    @property
+    def version(self) -> int:
+        return int(self._words[0])
+
+    def bump_version(self) -> None:
+        """A reader's copy of the table may now name the wrong cache: make it refetch."""
+        self._words[0] += 1
 
     @property
     def name(self) -> str:

@@ -9,6 +9,7 @@ link and then read or written with no round trip to the peer. Transfer timeouts 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from ..status import LLMStatusCode, make_error
 from ..v1.kv_cache_manager import (
     LayerArgs,
     TensorSelection,
+    check_cache_key,
     check_transfer_args,
     parse_layer_kwargs,
     plan_transfer,
@@ -66,10 +68,6 @@ from protocol.messages import ResolveRequest
 
 # The real library caps the addresses registered over all register calls (240; 256 before 8.1).
 MAX_REGISTERED_ADDRS = 240
-_PULL_KWARGS = frozenset(
-    {"src_layer_range", "dst_layer_range", "tensor_num_per_layer", "src_cache_offset", "dst_cache_offset"}
-)
-_BLOCK_KWARGS = frozenset({"src_layer_range", "dst_layer_range", "tensor_num_per_layer"})
 
 
 def _invalid(api: str, context: str) -> NoReturn:
@@ -91,6 +89,20 @@ class _OneSidedPull:
     selection: TensorSelection
     runs_for: _RunsFor
     continuous_source: bool  # pull_cache: the remote cache must not be a blocks cache
+
+
+@dataclass(frozen=True, slots=True)
+class _SwapSide:
+    """One cache of a swap_blocks call: its tensors' addresses and block layout; `cache_id` None for a cpu
+    cache (memory the caller owns, nothing to pin)."""
+
+    cache_id: int | None
+    addrs: list[int]
+    block_nbytes: int
+    num_blocks: int
+    num_tensors: int
+    span_nbytes: int
+    placement: int
 
 
 # Prepared pulls kept per manager; past this many the memo starts over (a connector repeats a few shapes).
@@ -132,6 +144,12 @@ class CacheManager:
     def _finalize(self) -> None:
         self._core = None
 
+    @staticmethod
+    def check_cache_key(cache_key: CacheKey) -> None:
+        """LLMException(LLM_PARAM_INVALID) unless exactly one of req_id and prefix_id is set (the real
+        static method, with its message)."""
+        check_cache_key(cache_key, prefix_label="prefix id:")
+
     def _record_of(self, api: str, core: Core, cache: Cache, name: str = "cache") -> CacheRecord:
         check_isinstance(name, cache, Cache)
         record = core.table.get(cache.cache_id) if cache.tensor_addrs else None
@@ -162,11 +180,11 @@ class CacheManager:
         placement = int(desc.placement)
         pool = core.settings.device_pool if placement == PLACEMENT_DEVICE else core.settings.host_pool
         if pool is None:
-            raise make_error(
+            option = "mem_pool_cfg" if placement == PLACEMENT_DEVICE else "host_mem_pool_cfg"
+            _invalid(
                 api,
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                f"{desc.placement} needs a memory pool: config memory pool firstly "
-                f"({'mem_pool_cfg' if placement == PLACEMENT_DEVICE else 'host_mem_pool_cfg'})",
+                "you should config memory pool firstly and then set placement that matches it "
+                f"({desc.placement} needs {option})",
             )
         with api_errors(api, timeout_code=LLMStatusCode.LLM_TIMEOUT):
             record = core.table.allocate(
@@ -184,14 +202,22 @@ class CacheManager:
     def allocate_cache(
         self, cache_desc: CacheDesc, cache_keys: list[CacheKey] | tuple[CacheKey, ...] = ()
     ) -> Cache:
-        """Allocate from the placement's pool; `cache_keys[i]` binds slot i (at most `shape[0]` keys, no key
-        twice, none already bound: LLM_PARAM_INVALID). Pool exhausted: LLM_OUT_OF_MEMORY."""
+        """Allocate from the placement's pool (none configured: LLM_PARAM_INVALID); `cache_keys[i]` binds
+        slot i (at most `shape[0]` keys, none already bound, no two identical in the call, padding keys of
+        one model_id included, as the native check: LLM_PARAM_INVALID). Pool exhausted: LLM_OUT_OF_MEMORY."""
         api = "allocate_cache"
         self._require_core(api)
         self._check_desc(api, cache_desc)
         check_isinstance("cache_keys", cache_keys, (list, tuple))
         for key in cache_keys:
             check_isinstance("cache_keys", key, CacheKey)
+        # The native CheckCacheKeys: a key is (prefix_id if set, else req_id, model_id), padding too.
+        seen: set[tuple[int, int]] = set()
+        for key in cache_keys:
+            data_key = (key.prefix_id if key.prefix_id != U64_MAX else key.req_id, key.model_id)
+            if data_key in seen:
+                _invalid(api, f"multiply identical cache_keys {data_key} occurred in the request")
+            seen.add(data_key)
         return self._pool_allocate(api, cache_desc, [_owner_key(k) for k in cache_keys], is_blocks=False)
 
     def allocate_blocks_cache(
@@ -374,20 +400,27 @@ class CacheManager:
             core.table.remove_key(key)
 
     def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
-        """Validated as the real one (device memory, addr != 0, size > 0); memory here never moves, so a
-        valid remap has nothing to do."""
+        """Validated as the real one: a list or one MemInfo, each a MemInfo of device memory with addr != 0
+        and size > 0 (LLM_PARAM_INVALID for each); memory here never moves, so a valid remap (an empty list
+        included) has nothing to do."""
         api = "remap_registered_memory"
         self._require_core(api)
-        infos = [mem_infos] if isinstance(mem_infos, MemInfo) else mem_infos
-        check_isinstance("mem_infos", infos, (list, tuple))
-        if not infos:
-            _invalid(api, "mem_infos must not be empty")
-        for info in infos:
-            check_isinstance("mem_infos", info, MemInfo)
+        if not isinstance(mem_infos, (list, MemInfo)):
+            _invalid(
+                api, f"mem_infos type only support list of MemInfo or MemInfo, but got {type(mem_infos)}."
+            )
+        infos = mem_infos if isinstance(mem_infos, list) else [mem_infos]
+        for i, info in enumerate(infos):
+            if not isinstance(info, MemInfo):
+                _invalid(api, f"mem_infos[{i}] type only support MemInfo, but got {type(info)}.")
             if info.mem_type != Memtype.MEM_TYPE_DEVICE:
-                _invalid(api, "only device memory can be remapped")
-            if info.addr == 0 or info.size <= 0:
-                _invalid(api, "addr must not be 0 and size must be > 0")
+                _invalid(
+                    api, f"check mem_info.mem_type failed, only support Memtype.MEM_TYPE_DEVICE, index={i}."
+                )
+            if info.addr == 0:
+                _invalid(api, f"check mem_info.addr failed, addr can not be zero, index={i}.")
+            if info.size <= 0:
+                _invalid(api, f"check mem_info.size failed, size must be > 0, index={i}.")
 
     # ------------------------------------------------------------------ transfers
 
@@ -441,9 +474,16 @@ class CacheManager:
     def _remote(
         self, api: str, core: Core, cluster_id: int, cache_id: int | None, model_id: int | None
     ) -> RemoteCache:
-        """A cache from the peer's table (one-sided mode), refetching the table once on a miss."""
+        """A cache from the peer's table (one-sided mode), refetching the table once on a miss.
+
+        Nothing learnt from a peer is trusted once it ended: a dead peer is a link failure before any
+        check against its table. A model id is looked up only in a table whose version is current (the
+        owner may have bound it to another cache since), a cache id in any (ids are never reused)."""
+        core.check_peer(cluster_id)
         for refresh in (False, True):
             table = core.remote_table(cluster_id, refresh=refresh)
+            if model_id is not None and not refresh and not core.remote_table_current(cluster_id, table):
+                continue
             wanted = table.blocks.get(model_id) if model_id is not None else cache_id
             # An entry whose cache the owner has freed since the table was fetched is stale: refetch.
             if (
@@ -464,8 +504,9 @@ class CacheManager:
         **kwargs: Any,
     ) -> None:
         """Pull the remote slot into slot `batch_index` of `cache` (not a blocks cache). `size` -1 means the
-        local slot; the remote slot must hold it. v1's offset kwargs are accepted and ignored, as in v2.
-        With remote cache access on, the key must be a CacheKeyByIdAndIndex (TypeError otherwise)."""
+        local slot; the remote slot must hold it. kwargs: src_layer_range, dst_layer_range,
+        tensor_num_per_layer; other names (v1's offsets too) are ignored, as in the real v2. With remote
+        cache access on, the key must be a CacheKeyByIdAndIndex (TypeError otherwise)."""
         api = "pull_cache"
         memo_key: tuple[object, ...] | None = None
         if (
@@ -488,19 +529,21 @@ class CacheManager:
                 self._run_one_sided(api, prepared)
                 return
         core = self._require_core(api)
-        check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
+        if core.settings.remote_cache_accessible:
+            check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex)
+        else:
+            check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
+        check_isinstance("cache", cache, Cache)
         check_uint32("batch_index", batch_index)
         check_int64("size", size)
-        layers = parse_layer_kwargs(api, kwargs, _PULL_KWARGS)
-        if core.settings.remote_cache_accessible and not isinstance(cache_key, CacheKeyByIdAndIndex):
-            raise TypeError(
-                "cache_key only support ['CacheKeyByIdAndIndex'] when remote cache access is enabled"
-            )
         record = self._record_of(api, core, cache)
         if record.is_blocks:
             _invalid(api, "the destination of pull_cache must not be a blocks cache")
         if size != -1 and size <= 0:
             _invalid(api, f"size must be -1 or > 0, got {size}")
+        if isinstance(cache_key, CacheKey):
+            self.check_cache_key(cache_key)
+        layers = parse_layer_kwargs(kwargs)
         if batch_index >= record.batch_size:
             _invalid(api, f"batch_index {batch_index} out of range for {record.batch_size} slots")
         selection = self._layers(api, layers, record.num_tensors)
@@ -547,7 +590,9 @@ class CacheManager:
     ) -> None:
         """Into a blocks cache: with a BlocksCacheKey, remote block `src_blocks[k]` to local `dst_blocks[k]`;
         with a CacheKey / CacheKeyByIdAndIndex (a continuous remote slot, `src_blocks` empty), the slot cut
-        into local-block-sized pieces, piece k to `dst_blocks[k]`."""
+        into local-block-sized pieces, piece k to `dst_blocks[k]`. kwargs as `pull_cache` (other names are
+        ignored). With remote cache access a CacheKey has no one-sided meaning: LLM_PARAM_INVALID (the real
+        library's engine refuses it)."""
         api = "pull_blocks"
         memo_key: tuple[object, ...] | None = None
         src_items, dst_items = _exact_ints(src_blocks), _exact_ints(dst_blocks)
@@ -571,11 +616,11 @@ class CacheManager:
                     return
         core = self._require_core(api)
         check_isinstance("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
+        check_isinstance("dst_cache", dst_cache, Cache)
         check_index_lists(src_blocks=src_blocks, dst_blocks=dst_blocks)
         # The plan below may be kept for later calls: it must not see the caller's lists change.
         src_blocks = tuple(src_blocks) if src_blocks is not None else ()
         dst_blocks = tuple(dst_blocks) if dst_blocks is not None else ()
-        layers = parse_layer_kwargs(api, kwargs, _BLOCK_KWARGS)
         record = self._record_of(api, core, dst_cache, "dst_cache")
         if not record.is_blocks:
             _invalid(api, "the destination of pull_blocks must be a blocks cache")
@@ -586,12 +631,13 @@ class CacheManager:
         by_blocks = isinstance(src_cache_key, BlocksCacheKey)
         if by_blocks and len(src_blocks) != len(dst_blocks):
             _invalid(api, "src_blocks and dst_blocks must have the same length")
+        if isinstance(src_cache_key, CacheKey):
+            self.check_cache_key(src_cache_key)
         if not by_blocks and src_blocks:
             _invalid(api, "src_blocks must be empty when pulling a continuous cache into blocks")
         if core.settings.remote_cache_accessible and isinstance(src_cache_key, CacheKey):
-            raise TypeError(
-                "src_cache_key only support CacheKeyByIdAndIndex or BlocksCacheKey with remote access"
-            )
+            _invalid(api, "with remote cache access a CacheKey cannot be pulled; use CacheKeyByIdAndIndex")
+        layers = parse_layer_kwargs(kwargs)
         selection = self._layers(api, layers, record.num_tensors)
         block = record.slot_nbytes
 
@@ -645,13 +691,14 @@ class CacheManager:
         tensor_num_per_layer: int = 2,
     ) -> None:
         """Write slot `src_batch_index` of `src_cache` into the remote slot the key names, layer by layer
-        (one synchronous transfer per layer). Needs remote cache access."""
+        (one synchronous transfer per layer). Needs remote cache access (LLM_PARAM_INVALID, checked first)."""
         api = "push_cache"
         core = self._require_core(api)
+        self._require_remote_access(api, core)
         check_isinstance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
+        check_isinstance("src_cache", src_cache, Cache)
         check_uint32("src_batch_index", src_batch_index)
         check_int64("size", size)
-        self._require_remote_access(api, core)
         record = self._record_of(api, core, src_cache, "src_cache")
         if record.is_blocks:
             _invalid(api, "the source of push_cache must not be a blocks cache")
@@ -698,12 +745,14 @@ class CacheManager:
         tensor_num_per_layer: int = 2,
     ) -> None:
         """Write local blocks `src_blocks[k]` into remote blocks `dst_blocks[k]` of the blocks cache the key
-        names, layer by layer. Needs remote cache access; the source is a blocks cache."""
+        names, layer by layer. Needs remote cache access (LLM_PARAM_INVALID, checked first); the source is a
+        blocks cache."""
         api = "push_blocks"
         core = self._require_core(api)
-        check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey)
-        check_index_lists(src_blocks=src_blocks, dst_blocks=dst_blocks)
         self._require_remote_access(api, core)
+        check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey)
+        check_isinstance("src_cache", src_cache, Cache)
+        check_index_lists(src_blocks=src_blocks, dst_blocks=dst_blocks)
         record = self._record_of(api, core, src_cache, "src_cache")
         if not record.is_blocks:
             _invalid(api, "the source of push_blocks must be a blocks cache")
@@ -937,60 +986,94 @@ class CacheManager:
             )
 
     def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> None:
-        """Copy blocks between a HOST cpu cache (`Cache.create_cpu_cache`, memory the caller owns) and a
-        cache of this process, either way: same block size and tensor count, indices in range."""
+        """Copy blocks `src -> dst` between two blocks caches, HOST -> DEVICE or DEVICE -> HOST by their
+        placements, as the real `swap_blocks`: pool, registered or cpu caches (`Cache.create_cpu_cache`,
+        memory the caller owns). Checked in the real order: both blocks caches, the same block size and
+        tensor count, indices in `[0, blocks)`, then the placements (all LLM_PARAM_INVALID)."""
         api = "swap_blocks"
         core = self._require_core(api)
-        check_isinstance("src_cache", src_cache, Cache)
-        check_isinstance("dst_cache", dst_cache, Cache)
+        check_isinstance("src", src_cache, Cache)
+        check_isinstance("dst", dst_cache, Cache)
+        if not src_cache.is_blocks_cache:
+            _invalid(api, "param check failed, src cache should be blocks cache.")
+        if not dst_cache.is_blocks_cache:
+            _invalid(api, "param check failed, dst cache should be blocks cache.")
         check_isinstance("src_to_dst", src_to_dst, dict)
         for src_block, dst_block in src_to_dst.items():
-            check_uint64("src_to_dst", src_block)
-            check_uint64("src_to_dst", dst_block)
-        cpu_src, cpu_dst = src_cache.cache_id == -1, dst_cache.cache_id == -1
-        if cpu_src == cpu_dst:
+            check_isinstance("src_to_dst", src_block, int)
+            check_isinstance("src_to_dst", dst_block, int)
+        src = self._swap_side(api, core, src_cache, "src")
+        dst = self._swap_side(api, core, dst_cache, "dst")
+        if src.block_nbytes != dst.block_nbytes:
             _invalid(
-                api, "one side must be a cpu cache (Cache.create_cpu_cache) and the other a cache of ours"
+                api, f"src block size:{src.block_nbytes} and dst block size:{dst.block_nbytes} must be equal"
             )
-        ours = self._record_of(api, core, dst_cache if cpu_src else src_cache)
-        cpu = src_cache if cpu_src else dst_cache
-        cpu_desc = cpu.cache_desc
-        cpu_block = cpu_desc.size // cpu_desc.shape[0]
-        if cpu_block != ours.slot_nbytes or cpu_desc.num_tensors != ours.num_tensors:
-            _invalid(api, "the caches differ in block size or tensor count")
+        if src.num_tensors != dst.num_tensors:
+            _invalid(
+                api, f"src num_tensors:{src.num_tensors} and dst num_tensors:{dst.num_tensors} must be equal"
+            )
+        for src_block, dst_block in src_to_dst.items():
+            if not 0 <= src_block < src.num_blocks:
+                _invalid(api, f"src_block_index:{src_block} must be in [0, {src.num_blocks})")
+            if not 0 <= dst_block < dst.num_blocks:
+                _invalid(api, f"dst_block_index:{dst_block} must be in [0, {dst.num_blocks})")
+        if {src.placement, dst.placement} != {PLACEMENT_HOST, PLACEMENT_DEVICE}:
+            _invalid(
+                api,
+                f"swap src placement:{Placement(src.placement)} to dst placement:{Placement(dst.placement)} "
+                "is not support",
+            )
         src_units, dst_units = list(src_to_dst), list(src_to_dst.values())
-        src_count = cpu_desc.shape[0] if cpu_src else ours.batch_size
-        dst_count = ours.batch_size if cpu_src else cpu_desc.shape[0]
-        if any(s >= src_count for s in src_units) or any(d >= dst_count for d in dst_units):
-            _invalid(api, "block index out of range")
         if len(set(dst_units)) != len(dst_units):
             _invalid(api, "a destination block is named twice")
         if not src_units:
             return
-        cpu_addrs, our_addrs = list(cpu.tensor_addrs), ours.tensor_addrs()
-        with self._timeout_errors(api), core.table.pinned(ours.cache_id):
-            src_addrs, dst_addrs = (cpu_addrs, our_addrs) if cpu_src else (our_addrs, cpu_addrs)
+        with self._timeout_errors(api), contextlib.ExitStack() as pins:
+            for side in (src, dst):
+                if side.cache_id is not None:
+                    pins.enter_context(core.table.pinned(side.cache_id))
             _addr_copy(
                 core.copier,
-                src_addrs,
-                dst_addrs,
-                cpu_desc.size,
-                cpu_desc.size,
+                src.addrs,
+                dst.addrs,
+                src.span_nbytes,
+                dst.span_nbytes,
                 src_units,
                 dst_units,
-                cpu_block,
-                cpu_block,
-                cpu_block,
+                src.block_nbytes,
+                dst.block_nbytes,
+                src.block_nbytes,
             )
+
+    def _swap_side(self, api: str, core: Core, cache: Cache, name: str) -> _SwapSide:
+        """One side of swap_blocks: a cpu cache (cache_id -1: the caller's memory, as its descriptor says)
+        or a live cache of this process (its record)."""
+        if cache.cache_id == -1:
+            desc = cache.cache_desc
+            addrs = list(cache.tensor_addrs)
+            if len(addrs) != desc.num_tensors:
+                _invalid(api, f"{name}: {len(addrs)} addresses for {desc.num_tensors} tensors")
+            blocks = desc.shape[0]
+            return _SwapSide(
+                None, addrs, desc.size // blocks, blocks, desc.num_tensors, desc.size, int(desc.placement)
+            )
+        record = self._record_of(api, core, cache, name)
+        return _SwapSide(
+            record.cache_id,
+            record.tensor_addrs(),
+            record.slot_nbytes,
+            record.batch_size,
+            record.num_tensors,
+            record.tensor_nbytes,
+            record.placement,
+        )
 
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
     def _require_remote_access(api: str, core: Core) -> None:
         if not core.settings.remote_cache_accessible:
-            raise make_error(
-                api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "needs enable_remote_cache_accessible at init"
-            )
+            _invalid(api, f"{api} is only supported while enable_remote_cache_accessible is True")
 
     def _pull_one_sided(
         self,

@@ -388,7 +388,7 @@ def test_a_failed_generation_slot_gives_the_pool_block_back() -> None:
     table = CacheTable({1: pool}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
     try:
         table._generations.close()
-        table._generations = GenerationTable(capacity=1)
+        table._generations = GenerationTable(capacity=2)  # the version word and one slot
         table.allocate(num_tensors=1, tensor_nbytes=4096, batch_size=1, keys=[])
         used = pool.used_nbytes
         with pytest.raises(StatusError) as info:
@@ -525,3 +525,24 @@ def test_pulls_while_the_owner_registers_and_unregisters_in_a_loop(seed: int) ->
             assert peer.stats()["leases"] == 0
         finally:
             dd.finalize()
+
+
+def test_a_one_sided_puller_follows_a_model_id_bound_to_a_newer_cache(seed: int) -> None:
+    """Reference §6.4: a newer blocks cache with the same model_id takes the index over. A puller holding
+    the owner's table from before must read (and write) the newer cache, though the older one still lives."""
+    port = next(_ports)
+    with PromptPeer(P, port, seed, extra=_v2_extra()) as peer, _V2() as dd:
+        older = peer.call("v2_alloc", (2, [8, 96], [], 0))
+        local, cache = _blocks(dd, 8, 96)
+        assert dd.link_clusters([_cluster(port)], 5000)[0] == LLMStatusCode.LLM_SUCCESS
+        dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), cache, [6], [0])
+        np.testing.assert_array_equal(local[0][0], peer.expected(older, 0, 8 * 192).reshape(8, 192)[6])
+        newer = peer.call("v2_alloc", (2, [8, 96], [], 0))
+        dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), cache, [6], [0])
+        np.testing.assert_array_equal(local[0][0], peer.expected(newer, 0, 8 * 192).reshape(8, 192)[6])
+        local[1][3] = 7
+        dd.cache_manager.push_blocks(BlocksCacheKey(P, 0), cache, [3], [2], range(0, 1), range(0, 1))
+        written = np.frombuffer(peer.call("v2_bytes", (newer, 1)), dtype=np.uint8).reshape(8, 192)
+        np.testing.assert_array_equal(written[2], local[1][3].view(np.uint8))
+        untouched = np.frombuffer(peer.call("v2_bytes", (older, 1)), dtype=np.uint8).reshape(8, 192)
+        np.testing.assert_array_equal(untouched, peer.expected(older, 1, 8 * 192).reshape(8, 192))

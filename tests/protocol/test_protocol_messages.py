@@ -171,6 +171,7 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
         segment_names,
         st.lists(st.just(TABLE_ENTRY), max_size=3).map(tuple),  # type: ignore[arg-type]
         u64,
+        u64,
     ),
 }
 any_message = st.one_of(*MESSAGES.values())
@@ -196,7 +197,9 @@ VALID: list[Message] = [
     Location(1, 2, 4097, "/seg", 4097 * 3333 * 2, (0, 4097 * 3333), 4097, 3333, 3332),
     TableRequest(4097, 1),
     Release(U64_MAX, False),
-    Table(3333, 4097, "/llmdd.0.1.2.gen", (TABLE_ENTRY, (1, False, (), "", 0, (2**47,), 3333, 1, 0, 1)), 0),
+    Table(
+        3333, 4097, "/llmdd.0.1.2.gen", (TABLE_ENTRY, (1, False, (), "", 0, (2**47,), 3333, 1, 0, 1)), 0, 1
+    ),
 ]
 
 
@@ -389,6 +392,7 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
         "seq": BAD_U32,
         "pid": BAD_U32,
         "next_cache_id": BAD_U64,
+        "version": BAD_U64,
         "generations": BAD_SEGMENT,
         "entries": [
             None,

@@ -135,8 +135,11 @@ def test_generation_words_change_before_a_slot_is_reused() -> None:
     try:
         reader = Segment.attach(table.name)
         try:
+            assert read_generation(reader, 0) == table.version == 1  # word 0: the table's version
+            table.bump_version()
+            assert read_generation(reader, 0) == 2
             slot, generation = table.acquire()
-            assert read_generation(reader, slot) == generation > 0
+            assert slot != 0 and read_generation(reader, slot) == generation > 0
             table.retire(slot)
             assert read_generation(reader, slot) == 0
             again, newer = table.acquire()
