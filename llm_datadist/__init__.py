@@ -8,7 +8,7 @@ sockets; KV bytes move with one memory copy through POSIX shared memory. See REA
 from __future__ import annotations
 
 import os as _os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # The real package sets this on import; keep the side effect so environment-sensitive code behaves alike.
 _os.environ.setdefault("AUTO_USE_UC_MEMORY", "0")
@@ -31,15 +31,23 @@ from .v2.llm_types import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from .v2.llm_utils import CacheTask
 
+if TYPE_CHECKING:
+    from .v1.kv_cache_manager import KvCacheManager
+    from .v1.tensor import Tensor, TensorDesc
+
+# The real names: the v2 ones and three legacy v1 names resolved lazily below.
 __all__ = [
     "BlocksCacheKey",
     "Cache",
     "CacheDesc",
     "CacheKey",
     "CacheKeyByIdAndIndex",
+    "CacheTask",
     "DataType",
     "KvCache",
+    "KvCacheManager",
     "LLMClusterInfo",
     "LLMConfig",
     "LLMDataDist",
@@ -53,15 +61,24 @@ __all__ = [
     "Placement",
     "RegisterMemStatus",
     "Status",
+    "Tensor",
+    "TensorDesc",
     "TransferConfig",
     "TransferWithCacheKeyConfig",
 ]
 
+# The v2 public names (the real package defines this list; its own tests import it).
+v2_list = [name for name in __all__ if name not in ("KvCacheManager", "Tensor", "TensorDesc")]
+
 
 def __getattr__(name: str) -> Any:
-    # The real package loads its legacy v1 names lazily; KvCacheManager is the one provided here.
+    # The real package loads its legacy v1 names lazily, from llm_datadist_v1; ours live in llm_datadist.v1.
     if name == "KvCacheManager":
         from .v1.kv_cache_manager import KvCacheManager
 
         return KvCacheManager
+    if name in ("TensorDesc", "Tensor"):
+        from .v1 import tensor
+
+        return getattr(tensor, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

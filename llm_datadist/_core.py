@@ -743,6 +743,9 @@ class Core(ServerHooks):
         try:
             return link.mappings.get(name, min_nbytes=nbytes, writable=writable)
         except ShmError as exc:
+            # An owner unlinks a segment with something granted in it only when it finalizes or dies,
+            # and it closes its connections first: the link tells which.
+            link.check_peer_alive()
             if _process_alive(link.peer.pid):
                 raise
             link.fail(f"process {link.peer.pid} is gone")

@@ -73,19 +73,29 @@ def socket_path_in_runtime(name: str) -> Path:
     return path
 
 
-def parse_listen_ip_info(value: str) -> tuple[str, int]:
-    """Split `"ip:port"` (the `llm.listenIpInfo` option) into a dotted ip and a port."""
-    ip, sep, port_text = value.strip().rpartition(":")
-    if not sep or not ip or not port_text.isdigit():
-        raise ValueError(f"listen ip info must look like 'ip:port', got {value!r}")
-    port = int(port_text)
+def parse_listen_ip_info(value: str, *, api: str = "init") -> tuple[str, int]:
+    """Split `"ip:port"` (the `llm.listenIpInfo` option) into a dotted ip and a port, as the real v2
+    `parse_listen_ip_info`: not exactly two ':'-separated parts is LLMException(LLM_PARAM_INVALID), a port
+    `int()` cannot read is its ValueError. Ours also needs a 16-bit port and an ip `inet_aton` reads (both
+    LLM_PARAM_INVALID; the socket path is derived from them); the ip comes back as a dotted quad."""
+    from .status import LLMStatusCode, make_error
+
+    parts = value.strip().split(":")
+    if len(parts) != 2:
+        raise make_error(
+            api,
+            LLMStatusCode.LLM_PARAM_INVALID,
+            f'llm.listenIpInfo "{value}" is invalid, format should be "ip:port"',
+        )
+    ip, port_text = parts
+    port = int(port_text)  # ValueError for a non-numeric port, as in the real helper
     if not 0 <= port <= 0xFFFF:
-        raise ValueError(f"port {port} out of range in {value!r}")
+        raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"port {port} out of range in {value!r}")
     try:
-        socket.inet_aton(ip)
-    except OSError as exc:
-        raise ValueError(f"invalid ip {ip!r} in {value!r}") from exc
-    return ip, port
+        packed = socket.inet_aton(ip)
+    except (OSError, ValueError):
+        raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"invalid ip {ip!r} in {value!r}") from None
+    return socket.inet_ntoa(packed), port
 
 
 def remove_stale_socket(path: Path) -> None:

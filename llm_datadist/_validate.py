@@ -135,6 +135,18 @@ def check_int64(name: str, value: object) -> None:
     _check_int_range(name, value, I64_MIN, I64_MAX, "int64")
 
 
+def check_positive_or_set_default(name: str, value: object, default: int = -1) -> int:
+    """None gives `default`; otherwise `check_int64` (TypeError/ValueError), then ValueError("<name>'s
+    value:<v> is invalid, should be >= 0") for a negative value, as the real helper (v1 pull offsets)."""
+    if value is None:
+        return default
+    check_int64(name, value)
+    assert isinstance(value, int)
+    if value < 0:
+        raise ValueError(f"{name}'s value:{value} is invalid, should be >= 0")
+    return value
+
+
 def check_list_uint64(name: str, values: Iterable[Any]) -> None:
     """`check_uint64` on every item."""
     for value in values:

@@ -22,7 +22,7 @@ from llm_datadist._validate import (
     check_uint32,
     check_uint64,
 )
-from llm_datadist.status import raise_if_false
+from llm_datadist.status import LLMStatusCode, make_error, raise_if_false
 
 __all__ = ["LLMClusterInfo", "LLMConfig", "LLMRole", "LlmConfig", "ip_int_to_str", "trans_str_ip"]
 
@@ -64,6 +64,44 @@ def ip_int_to_str(ip: int) -> str:
     """
     check_uint32("ip", ip)
     return socket.inet_ntoa(ip.to_bytes(4, byteorder="little"))
+
+
+def parse_v1_listen_ip_info(api: str, text: str, *, device_count: int | None = None) -> tuple[str, int]:
+    """A v1 `llm.listenIpInfo` checked as the real v1 code does; returns the (dotted ip, port) to serve on.
+
+    `init` of a PROMPT (`device_count` given, the real `gen_cluster_info_if_not_exist`): one "ip:port" per
+    device joined with ';' (LLM_PARAM_INVALID), each in two ':'-parts (LLM_PARAM_INVALID) with an `int()`
+    port (ValueError), then every ip through `trans_str_ip` (RuntimeError). `switch_role` (no count, the
+    real `EngineConfig.parse_listen_ip_info`): two parts, the ip, then the port. One host serves on the
+    first entry, whose port must fit 16 bits (LLM_PARAM_INVALID; the real engine checks it natively).
+    Not in the real package.
+    """
+    entries = [text] if device_count is None else text.split(";")
+    if device_count is not None and len(entries) != device_count:
+        raise make_error(
+            api,
+            LLMStatusCode.LLM_PARAM_INVALID,
+            f"listen ip info num:{len(entries)} in llm.listenIpInfo is not equal to "
+            f"device num:{device_count}",
+        )
+    split: list[tuple[str, str]] = []
+    for entry in entries:
+        parts = entry.split(":")
+        if len(parts) != 2:
+            raise make_error(
+                api,
+                LLMStatusCode.LLM_PARAM_INVALID,
+                f'llm.listenIpInfo "{entry}" is invalid, format should be "ip:port"',
+            )
+        if device_count is None:
+            trans_str_ip(parts[0])  # switch_role reads the ip before the port
+        split.append((parts[0], parts[1]))
+    ports = [int(port_text) for _, port_text in split]  # ValueError, as the real int()
+    parsed = [(trans_str_ip(ip), port) for (ip, _), port in zip(split, ports, strict=True)]
+    ip_int, port = parsed[0]
+    if not 0 <= port <= 0xFFFF:
+        raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"port {port} out of range in {text!r}")
+    return ip_int_to_str(ip_int), port
 
 
 class LLMClusterInfo:

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 from typing import Any, TextIO
 
 LOGGER_NAME = "LLM_DATADIST"
@@ -84,6 +85,24 @@ warn = warning  # the real module spells it `warn`
 
 def error(msg: object, *args: object, **kwargs: Any) -> None:
     get_logger().error(msg, *args, stacklevel=2, **kwargs)
+
+
+def _find_caller(stack_info: bool = False, stack_level: int = 1) -> tuple[str, int, str, str | None]:
+    """(file, line, function, stack text or None) of the nearest caller outside the logging machinery, or
+    ("(unknown file)", 0, "(unknown function)", None) at the top of a thread's stack. The real package
+    installs its own as `findCaller`; this one has its signature and answer, for code that calls it."""
+    skip = {os.path.normcase(logging.__file__), os.path.normcase(__file__)}
+    frame = sys._getframe(1)
+    while frame is not None and os.path.normcase(frame.f_code.co_filename) in skip:
+        frame = frame.f_back  # type: ignore[assignment]
+    for _ in range(max(stack_level, 1) - 1):
+        if frame is None:
+            break
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "(unknown file)", 0, "(unknown function)", None
+    text = "Stack (most recent call last):\n" + "".join(traceback.format_stack(frame)) if stack_info else None
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, text
 
 
 log: logging.Logger = get_logger()

@@ -1,8 +1,9 @@
 """`KvCacheManager`: the v1 cache API (allocate with keys, deallocate, remove keys, pull by key).
 
-Rules: every public method validates its arguments first (the real exception types, nothing sent before
-the checks pass), enforces v1's roles (pull on DECODER, keys and `remove_cache_key` on PROMPT; MIX may do
-both), then delegates to `Core`. Internal errors become `LLMException` in `api_errors`, nowhere else.
+Rules: every public method validates its arguments first (the real exception types in the real order,
+nothing sent before the checks pass), enforces v1's roles as the real `_check_role` does (pull on DECODER,
+`remove_cache_key` and `transfer_cache_async` on PROMPT, keys on PROMPT only; MIX is neither), then
+delegates to `Core`. Internal errors become `LLMException` in `api_errors`, nowhere else.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from .._validate import (
     check_index_lists,
     check_int64,
     check_isinstance,
+    check_positive_or_set_default,
     check_range_step1,
     check_uint32,
     check_uint64,
 )
 from ..configs import LLMRole
-from ..status import LLMStatusCode, make_error
+from ..status import LLMStatusCode, make_error, raise_if_true
 from ..v2.cache import KvCache
 from ..v2.llm_types import (
     U64_MAX,
@@ -41,9 +43,6 @@ from . import _local_ops
 
 if TYPE_CHECKING:
     from .._core import Core, PullSpec
-
-_LAYER_KWARGS = frozenset({"src_layer_range", "dst_layer_range", "tensor_num_per_layer"})
-_PULL_KWARGS = _LAYER_KWARGS | {"src_cache_offset", "dst_cache_offset"}
 
 
 def _param_invalid(api: str, context: str) -> NoReturn:
@@ -118,20 +117,39 @@ def _whole_cache(num_tensors: int) -> TensorSelection:
 _NO_LAYER_ARGS = LayerArgs(None, None, 2, False)
 
 
-def parse_layer_kwargs(api: str, kwargs: dict[str, Any], allowed: frozenset[str]) -> LayerArgs:
-    """Type-check a pull's kwargs: unknown names are a TypeError, ranges must be step-1 ranges."""
+def parse_layer_kwargs(kwargs: dict[str, Any]) -> LayerArgs:
+    """Type-check a pull's layer kwargs as the real `layer_range_to_tensor_indices` does: each range a
+    `range` (TypeError) of step 1 starting at >= 0 (PARAM_INVALID) whose first and last layer are uint32
+    (ValueError). Other names are ignored, as the real `kwargs.get` ignores them."""
     if not kwargs:
         return _NO_LAYER_ARGS
-    unknown = sorted(set(kwargs) - allowed)
-    if unknown:
-        raise TypeError(f"{api}() got unexpected keyword arguments {unknown}")
     src_range = kwargs.get("src_layer_range")
     dst_range = kwargs.get("dst_layer_range")
-    check_range_step1("src_layer_range", src_range, allow_none=True)
-    check_range_step1("dst_layer_range", dst_range, allow_none=True)
     per_layer = kwargs.get("tensor_num_per_layer", 2)
     check_uint32("tensor_num_per_layer", per_layer)
+    for name, layer_range in (("src_layer_range", src_range), ("dst_layer_range", dst_range)):
+        check_range_step1(name, layer_range, allow_none=True)
+        if layer_range:
+            check_uint32(name, layer_range[0])
+            check_uint32(name, layer_range[-1])
     return LayerArgs(src_range, dst_range, per_layer, "tensor_num_per_layer" in kwargs)
+
+
+def check_cache_key(cache_key: CacheKey, *, prefix_label: str = "prefix id") -> None:
+    """The real `check_cache_key`: exactly one of req_id and prefix_id is a valid id (not 2**64-1), else
+    LLMException(LLM_PARAM_INVALID) with the real message (v2's says "prefix id:", v1's "prefix id")."""
+    req_valid, prefix_valid = cache_key.req_id != U64_MAX, cache_key.prefix_id != U64_MAX
+    req_id, prefix_id = cache_key.req_id, cache_key.prefix_id
+    raise_if_true(
+        not req_valid and not prefix_valid,
+        "one of req id and prefix id should contain valid value:[0, 2**64-1), "
+        f"req id:{req_id},{prefix_label}{prefix_id}.",
+    )
+    raise_if_true(
+        req_valid and prefix_valid,
+        "only one of req id and prefix id should contain valid value:[0, 2**64-1), "
+        f"req id:{req_id}, {prefix_label}{prefix_id}.",
+    )
 
 
 class KvCacheManager:
@@ -158,9 +176,16 @@ class KvCacheManager:
     def _finalize(self) -> None:
         self._core = None
 
-    def _check_role(self, api: str, *allowed: LLMRole) -> None:
-        if self._role != LLMRole.MIX and self._role not in allowed:
-            _param_invalid(api, f"{api} is not supported by role {self._role}")
+    def _check_role(self, api: str, role: LLMRole) -> None:
+        # The real check is an equality: MIX may neither pull nor push nor bind keys.
+        if self._role != role:
+            _param_invalid(api, f"[{api}] is not supported by {self._role}")
+
+    @staticmethod
+    def check_cache_key(cache_key: CacheKey) -> None:
+        """LLMException(LLM_PARAM_INVALID) unless exactly one of req_id and prefix_id is set (the real
+        static method)."""
+        check_cache_key(cache_key)
 
     def _record_of(self, api: str, core: Core, cache: KvCache) -> CacheRecord:
         record = core.table.get(cache.cache_id) if cache._is_valid else None
@@ -176,7 +201,7 @@ class KvCacheManager:
         """Allocate `num_tensors` tensors of `shape` and bind `cache_keys[i]` to batch slot i.
 
         A key whose req_id is 2**64-1 (and no prefix_id) pads a slot. A key with a prefix_id indexes the
-        prefix table and is never consumed by a pull. Keys are only allowed on PROMPT (and MIX).
+        prefix table and is never consumed by a pull. Keys are only allowed on PROMPT.
         """
         api = "allocate_cache"
         core = self._require_core(api)
@@ -184,9 +209,9 @@ class KvCacheManager:
         check_isinstance("cache_keys", cache_keys, (list, tuple))
         for key in cache_keys:
             check_isinstance("cache_keys", key, CacheKey)
-        if cache_keys:
-            self._check_role(api, LLMRole.PROMPT)
         self._check_desc(api, cache_desc)
+        if cache_keys and self._role != LLMRole.PROMPT:
+            _param_invalid(api, f"cache_keys is not supported by {self._role.name}")
         keys = [owner_key(key) for key in cache_keys]
         return self._allocate(api, core, cache_desc, keys, is_blocks=False)
 
@@ -200,9 +225,10 @@ class KvCacheManager:
         core = self._require_core(api)
         check_isinstance("cache_desc", cache_desc, CacheDesc)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
-        if blocks_cache_key is not None:
-            self._check_role(api, LLMRole.PROMPT)
         self._check_desc(api, cache_desc)
+        # As the real code: only a DECODER is refused a key (PROMPT and MIX may index their blocks).
+        if blocks_cache_key is not None and self._role == LLMRole.DECODER:
+            _param_invalid(api, "blocks_cache_key is not supported by DECODER")
         cache = self._allocate(api, core, cache_desc, [], is_blocks=True)
         # The real library marks the descriptor object itself as a blocks descriptor.
         cache_desc._is_blocks = True
@@ -255,8 +281,8 @@ class KvCacheManager:
         """Unbind a key (PROMPT only); unknown keys are ignored."""
         api = "remove_cache_key"
         core = self._require_core(api)
-        check_isinstance("cache_key", cache_key, CacheKey)
         self._check_role(api, LLMRole.PROMPT)
+        check_isinstance("cache_key", cache_key, CacheKey)
         key = owner_key(cache_key)
         if key is not None:
             core.table.remove_key(key)
@@ -274,28 +300,27 @@ class KvCacheManager:
         """Pull the remote slot named by `cache_key` into slot `batch_index` of every selected tensor.
 
         kwargs: src_layer_range, dst_layer_range (range, step 1), src_cache_offset, dst_cache_offset (bytes
-        within the slots), tensor_num_per_layer (default 2). `size` is bytes per tensor, -1 meaning the
-        local slot size minus dst_cache_offset. A pull without offsets consumes a req_id key once every
-        tensor of it was pulled; with offsets, or with a prefix key, the key stays.
+        within the slots, >= 0: ValueError otherwise), tensor_num_per_layer (default 2); other names are
+        ignored, as in the real library. `size` is bytes per tensor, -1 meaning the local slot size minus
+        dst_cache_offset. A pull without offsets consumes a req_id key once every tensor of it was pulled;
+        with offsets, or with a prefix key, the key stays.
         """
         api = "pull_cache"
         core = self._require_core(api)
+        self._check_role(api, LLMRole.DECODER)
         check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
         check_isinstance("kv_cache", kv_cache, KvCache)
-        check_uint32("batch_index", batch_index)
         check_int64("size", size)
-        layers = parse_layer_kwargs(api, kwargs, _PULL_KWARGS)
-        src_offset = kwargs.get("src_cache_offset")
-        dst_offset = kwargs.get("dst_cache_offset")
-        for name, offset in (("src_cache_offset", src_offset), ("dst_cache_offset", dst_offset)):
-            if offset is not None:
-                check_int64(name, offset)
-                if offset < 0:
-                    _param_invalid(api, f"{name} must be >= 0, got {offset}")
-        self._check_role(api, LLMRole.DECODER)
+        check_uint32("batch_index", batch_index)
         if size != -1 and size <= 0:
             _param_invalid(api, f"size must be -1 or > 0, got {size}")
-
+        src_offset = kwargs.get("src_cache_offset")
+        dst_offset = kwargs.get("dst_cache_offset")
+        check_positive_or_set_default("src_cache_offset", src_offset)
+        check_positive_or_set_default("dst_cache_offset", dst_offset)
+        if isinstance(cache_key, CacheKey):
+            check_cache_key(cache_key)
+        layers = parse_layer_kwargs(kwargs)
         spec_args = self._key_fields(api, cache_key)
         record = self._record_of(api, core, kv_cache)
         if batch_index >= record.batch_size:
@@ -350,10 +375,8 @@ class KvCacheManager:
                 "model_id": 0,
                 "batch_index": cache_key.batch_index,
             }
+        check_cache_key(cache_key)
         req_valid = cache_key.req_id != U64_MAX
-        prefix_valid = cache_key.prefix_id != U64_MAX
-        if req_valid == prefix_valid:
-            _param_invalid(api, "exactly one of req_id and prefix_id must be set in the cache key")
         return {
             "remote_cluster_id": cache_key.prompt_cluster_id,
             "key_kind": KEY_REQ if req_valid else KEY_PREFIX,
@@ -381,22 +404,23 @@ class KvCacheManager:
         """Copy remote block `prompt_blocks[k]` into local block `decoder_blocks[k]` of every selected tensor.
 
         The remote paged cache is the one the Prompt indexed with `BlocksCacheKey.model_id`; blocks keys are
-        never consumed. kwargs: src_layer_range, dst_layer_range, tensor_num_per_layer (as pull_cache).
-        The local cache must be a blocks cache with blocks of the same size as the remote ones.
+        never consumed. kwargs: src_layer_range, dst_layer_range, tensor_num_per_layer (as pull_cache);
+        other names are ignored, as in the real library. The local cache must be a blocks cache with blocks
+        of the same size as the remote ones.
         """
         api = "pull_blocks"
         core = self._require_core(api)
+        self._check_role(api, LLMRole.DECODER)
         check_isinstance("prompt_cache_key", prompt_cache_key, BlocksCacheKey)
         check_isinstance("decoder_kv_cache", decoder_kv_cache, KvCache)
         check_index_lists(prompt_blocks=prompt_blocks, decoder_blocks=decoder_blocks)
-        layers = parse_layer_kwargs(api, kwargs, _LAYER_KWARGS)
-        self._check_role(api, LLMRole.DECODER)
         if not prompt_blocks or len(prompt_blocks) != len(decoder_blocks):
             _param_invalid(
                 api,
                 f"prompt_blocks ({len(prompt_blocks)}) and decoder_blocks ({len(decoder_blocks)}) must be "
                 "non-empty and of equal length",
             )
+        layers = parse_layer_kwargs(kwargs)
         record = self._record_of(api, core, decoder_kv_cache)
         if not record.is_blocks:
             _param_invalid(api, "decoder_kv_cache must be a blocks cache (allocate_blocks_cache)")
@@ -465,13 +489,15 @@ class KvCacheManager:
 
         A background thread waits for each layer through `layer_synchronizer.synchronize_layer(i, None)` and
         then pushes it to every config that wants it: continuous to continuous (slot `src_batch_index`),
-        paged to paged (`src_block_indices[k]` to `dst_block_indices[k]`), or continuous to blocks (the slot
-        cut into `dst_block_memory_size` pieces). PROMPT only; every destination must have linked to us.
+        paged to paged (`src_block_indices[k]` to `dst_block_indices[k]`); continuous to blocks is refused
+        here, as by the real v1 helper (v2 supports it). PROMPT only; every destination must have linked
+        to us.
         Pulls from a destination cluster get LLM_LINK_BUSY while the transfer runs, and a transfer cannot
         start while one of them is pulling.
         """
         api = "transfer_cache_async"
         core = self._require_core(api)
+        self._check_role(api, LLMRole.PROMPT)
         check_isinstance("src_cache", src_cache, KvCache)
         check_transfer_args(
             api,
@@ -482,10 +508,14 @@ class KvCacheManager:
             dst_block_indices,
             dst_block_memory_size,
         )
-        self._check_role(api, LLMRole.PROMPT)
+        if not src_block_indices and dst_block_indices is not None:
+            # ge's v1 helper refuses continuous to blocks outright (v2 supports it).
+            _param_invalid(api, "transfer from cache to blocks is not supported")
         if len(core.settings.device_ids) > 1:
             _param_invalid(api, "not supported with several devices in one process")
         record = self._record_of(api, core, src_cache)
+        if record.num_tensors % 2:
+            _param_invalid(api, f"cache_desc.num_tensors ({record.num_tensors}) is not even")
         plans = [
             plan_transfer(api, record, config, src_block_indices, dst_block_indices, dst_block_memory_size)
             for config in transfer_configs
@@ -523,8 +553,7 @@ def check_transfer_args(
     check_index_lists(src_block_indices=src_block_indices, dst_block_indices=dst_block_indices)
     if dst_block_memory_size is not None:
         check_uint64("dst_block_memory_size", dst_block_memory_size)
-    if not transfer_configs:
-        _param_invalid(api, "transfer_configs must not be empty")
+    # An empty list is valid, as in the real library: the task pushes nothing and reports LLM_SUCCESS.
 
 
 def start_transfer(

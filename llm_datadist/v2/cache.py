@@ -9,19 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._validate import check_isinstance
+from .._validate import check_isinstance, check_items
 from ..status import LLMStatusCode, make_error
 from .llm_types import CacheDesc, Placement
-
-
-def _check_cpu_cache_args(api: str, cache_desc: CacheDesc, addrs: object) -> None:
-    check_isinstance("cache_desc", cache_desc, CacheDesc)
-    if cache_desc.placement != Placement.HOST:
-        raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, "cpu cache must have placement HOST")
-    check_isinstance("addrs", addrs, (list, tuple))
-    assert isinstance(addrs, (list, tuple))
-    if not addrs:
-        raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, "addrs must not be empty")
 
 
 def _check_addr_list(api: str, name: str, addrs: object, num_tensors: int) -> list[int]:
@@ -76,8 +66,35 @@ class KvCache:
     def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list[int] | list[list[int]]) -> KvCache:
         """A HOST cache over memory the caller owns (used by `swap_blocks`); cache_id is -1."""
         api = "create_cpu_cache"
-        _check_cpu_cache_args(api, cache_desc, addrs)
-        if all(isinstance(item, (list, tuple)) for item in addrs):
+        # The real order: descriptor, placement, a non-empty list, then each item (a list of num_tensors
+        # ints, or an int), all of one kind. Tuples count as lists here.
+        check_isinstance("cache_desc", cache_desc, CacheDesc)
+        if cache_desc.placement != Placement.HOST:
+            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, "cache_desc placement must be HOST")
+        check_isinstance("addrs", addrs, (list, tuple))
+        assert isinstance(addrs, (list, tuple))
+        if not addrs:
+            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, "addrs length should be bigger than zero.")
+        nested = isinstance(addrs[0], (list, tuple))
+        name = "the internal element of addrs"
+        for item in addrs:
+            check_isinstance(name, item, (list, tuple, int))
+            if isinstance(item, (list, tuple)):
+                check_items(name, item, int)
+                if len(item) != cache_desc.num_tensors:
+                    raise make_error(
+                        api,
+                        LLMStatusCode.LLM_PARAM_INVALID,
+                        f"cache_desc num_tensors:{cache_desc.num_tensors} should be equal to size of "
+                        f"the internal element of addrs:{len(item)}",
+                    )
+            if isinstance(item, (list, tuple)) != nested:
+                raise make_error(
+                    api,
+                    LLMStatusCode.LLM_PARAM_INVALID,
+                    "the type of the internal element of addrs should be consistent.",
+                )
+        if nested:
             per_device = [_check_addr_list(api, "addrs", item, cache_desc.num_tensors) for item in addrs]
         else:
             per_device = [_check_addr_list(api, "addrs", addrs, cache_desc.num_tensors)]
@@ -140,7 +157,14 @@ class Cache:
     def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list[int]) -> Cache:
         """A HOST blocks cache over memory the caller owns; cache_id is -1 and `is_blocks_cache` is True."""
         api = "create_cpu_cache"
-        _check_cpu_cache_args(api, cache_desc, addrs)
+        # The real order: descriptor, the address list (type, then items), placement, then the count.
+        check_isinstance("cache_desc", cache_desc, CacheDesc)
+        check_isinstance("addrs", addrs, (list, tuple), inner=int)
+        if cache_desc.placement != Placement.HOST:
+            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, "cache_desc placement must be HOST")
+        assert isinstance(addrs, (list, tuple))
+        if not addrs:
+            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, "addrs must not be empty")
         return cls(-1, cache_desc, _check_addr_list(api, "addrs", addrs, cache_desc.num_tensors), True)
 
     def __repr__(self) -> str:

@@ -18,8 +18,8 @@ from .._core import Core, parse_options
 from .._errors import api_errors
 from .._rank_table import check_link_args
 from .._runtime import parse_listen_ip_info
-from .._validate import check_dict, check_int32, check_int64, check_isinstance, check_uint64
-from ..configs import LLMClusterInfo, LLMRole, ip_int_to_str
+from .._validate import check_dict, check_int32, check_isinstance, check_uint64
+from ..configs import LLMClusterInfo, LLMRole, ip_int_to_str, parse_v1_listen_ip_info
 from ..status import LLMException, LLMStatusCode, make_error
 from ..utils.log import log
 from ..v1.kv_cache_manager import KvCacheManager
@@ -64,6 +64,10 @@ class LLMDataDist:
         with LLMDataDist._instance_lock:
             if self._core is not None:
                 return
+            current = LLMDataDist.llm_engine_instance
+        # As in the real init: another initialised instance is refused before the options are looked at.
+        if current is not None and current is not self:
+            raise LLMException("Cannot init multiple LLMDataDists", status_code=LLMStatusCode.LLM_FAILED)
         check_isinstance("options", options, dict)
         settings = parse_options(self._role, self._cluster_id, dict(options))
         if settings.cache_manager_mode and len(settings.device_ids) > 1:
@@ -165,14 +169,16 @@ class LLMDataDist:
         infos = self._check_clusters(clusters, timeout, api)
         if not self._v2(core) and self._role == LLMRole.PROMPT:
             raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, "in v1 only the DECODER (client) links")
-        if self._v2(core) and not core.settings.local_comm_res:
+        if self._v2(core):
             for info in infos:
-                if not info.local_ip_info_list:
+                if not core.settings.local_comm_res and not info.local_ip_info_list:
                     raise make_error(
                         api,
                         LLMStatusCode.LLM_PARAM_INVALID,
                         "v2 link_clusters needs local ip info (or local_comm_res)",
                     )
+                # The real v2 checks each id (TypeError for an unset one); v1 reports LLM_LINK_FAILED below.
+                check_uint64("remote_cluster_id", info.remote_cluster_id)
         if len(infos) > MAX_CLUSTERS_PER_CALL:
             code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
             return code, [code] * len(infos)
@@ -200,14 +206,14 @@ class LLMDataDist:
         core = self._require_core()
         infos = self._check_clusters(clusters, timeout, api)
         check_isinstance("force", force, bool)
+        for info in infos:
+            check_uint64("remote_cluster_id", info.remote_cluster_id)
         if len(infos) > MAX_CLUSTERS_PER_CALL:
             code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
             return code, [code] * len(infos)
         results: list[LLMStatusCode] = []
         for info in infos:
-            if info.remote_cluster_id is None:
-                results.append(LLMStatusCode.LLM_PARAM_INVALID)
-                continue
+            assert info.remote_cluster_id is not None  # checked above
             code = core.unlink(info.remote_cluster_id, force=force)
             if (
                 code == LLMStatusCode.LLM_NOT_YET_LINK
@@ -224,46 +230,49 @@ class LLMDataDist:
         (LLM_LINK_BUSY while a transfer uses the link, LLM_NOT_YET_LINK without a link)."""
         api = "check_link_status"
         core = self._require_core()
-        check_uint64("remote_cluster_id", remote_cluster_id)
         if self._v2(core):
             raise make_error(
                 api, LLMStatusCode.LLM_PARAM_INVALID, "check_link_status is a KvCacheManager-mode API"
             )
+        check_uint64("remote_cluster_id", remote_cluster_id)
         with api_errors(api):
             core.check_link(remote_cluster_id)
 
     def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
-        """Change this instance's role. v1: needs `enable_switch_role`, refuses the current role, and a
-        PROMPT needs `switch_options["llm.listenIpInfo"]`. v2: no same-role check; giving
-        `llm.listenIpInfo` makes this side serve there (or moves it), leaving it out stops serving. Either
-        way the old listen socket goes, and any remaining link (ours or a peer's to us) is LLM_EXIST_LINK."""
+        """Change this instance's role. v1: refuses the current role, a PROMPT needs
+        `switch_options["llm.listenIpInfo"]`, and the instance needs `enable_switch_role`. v2: no same-role
+        check; giving `llm.listenIpInfo` makes this side serve there (or moves it), leaving it out stops
+        serving. Either way the old listen socket goes, and any remaining link (ours or a peer's to us) is
+        LLM_EXIST_LINK. The argument checks come first and in the real order (see docs/conformance.md)."""
         api = "switch_role"
         core = self._require_core()
         check_isinstance("role", role, LLMRole)
+        v2 = self._v2(core)
+        if not v2 and role == self._role:
+            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"role not changed, role = {role.name}")
         if switch_options is not None:
             check_dict("switch_options", switch_options, str, str)
-        v2 = self._v2(core)
+        options = switch_options or {}
+        listen: tuple[str, int] | None = None
+        if v2:
+            if "llm.listenIpInfo" in options:
+                # As the real v2: "ip:port" in two parts (PI), int(port) (ValueError); "" is one part.
+                listen = parse_listen_ip_info(options["llm.listenIpInfo"], api=api)
+        elif role == LLMRole.PROMPT:
+            if "llm.listenIpInfo" not in options:
+                raise make_error(
+                    api, LLMStatusCode.LLM_PARAM_INVALID, "switching to PROMPT needs llm.listenIpInfo"
+                )
+            listen = parse_v1_listen_ip_info(api, options["llm.listenIpInfo"])
+        # The real v1 leaves llm.EnableSwitchRole to the engine, after every check above.
         if not v2 and not core.settings.enable_switch_role:
             raise make_error(
                 api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "init with enable_switch_role=True first"
             )
-        if not v2 and role == self._role:
-            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"the role is already {role}")
         if len(core.settings.device_ids) > 1:
             raise make_error(
                 api, LLMStatusCode.LLM_PARAM_INVALID, "not supported with several devices in one process"
             )
-        listen: tuple[str, int] | None = None
-        text = (switch_options or {}).get("llm.listenIpInfo")
-        if (not v2 and role == LLMRole.PROMPT) or (v2 and text):
-            if not text:
-                raise make_error(
-                    api, LLMStatusCode.LLM_PARAM_INVALID, "switching to PROMPT needs llm.listenIpInfo"
-                )
-            try:
-                listen = parse_listen_ip_info(text.split(";")[0])
-            except ValueError as exc:
-                raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, str(exc)) from exc
         if core.linked_clusters() or core.server.peers():
             raise make_error(api, LLMStatusCode.LLM_EXIST_LINK, "unlink every cluster first")
         with api_errors(api):
@@ -301,7 +310,7 @@ class LLMDataDist:
             raise make_error(
                 api, LLMStatusCode.LLM_PARAM_INVALID, "unlink is only available in cache-manager mode"
             )
-        check_int64("comm_id", comm_id)
+        check_uint64("comm_id", comm_id)
         with api_errors(api):
             core.unlink_comm(comm_id)
 
@@ -311,7 +320,7 @@ class LLMDataDist:
         core = self._require_core()
         if not self._v2(core):
             raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, "only available in cache-manager mode")
-        check_int64("comm_id", comm_id)
+        check_uint64("comm_id", comm_id)
         with api_errors(api):
             return RegisterMemStatus(core.comm_status(comm_id))
 

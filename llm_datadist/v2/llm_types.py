@@ -12,6 +12,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from enum import Enum, IntEnum
+from typing import TYPE_CHECKING, Any
 
 from llm_datadist._validate import (
     U64_MAX,
@@ -28,12 +29,19 @@ from llm_datadist._validate import (
 from llm_datadist.data_type import DataType, dtype_itemsize
 from llm_datadist.status import raise_if_false, raise_if_true
 
+if TYPE_CHECKING:
+    from .cache import Cache, KvCache
+    from .llm_utils import CacheTask
+
 __all__ = [
     "U64_MAX",
     "BlocksCacheKey",
+    "Cache",
     "CacheDesc",
     "CacheKey",
     "CacheKeyByIdAndIndex",
+    "CacheTask",
+    "KvCache",
     "LayerSynchronizer",
     "MemInfo",
     "Memtype",
@@ -558,3 +566,17 @@ class TransferWithCacheKeyConfig:
             f"src_layer_range={self._src_layer_range}, dst_layer_range={self._dst_layer_range}, "
             f"src_batch_index={self._src_batch_index})"
         )
+
+
+def __getattr__(name: str) -> Any:
+    # The real module defines Cache, KvCache and CacheTask here; ours live in `v2.cache` and `v2.llm_utils`,
+    # which import this module, so they are resolved on first use (PEP 562) instead of imported above.
+    if name in ("Cache", "KvCache"):
+        from . import cache
+
+        return getattr(cache, name)
+    if name == "CacheTask":
+        from .llm_utils import CacheTask
+
+        return CacheTask
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

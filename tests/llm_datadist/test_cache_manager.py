@@ -221,11 +221,20 @@ def test_documented_errors() -> None:
             dd.check_link_status(P)
         assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
         with pytest.raises(LLMException) as exc_info:
-            dd.cache_manager.allocate_cache(CacheDesc(1, [1, 8], DataType.DT_FLOAT16))
-        assert exc_info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+            dd.check_link_status("not an id")  # type: ignore[arg-type]
+        assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID  # the mode is checked first
+        for placement in (Placement.DEVICE, Placement.HOST):
+            desc = CacheDesc(1, [1, 8], DataType.DT_FLOAT16, placement)
+            with pytest.raises(LLMException) as exc_info:
+                dd.cache_manager.allocate_cache(desc)
+            assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID  # no pool configured
+            with pytest.raises(LLMException) as exc_info:
+                dd.cache_manager.allocate_blocks_cache(desc)
+            assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
         local, _ = _numpy_blocks_cache(dd, 2, [4, 8])
-        with pytest.raises(TypeError):
+        with pytest.raises(LLMException) as exc_info:
             dd.cache_manager.pull_blocks(CacheKey(P, 1), local, [], [0])
+        assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID  # no CacheKey one-sided
         with pytest.raises(LLMException) as exc_info:
             dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), local, [0], [0])
         assert exc_info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
@@ -255,9 +264,23 @@ def test_pools_and_out_of_memory() -> None:
         assert exc_info.value.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY
         with pytest.raises(LLMException) as exc_info:
             cm.allocate_cache(CacheDesc(1, [1, 8], DataType.DT_FLOAT16, Placement.HOST))
-        assert exc_info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED  # no host pool
-        with pytest.raises(LLMException):
-            cm.allocate_cache(CacheDesc(1, [2, 8], DataType.DT_FLOAT16), [CacheKey(D, 1), CacheKey(D, 1)])
+        assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID  # no host pool
+        # Identical keys in one call, two padding keys of one model_id included (the native check).
+        padding = 2**64 - 1
+        for keys in (
+            [CacheKey(D, 1), CacheKey(D, 1)],
+            [CacheKey(D, padding), CacheKey(D, padding), CacheKey(D, 1)],
+            [CacheKey(D, padding, 3), CacheKey(P, padding, 3)],
+        ):
+            with pytest.raises(LLMException) as exc_info:
+                cm.allocate_cache(CacheDesc(1, [3, 8], DataType.DT_FLOAT16), keys)
+            assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        # Padding keys of different model_ids are different keys.
+        cm.deallocate_cache(
+            cm.allocate_cache(
+                CacheDesc(1, [3, 8], DataType.DT_FLOAT16), [CacheKey(D, padding, 0), CacheKey(D, padding, 1)]
+            )
+        )
         cm.deallocate_cache(first)
         assert first.tensor_addrs == []
         cm.allocate_cache(CacheDesc(3, [1, 1024, 128], DataType.DT_FLOAT16))
@@ -306,7 +329,7 @@ def test_local_copies_between_pool_registered_and_cpu_caches() -> None:
         for t, view in enumerate(tensor_views_v2(pool)):
             np.testing.assert_array_equal(view.reshape(4, 66)[2], host[t].reshape(4, 66)[3])
         with pytest.raises(LLMException):
-            cm.swap_blocks(registered, pool, {0: 0})  # neither side is a cpu cache
+            cm.swap_blocks(registered, pool, {0: 0})  # DEVICE to DEVICE
         with pytest.raises(LLMException):
             cm.copy_blocks(registered, {0: [9]})
         continuous = cm.allocate_cache(CacheDesc(2, [3, 50], DataType.DT_FLOAT16))
@@ -438,9 +461,16 @@ def test_mode_specific_arguments() -> None:
     with _Decoder(remote_access=False) as dd:
         cm = dd.cache_manager
         source = cm.allocate_cache(CacheDesc(2, [1, 64], DataType.DT_FLOAT16))
+        # Remote cache access is checked before any argument.
         with pytest.raises(LLMException) as exc_info:
             cm.push_cache(CacheKeyByIdAndIndex(P, 1, 0), source)
-        assert exc_info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED  # needs remote access
+        assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        with pytest.raises(LLMException) as exc_info:
+            cm.push_cache("key", source, src_batch_index=-1)  # type: ignore[arg-type]
+        assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        with pytest.raises(LLMException) as exc_info:
+            cm.push_blocks("key", source, [0], [0])  # type: ignore[arg-type]
+        assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
         key_config = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(P, 1, 0), range(0, 1), range(0, 1))
         with pytest.raises(TypeError):
             cm.transfer_cache_async(source, _Synchronizer("go", None), [key_config])

@@ -257,7 +257,9 @@ def _table_entry(draw: st.DrawFn, v: _View) -> tuple[object, ...]:
 @st.composite
 def _table(draw: st.DrawFn, v: _View) -> Table:
     entries = draw(st.lists(_table_entry(v), max_size=3))
-    return Table(draw(_U32), draw(_plausible([v.pid], _U32)), draw(_plausible_name(v)), entries, draw(_U64))
+    return Table(
+        draw(_U32), draw(_plausible([v.pid], _U32)), draw(_plausible_name(v)), entries, draw(_U64), draw(_U64)
+    )
 
 
 def _any_of(strategies: dict[type[Message], st.SearchStrategy[Message]]) -> st.SearchStrategy[Message]:
@@ -1085,7 +1087,7 @@ def _one_of_each(owner: _Owner) -> None:
         BlocksGrant(1, granted[2], seg, 64, [0], 8, 8),
         WriteGrant(1, granted[2], [seg], [64], [0], [0]),
         Location(1, granted[2], owner.peer.pid, "", 0, [0], 8, 8, 0),
-        Table(1, owner.peer.pid, seg, [entry], 0),
+        Table(1, owner.peer.pid, seg, [entry], 0, 1),
         Ack(1),
         Error(1, -1, "no"),
         Pong(1),

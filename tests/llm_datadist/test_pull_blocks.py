@@ -142,8 +142,13 @@ def test_argument_types(linked) -> None:  # type: ignore[no-untyped-def]
         kvm.pull_blocks(BlocksCacheKey(P, 0), local, 0, [0])  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         kvm.pull_blocks(BlocksCacheKey(P, 0), local, [-1], [0])
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError):
+        kvm.pull_blocks(BlocksCacheKey(P, 0), local, [0], [0], src_layer_range=range(2**32, 2**32 + 1))
+    # Other keyword arguments are ignored, as the real `kwargs.get` ignores them: the pull goes ahead (and
+    # finds nothing under model_id 0 here).
+    with pytest.raises(LLMException) as exc_info:
         kvm.pull_blocks(BlocksCacheKey(P, 0), local, [0], [0], src_cache_offset=0)
+    assert _status(exc_info) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
 
 
 def test_blocks_keys_only_on_prompt_and_pull_only_on_decoder(linked) -> None:  # type: ignore[no-untyped-def]

@@ -25,7 +25,7 @@ from llm_datadist import (
     LLMStatusCode,
 )
 from llm_datadist.ext import tensor_views
-from tests._peer import PromptPeer, decoder
+from tests._peer import PROMPT_IP, PromptPeer, decoder
 
 U64_MAX = 2**64 - 1
 P = 1  # the Prompt's cluster id
@@ -337,7 +337,28 @@ def test_argument_types_are_checked(linked) -> None:  # type: ignore[no-untyped-
     with pytest.raises(TypeError):
         kvm.pull_cache(CacheKey(P, 1), dst, src_layer_range=[0, 1])
     with pytest.raises(TypeError):
+        kvm.pull_cache(CacheKey(P, 1), dst, src_cache_offset="0")
+    with pytest.raises(ValueError):
+        kvm.pull_cache(CacheKey(P, 1), dst, dst_cache_offset=2**63)
+    with pytest.raises(ValueError):
+        kvm.pull_cache(CacheKey(P, 1), dst, src_layer_range=range(2**32, 2**32 + 1))
+    # Other keyword arguments are ignored, as the real `kwargs.get` ignores them: the pull goes ahead (and
+    # finds no such key over there).
+    with pytest.raises(LLMException) as exc_info:
         kvm.pull_cache(CacheKey(P, 1), dst, no_such_option=1)
+    assert _status(exc_info) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+
+
+@pytest.mark.parametrize("name", ["src_cache_offset", "dst_cache_offset"])
+def test_negative_offset_is_value_error(linked, name) -> None:  # type: ignore[no-untyped-def]
+    # The real `check_positive_or_set_default`: a ValueError with its message, before anything is sent.
+    peer, dd = linked
+    peer.alloc(4, [1, 64], [(P, 1)])
+    kvm = dd.kv_cache_manager
+    dst = kvm.allocate_cache(_desc(4, [1, 64]))
+    with pytest.raises(ValueError, match=f"^{name}'s value:-1 is invalid, should be >= 0$"):
+        kvm.pull_cache(CacheKey(P, 1), dst, **{name: -1})
+    assert peer.stats()["keys"] == 1
 
 
 @pytest.mark.parametrize(
@@ -349,7 +370,6 @@ def test_argument_types_are_checked(linked) -> None:  # type: ignore[no-untyped-
         ({"batch_index": 1}, "batch index beyond the batch"),
         ({"dst_cache_offset": 100, "size": 29}, "offset + size beyond the slot"),
         ({"dst_cache_offset": 128}, "offset leaves nothing"),
-        ({"src_cache_offset": -1}, "negative offset"),
         ({"src_layer_range": range(0, 2, 2)}, "step 2"),
         ({"src_layer_range": range(0, 1), "dst_layer_range": range(0, 2)}, "ranges of different length"),
         ({"src_layer_range": range(0, 1)}, "source range smaller than the destination"),
@@ -516,7 +536,13 @@ def test_a_decoder_killed_while_holding_a_lease_leaves_the_key_pullable(linked, 
 
 def test_several_devices_in_one_process_pull_every_device(seed: int) -> None:
     two_devices = {"ge.exec.deviceId": "0;1", "ge.session_device_id": "0"}
-    with PromptPeer(P, _port(), seed, extra=two_devices) as peer, decoder(extra=two_devices) as dd:
+    port = _port()
+    # A v1 PROMPT names one listen address per device (the real check); this host serves on the first.
+    listen = {"llm.listenIpInfo": f"{PROMPT_IP}:{port};{PROMPT_IP}:{_port()}"}
+    with (
+        PromptPeer(P, port, seed, extra={**two_devices, **listen}) as peer,
+        decoder(extra=two_devices) as dd,
+    ):
         assert dd.link_clusters([peer.cluster_info()])[0] == LLMStatusCode.LLM_SUCCESS
         cache_id = peer.alloc(2, [1, 100], [(P, 1)])
         assert len(peer.call("addrs", cache_id)) == 2

@@ -4,6 +4,7 @@ addresses, as its synchronizer releases them. Continuous, paged and continuous-t
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import numpy as np
@@ -94,25 +95,54 @@ def test_paged_push_moves_block_tables(linked, seed: int) -> None:  # type: igno
         assert not got[sorted(set(range(10)) - set(dst_blocks))].any()
 
 
-def test_continuous_slot_cut_into_destination_blocks(linked) -> None:  # type: ignore[no-untyped-def]
+def test_continuous_slot_into_destination_blocks_is_refused_in_v1(linked) -> None:  # type: ignore[no-untyped-def]
+    # ge's v1 helper: a continuous source with dst_block_indices (even empty) is PARAM_INVALID.
     peer, dd = linked
-    cache_id = peer.alloc(2, [1, 250], [])  # one layer; a 500-byte slot per tensor
-    dst = dd.kv_cache_manager.allocate_blocks_cache(
-        CacheDesc(2, [6, 100], DataType.DT_FLOAT16)
-    )  # 200-byte blocks
-    for raw in _raw(dst):
-        raw[:] = 0
-    dst_blocks = [4, 1, 5]  # 200 + 200 + 100 bytes
-    task = peer.call(
-        "transfer", (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], None, dst_blocks, 200, "go")
-    )
-    assert peer.call("task_sync", (task, 20000)) == SUCCESS
-    for t, raw in enumerate(_raw(dst)):
-        source = peer.expected(cache_id, t, 500)
-        np.testing.assert_array_equal(raw[800:1000], source[0:200])
-        np.testing.assert_array_equal(raw[200:400], source[200:400])
-        np.testing.assert_array_equal(raw[1000:1100], source[400:500])
-        assert not raw[1100:].any() and not raw[:200].any()
+    cache_id = peer.alloc(2, [1, 250], [])
+    dst = dd.kv_cache_manager.allocate_blocks_cache(CacheDesc(2, [6, 100], DataType.DT_FLOAT16))
+    for dst_blocks in ([4, 1, 5], []):
+        with pytest.raises(RuntimeError, match="LLM_PARAM_INVALID"):
+            peer.call(
+                "transfer",
+                (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], None, dst_blocks, 200, "go"),
+            )
+
+
+def test_continuous_slot_cut_into_destination_blocks_in_v2(seed: int) -> None:
+    from llm_datadist import LLMClusterInfo, LLMConfig, LLMDataDist, LLMRole
+    from tests._peer import PROMPT_IP, tensor_views_v2
+
+    pool = json.dumps({"memory_size": 16 << 20, "page_shift": 16})
+    v2 = {"llm.EnableCacheManager": "1", "llm.EnableRemoteCacheAccessible": "0", "llm.MemPoolConfig": pool}
+    with PromptPeer(P, next(_ports), seed, extra=v2) as peer:
+        dd = LLMDataDist(LLMRole.DECODER, D)
+        config = LLMConfig()
+        config.device_id = 0
+        dd.init({**config.generate_options(), **v2})
+        try:
+            info = LLMClusterInfo()
+            info.remote_cluster_id = P
+            info.append_local_ip_info(PROMPT_IP, 0)
+            info.append_remote_ip_info(PROMPT_IP, peer.port)
+            assert dd.link_clusters([info])[0] == LLMStatusCode.LLM_SUCCESS
+            cache_id = peer.call("v2_alloc", (2, [1, 250], [], None))  # one layer; a 500-byte slot
+            dst = dd.cache_manager.allocate_blocks_cache(CacheDesc(2, [6, 100], DataType.DT_FLOAT16))
+            views = tensor_views_v2(dst)  # 200-byte blocks
+            for view in views:
+                view[:] = 0
+            dst_blocks = [4, 1, 5]  # 200 + 200 + 100 bytes
+            task = peer.call(
+                "transfer", (cache_id, [(D, dst.tensor_addrs, None, 0)], None, dst_blocks, 200, "go")
+            )
+            assert peer.call("task_sync", (task, 20000)) == SUCCESS
+            for t, raw in enumerate(views):
+                source = peer.expected(cache_id, t, 500)
+                np.testing.assert_array_equal(raw[800:1000], source[0:200])
+                np.testing.assert_array_equal(raw[200:400], source[200:400])
+                np.testing.assert_array_equal(raw[1000:1100], source[400:500])
+                assert not raw[1100:].any() and not raw[:200].any()
+        finally:
+            dd.finalize()
 
 
 def test_layer_range_pushes_only_those_layers(linked) -> None:  # type: ignore[no-untyped-def]
