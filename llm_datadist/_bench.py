@@ -619,7 +619,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"[{index}/{len(steps)}] {name} ({time.monotonic() - started:.0f} s)", file=sys.stderr)
         step()
-    from shm.reaper import reap
+    from llm_datadist._shm.reaper import reap
 
     reap()
     _report(results)

@@ -12,7 +12,7 @@ from . import _bench, _demo, _soak
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from shm.reaper import reap
+    from llm_datadist._shm.reaper import reap
 
     from ._runtime import remove_stale_sockets
 
@@ -28,7 +28,7 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from shm.reaper import list_segments
+    from llm_datadist._shm.reaper import list_segments
 
     segments = list_segments()
     print(f"{'segment':<64} {'pid':>8} {'owner':>6} {'bytes':>14}")

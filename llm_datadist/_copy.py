@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from shm.copyplan import (
+from llm_datadist._shm.copyplan import (
     BlockPlan,
     Run,
     StridedCopy,
@@ -28,7 +28,7 @@ from shm.copyplan import (
     execute_strided,
     split_runs,
 )
-from shm.errors import ShmError
+from llm_datadist._shm.errors import ShmError
 
 from ._vm import VmError, VmNotPermitted, read_from_arrays, write_to_arrays
 

@@ -28,7 +28,7 @@ from typing import TypeVar, cast
 
 import psutil
 
-from protocol.messages import (
+from llm_datadist._protocol.messages import (
     BlocksGrant,
     BlocksRequest,
     Location,
@@ -44,14 +44,14 @@ from protocol.messages import (
     WriteGrant,
     WriteRequest,
 )
-from shm.copyplan import BlockPlan, Run, StridedCopy, plan_tensor_copy
-from shm.errors import ShmError
-from shm.generations import read_generation
-from shm.mappings import segment_exists
-from shm.names import parse_segment_name
-from shm.pool import Pool
-from shm.reaper import reap
-from shm.segment import Segment
+from llm_datadist._shm.copyplan import BlockPlan, Run, StridedCopy, plan_tensor_copy
+from llm_datadist._shm.errors import ShmError
+from llm_datadist._shm.generations import read_generation
+from llm_datadist._shm.mappings import segment_exists
+from llm_datadist._shm.names import parse_segment_name
+from llm_datadist._shm.pool import Pool
+from llm_datadist._shm.reaper import reap
+from llm_datadist._shm.segment import Segment
 
 from ._copy import Copier, address_view, vm_columns
 from ._engine import KEY_CACHE_ID, CacheRecord, CacheTable

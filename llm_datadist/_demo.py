@@ -172,7 +172,7 @@ def _copy_bandwidth(nbytes: int, threads: int, repeats: int = 3, *, shared: bool
     Private numpy buffers get transparent huge pages where the kernel allows them; `shared=True` measures
     between two prefaulted shared-memory segments instead (4 KiB pages on tmpfs), which bounds a pull.
     """
-    from shm.segment import Segment
+    from llm_datadist._shm.segment import Segment
 
     segments: list[Segment] = []
     if shared:
@@ -594,7 +594,7 @@ def _run_pair(
             if process.is_alive():
                 process.kill()
                 process.join(10)
-        from shm.reaper import reap
+        from llm_datadist._shm.reaper import reap
 
         reap()
     return result

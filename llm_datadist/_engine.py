@@ -17,10 +17,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from shm.errors import OutOfPoolMemory, ShmError
-from shm.generations import GenerationTable
-from shm.pool import Block, Pool
-from shm.segment import Segment
+from llm_datadist._shm.errors import OutOfPoolMemory, ShmError
+from llm_datadist._shm.generations import GenerationTable
+from llm_datadist._shm.pool import Block, Pool
+from llm_datadist._shm.segment import Segment
 
 from ._errors import StatusError
 from .status import LLMStatusCode

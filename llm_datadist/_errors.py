@@ -8,8 +8,8 @@ ValueError, LLMException) raised by validation pass through untouched.
 
 from __future__ import annotations
 
-from protocol.errors import ProtocolError
-from shm.errors import OutOfPoolMemory, ShmError
+from llm_datadist._protocol.errors import ProtocolError
+from llm_datadist._shm.errors import OutOfPoolMemory, ShmError
 
 from .status import LLMException, LLMStatusCode, make_error
 

@@ -855,7 +855,7 @@ class Figures:
 
 
 def _segment_pid(name: str) -> int | None:
-    from shm.names import parse_segment_name
+    from llm_datadist._shm.names import parse_segment_name
 
     owner = parse_segment_name(name)
     return None if owner is None else owner.pid

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from protocol.connection import Closed, Connection, ConnRole, ConnState
-from protocol.errors import ProtocolError
-from protocol.messages import (
+from llm_datadist._protocol.connection import Closed, Connection, ConnRole, ConnState
+from llm_datadist._protocol.errors import ProtocolError
+from llm_datadist._protocol.messages import (
     MAX_TABLE_ENTRIES,
     PROTOCOL_VERSION,
     Ack,
@@ -51,8 +51,8 @@ from protocol.messages import (
     WriteGrant,
     WriteRequest,
 )
-from shm.mappings import MappingCache
-from shm.segment import Segment
+from llm_datadist._shm.mappings import MappingCache
+from llm_datadist._shm.segment import Segment
 
 from ._engine import CacheTable
 from ._errors import PeerGone, StatusError, TransferTimeout

@@ -4,16 +4,16 @@ Imports the standard library and msgpack only (no sockets, threads, numpy or sha
 is testable with plain bytes. `llm_datadist/` owns the sockets and feeds bytes through `Connection`.
 """
 
-from protocol.connection import SENDABLE, Closed, Connection, ConnPhase, ConnRole, ConnState
-from protocol.errors import (
+from .connection import SENDABLE, Closed, Connection, ConnPhase, ConnRole, ConnState
+from .errors import (
     FrameTooLarge,
     LocalProtocolError,
     MalformedFrame,
     ProtocolError,
     RemoteProtocolError,
 )
-from protocol.frames import DEFAULT_MAX_FRAME_NBYTES, HEADER_NBYTES, FrameDecoder, encode_frame
-from protocol.messages import (
+from .frames import DEFAULT_MAX_FRAME_NBYTES, HEADER_NBYTES, FrameDecoder, encode_frame
+from .messages import (
     KEY_BLOCKS,
     KEY_CACHE_ID,
     KEY_PREFIX,

@@ -14,9 +14,9 @@ from typing import NoReturn
 
 import msgpack
 
-from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from protocol.frames import DEFAULT_MAX_FRAME_NBYTES, FrameDecoder, encode_frame
-from protocol.messages import (
+from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from .frames import DEFAULT_MAX_FRAME_NBYTES, FrameDecoder, encode_frame
+from .messages import (
     Ack,
     Announce,
     BlocksGrant,

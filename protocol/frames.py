@@ -12,7 +12,7 @@ from typing import NoReturn
 
 import msgpack
 
-from protocol.errors import FrameTooLarge, MalformedFrame, ProtocolError
+from .errors import FrameTooLarge, MalformedFrame, ProtocolError
 
 __all__ = ["DEFAULT_MAX_FRAME_NBYTES", "HEADER_NBYTES", "FrameDecoder", "encode_frame"]
 

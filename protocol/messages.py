@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Self, TypeGuard, TypeVar
 
-from protocol.errors import MalformedFrame
+from .errors import MalformedFrame
 
 __all__ = [
     "I64",

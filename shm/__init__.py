@@ -4,8 +4,8 @@ peers' segments, the reaper for dead owners' leftovers, and copy plans executed 
 Owns bytes and lifetimes only: no sockets, no threads, no protocol. Not thread-safe; callers serialise.
 """
 
-from shm.copyplan import Run, check_runs, execute, merge_runs, plan_block_copy, plan_tensor_copy, split_runs
-from shm.errors import (
+from .copyplan import Run, check_runs, execute, merge_runs, plan_block_copy, plan_tensor_copy, split_runs
+from .errors import (
     InvalidRange,
     OutOfPoolMemory,
     ProcessGone,
@@ -14,8 +14,8 @@ from shm.errors import (
     SharedMemoryExhausted,
     ShmError,
 )
-from shm.mappings import MappingCache
-from shm.names import (
+from .mappings import MappingCache
+from .names import (
     NAME_PREFIX,
     SegmentOwner,
     make_segment_name,
@@ -23,9 +23,9 @@ from shm.names import (
     parse_segment_name,
     process_start_ticks,
 )
-from shm.pool import Block, Pool
-from shm.reaper import SHM_DIR, SegmentInfo, list_segments, reap
-from shm.segment import PAGE_NBYTES, Segment
+from .pool import Block, Pool
+from .reaper import SHM_DIR, SegmentInfo, list_segments, reap
+from .segment import PAGE_NBYTES, Segment
 
 __all__ = [
     "NAME_PREFIX",

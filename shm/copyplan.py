@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shm.errors import InvalidRange
+from .errors import InvalidRange
 
 __all__ = [
     "BlockPlan",

@@ -24,8 +24,8 @@ import struct
 
 import numpy as np
 
-from shm.errors import ShmError
-from shm.segment import Segment
+from .errors import ShmError
+from .segment import Segment
 
 __all__ = ["DEFAULT_CAPACITY", "GenerationTable", "read_generation"]
 

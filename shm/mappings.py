@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 
-from shm.errors import SegmentTooSmall
-from shm.reaper import SHM_DIR
-from shm.segment import Segment
+from .errors import SegmentTooSmall
+from .reaper import SHM_DIR
+from .segment import Segment
 
 __all__ = ["MappingCache", "segment_exists"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from shm.errors import ProcessGone
+from .errors import ProcessGone
 
 NAME_PREFIX = "llmdd"
 

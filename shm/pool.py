@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from shm.errors import OutOfPoolMemory, ShmError
-from shm.segment import PAGE_NBYTES, Segment
+from .errors import OutOfPoolMemory, ShmError
+from .segment import PAGE_NBYTES, Segment
 
 __all__ = ["Block", "Pool"]
 

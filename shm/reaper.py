@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from shm.names import SegmentOwner, owner_alive, parse_segment_name
+from .names import SegmentOwner, owner_alive, parse_segment_name
 
 __all__ = ["SHM_DIR", "SegmentInfo", "list_segments", "reap"]
 

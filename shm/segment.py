@@ -19,8 +19,8 @@ import numpy as np
 import numpy.typing as npt
 import posix_ipc
 
-from shm.errors import InvalidRange, SegmentNotFound, SegmentTooSmall, SharedMemoryExhausted, ShmError
-from shm.names import make_segment_name
+from .errors import InvalidRange, SegmentNotFound, SegmentTooSmall, SharedMemoryExhausted, ShmError
+from .names import make_segment_name
 
 PAGE_NBYTES = mmap.PAGESIZE
 

@@ -384,9 +384,9 @@ class Node:
 def probe(port: int, remote_cluster_id: int, probe_cluster_id: int, timeout_s: float = 10.0) -> str | None:
     """Whether the server at `port` still serves: a fresh link's handshake and one ping. None when it
     answered, else why not."""
+    from llm_datadist._protocol.messages import Ping, Pong
     from llm_datadist._runtime import socket_path
     from llm_datadist._transport import ClientLink
-    from protocol.messages import Ping, Pong
 
     deadline = time.monotonic() + timeout_s
     try:

@@ -382,8 +382,8 @@ def _lease_holder_main(pipe: Connection, socket_file: str, remote_cluster_id: in
     import time
     from pathlib import Path
 
+    from llm_datadist._protocol.messages import KEY_REQ, PullRequest
     from llm_datadist._transport import ClientLink
-    from protocol.messages import KEY_REQ, PullRequest
 
     link = ClientLink.connect(
         Path(socket_file),

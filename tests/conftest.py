@@ -57,7 +57,7 @@ def _runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
 def _ours(name: str, descendants: set[int]) -> bool:
     """Whether a new /dev/shm entry can be this test's: made by us, by a descendant, or by a dead process.
     A segment of a live, unrelated process belongs to another session running at the same time."""
-    from shm.names import owner_alive, parse_segment_name
+    from llm_datadist._shm.names import owner_alive, parse_segment_name
 
     owner = parse_segment_name(name)
     if owner is None:

@@ -30,6 +30,8 @@ FORBIDDEN = {
 
 
 def _imported_roots(path: Path) -> set[str]:
+    """Top-level names a module imports; a relative import that climbs above its own folder counts as
+    importing `llm_datadist` (where shm/ and protocol/ are installed, as _shm and _protocol)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     roots: set[str] = set()
     for node in ast.walk(tree):
@@ -37,6 +39,8 @@ def _imported_roots(path: Path) -> set[str]:
             roots.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             roots.add(node.module.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.level > 1:
+            roots.add("llm_datadist")
     return roots
 
 
@@ -56,3 +60,19 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("import socket\nfrom shm.pool import Pool\nfrom . import sibling\n")
     assert _imported_roots(sample) == {"socket", "shm"}
+    sample.write_text("from .. import _core\n")
+    assert _imported_roots(sample) == {"llm_datadist"}
+
+
+def test_the_rooms_are_installed_under_the_package() -> None:
+    """shm/ and protocol/ are installed as llm_datadist._shm and llm_datadist._protocol (the links in
+    llm_datadist/ point at the folders), never as top-level packages of those generic names."""
+    import llm_datadist._protocol.messages
+    import llm_datadist._shm.segment
+
+    assert (ROOT / "llm_datadist" / "_shm").resolve() == ROOT / "shm"
+    assert (ROOT / "llm_datadist" / "_protocol").resolve() == ROOT / "protocol"
+    assert Path(llm_datadist._shm.segment.__file__).resolve().parent == ROOT / "shm"
+    assert Path(llm_datadist._protocol.messages.__file__).resolve().parent == ROOT / "protocol"
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'include = ["llm_datadist*"]' in text

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 import numpy.typing as npt
 
-from shm.copyplan import plan_block_copy, plan_tensor_copy
+from llm_datadist._shm.copyplan import plan_block_copy, plan_tensor_copy
 
 from .._engine import CacheRecord
 from .._errors import api_errors

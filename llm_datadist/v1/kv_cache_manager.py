@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from shm.copyplan import Run, plan_block_copy
+from llm_datadist._shm.copyplan import Run, plan_block_copy
 
 from .._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
 from .._errors import api_errors

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from shm.copyplan import plan_block_copy
+from llm_datadist._shm.copyplan import plan_block_copy
 
 from .._copy import address_view
 from .._core import PLACEMENT_DEVICE, PLACEMENT_HOST, RemoteCache, UnitRun
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     # (remote slot, remote unit bytes, remote unit count) -> the byte runs to copy in every tensor.
     _RunsFor = Callable[[int, int, int], list[UnitRun]]
 
-from protocol.messages import ResolveRequest
+from llm_datadist._protocol.messages import ResolveRequest
 
 # The real library caps the addresses registered over all register calls (240; 256 before 8.1).
 MAX_REGISTERED_ADDRS = 240

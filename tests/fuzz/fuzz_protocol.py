@@ -12,10 +12,10 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from protocol.connection import Closed, Connection, ConnRole
-    from protocol.errors import ProtocolError
-    from protocol.frames import encode_frame
-    from protocol.messages import PROTOCOL_VERSION, Hello, Welcome
+    from llm_datadist._protocol.connection import Closed, Connection, ConnRole
+    from llm_datadist._protocol.errors import ProtocolError
+    from llm_datadist._protocol.frames import encode_frame
+    from llm_datadist._protocol.messages import PROTOCOL_VERSION, Hello, Welcome
 
 _HELLO = encode_frame(Hello(PROTOCOL_VERSION, 1, 2, 2, 4242, 1).to_wire())
 _WELCOME = encode_frame(Welcome(PROTOCOL_VERSION, 2, 1, 4343, 2).to_wire())

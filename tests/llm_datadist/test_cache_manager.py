@@ -420,8 +420,8 @@ def test_v2_timeout_is_llm_timeout(seed: int) -> None:
 
 
 def test_forged_requests_are_refused_without_touching_memory(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    from llm_datadist._protocol.messages import KEY_BLOCKS, ResolveRequest, WriteRequest
     from llm_datadist._transport import ClientLink
-    from protocol.messages import KEY_BLOCKS, ResolveRequest, WriteRequest
 
     extra = _v2_options(remote_access=False)
     port = next(_ports)

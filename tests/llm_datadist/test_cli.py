@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from shm.segment import Segment
+from llm_datadist._shm.segment import Segment
 
 CLI = [sys.executable, "-m", "llm_datadist._cli"]
 
@@ -36,7 +36,7 @@ def test_ls_and_gc_find_a_dead_processs_segment() -> None:
     # A child creates a segment and is SIGKILLed before it can unlink it.
     code = (
         "import time\n"
-        "from shm.segment import Segment\n"
+        "from llm_datadist._shm.segment import Segment\n"
         "s = Segment.create(3333)\n"
         "print(s.name, flush=True)\n"
         "time.sleep(600)\n"

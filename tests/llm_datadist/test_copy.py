@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from llm_datadist import _copy
 from llm_datadist._copy import Copier
-from shm.copyplan import BlockPlan
-from shm.errors import InvalidRange
+from llm_datadist._shm.copyplan import BlockPlan
+from llm_datadist._shm.errors import InvalidRange
 from tests.shm.test_shm_blockplan import reference_blocks
 
 
@@ -131,8 +131,8 @@ def test_memory_vanishing_under_a_mapping_is_an_error_not_a_crash(copier: Copier
 
     import posix_ipc
 
-    from shm.errors import ShmError
-    from shm.segment import Segment
+    from llm_datadist._shm.errors import ShmError
+    from llm_datadist._shm.segment import Segment
 
     segment = Segment.create(1 << 20)
     try:

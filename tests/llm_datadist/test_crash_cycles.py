@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from llm_datadist import CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode
+from llm_datadist._shm.names import parse_segment_name
 from llm_datadist.ext import tensor_views
-from shm.names import parse_segment_name
 from tests._peer import PromptPeer, decoder
 
 CYCLES = 5

@@ -89,7 +89,7 @@ def test_decoder_killed_mid_push(_runtime_dir) -> None:  # type: ignore[no-untyp
         assert time.monotonic() - started < 10
         assert task.get_results(0) == [code]
         # The Prompt, having seen its peer die, removed the segments the Decoder left.
-        from shm.names import parse_segment_name
+        from llm_datadist._shm.names import parse_segment_name
 
         left = [
             n
@@ -106,6 +106,6 @@ def test_decoder_killed_mid_push(_runtime_dir) -> None:  # type: ignore[no-untyp
         decoder.join(10)
         pipe.close()
         prompt.finalize()
-        from shm.reaper import reap
+        from llm_datadist._shm.reaper import reap
 
         reap()

@@ -9,8 +9,8 @@ import pytest
 
 from llm_datadist._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheTable
 from llm_datadist._errors import StatusError
+from llm_datadist._shm.pool import Pool
 from llm_datadist.status import LLMStatusCode
-from shm.pool import Pool
 
 
 @pytest.fixture

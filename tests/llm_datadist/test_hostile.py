@@ -35,10 +35,8 @@ from llm_datadist import (
     LLMRole,
     LLMStatusCode,
 )
-from llm_datadist._transport import MAX_CONNECTIONS, ClientLink
-from llm_datadist.ext import tensor_views
-from protocol.frames import DEFAULT_MAX_FRAME_NBYTES, FrameDecoder, encode_frame
-from protocol.messages import (
+from llm_datadist._protocol.frames import DEFAULT_MAX_FRAME_NBYTES, FrameDecoder, encode_frame
+from llm_datadist._protocol.messages import (
     KEY_BLOCKS,
     KEY_CACHE_ID,
     KEY_PREFIX,
@@ -68,6 +66,8 @@ from protocol.messages import (
     WriteRequest,
     decode_message,
 )
+from llm_datadist._transport import MAX_CONNECTIONS, ClientLink
+from llm_datadist.ext import tensor_views
 from tests._peer import PROMPT_IP, PromptPeer, decoder, prompt_options, tensor_views_v2
 
 P = 1

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from llm_datadist import LLMClusterInfo, LLMException, LLMStatusCode
-from protocol.frames import encode_frame
+from llm_datadist._protocol.frames import encode_frame
 from tests._peer import PROMPT_IP, PromptPeer, decoder
 
 P = 1
@@ -121,7 +121,7 @@ def test_stale_socket_of_a_dead_prompt_is_replaced(seed: int, _runtime_dir) -> N
     assert (_runtime_dir / f"{PROMPT_IP}_{port}.sock").exists()
     with PromptPeer(P, port, seed) as peer, decoder() as dd:
         assert dd.link_clusters([peer.cluster_info()])[0] == LLMStatusCode.LLM_SUCCESS
-    from shm.reaper import reap
+    from llm_datadist._shm.reaper import reap
 
     reap()
 
@@ -134,8 +134,8 @@ def test_second_prompt_on_a_taken_address_fails(seed: int) -> None:
 
 def _hello_as(uid: int, path: str, remote_cluster_id: int, version: int | None = None) -> str:
     """Fork a child that runs as `uid`, connects, says Hello and reports what the server answered."""
-    from protocol.connection import Connection, ConnRole
-    from protocol.messages import PROTOCOL_VERSION, Hello
+    from llm_datadist._protocol.connection import Connection, ConnRole
+    from llm_datadist._protocol.messages import PROTOCOL_VERSION, Hello
 
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -196,7 +196,7 @@ def test_a_process_of_another_uid_is_refused(seed: int, _runtime_dir) -> None:  
 
 
 def test_a_different_protocol_version_is_refused(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
-    from protocol.messages import PROTOCOL_VERSION
+    from llm_datadist._protocol.messages import PROTOCOL_VERSION
 
     port = next(_ports)
     with PromptPeer(P, port, seed):

@@ -859,7 +859,7 @@ def _run(machine: type[_Machine], seed: int, monkeypatch: pytest.MonkeyPatch) ->
     finally:
         _CLUSTER = None
         cluster.close()
-        from shm.reaper import reap
+        from llm_datadist._shm.reaper import reap
 
         reap()  # what a SIGKILLed owner left, if no survivor noticed it
 

@@ -505,7 +505,7 @@ def test_killed_prompt_is_noticed_at_once(seed: int) -> None:
         assert time.monotonic() - started < 5.0  # EOF, not the 60 s timeout
         assert _status(exc_info) == LLMStatusCode.LLM_LINK_FAILED
         # The dead Prompt's segments are reaped by the next start on the host.
-        from shm.reaper import reap
+        from llm_datadist._shm.reaper import reap
 
         reap()
 
@@ -566,8 +566,8 @@ def test_several_devices_in_one_process_pull_every_device(seed: int) -> None:
 def test_a_prompt_killed_during_the_copy_leaves_the_bytes_readable(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
     # The Decoder's side of a pull, step by step: granted, then the Prompt dies before the copy.
     from llm_datadist._errors import PeerGone
+    from llm_datadist._protocol.messages import KEY_REQ, Ping, PullGrant, PullRequest, Release
     from llm_datadist._transport import ClientLink
-    from protocol.messages import KEY_REQ, Ping, PullGrant, PullRequest, Release
 
     with PromptPeer(P, _port(), seed) as peer:
         cache_id = peer.alloc(2, [1, 3333], [(P, 1)])
@@ -597,6 +597,6 @@ def test_a_prompt_killed_during_the_copy_leaves_the_bytes_readable(seed: int, _r
                 link.request(Ping(seq), seq, time.monotonic() + 5)  # the next exchange fails at once
         finally:
             link.close(say_bye=False)
-        from shm.reaper import reap
+        from llm_datadist._shm.reaper import reap
 
         reap()

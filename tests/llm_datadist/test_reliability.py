@@ -33,11 +33,19 @@ from llm_datadist import (
 )
 from llm_datadist._engine import KEY_BLOCKS, CacheTable
 from llm_datadist._errors import PeerGone, StatusError
+from llm_datadist._protocol.frames import encode_frame
+from llm_datadist._protocol.messages import (
+    PROTOCOL_VERSION,
+    Hello,
+    Location,
+    Ping,
+    Pong,
+    Release,
+    ResolveRequest,
+)
+from llm_datadist._shm.pool import Pool
 from llm_datadist._transport import ClientLink, Server, ServerHooks
 from llm_datadist.ext import tensor_views
-from protocol.frames import encode_frame
-from protocol.messages import PROTOCOL_VERSION, Hello, Location, Ping, Pong, Release, ResolveRequest
-from shm.pool import Pool
 from tests._peer import PROMPT_IP, PromptPeer, decoder, tensor_views_v2
 
 P, D = 1, 2
@@ -205,7 +213,7 @@ def test_an_exception_while_handling_one_message_drops_only_that_connection(tmp_
             path, cluster_id=4, remote_cluster_id=P, role=2, deadline=time.monotonic() + 5, incarnation=4
         )
         assert victim.peer.incarnation == 5
-        from protocol.messages import PullRequest
+        from llm_datadist._protocol.messages import PullRequest
 
         seq = victim.next_seq()
         with pytest.raises(PeerGone):
@@ -382,7 +390,7 @@ def test_leases_per_connection_are_bounded(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_a_failed_generation_slot_gives_the_pool_block_back() -> None:
-    from shm.generations import GenerationTable
+    from llm_datadist._shm.generations import GenerationTable
 
     pool = Pool(capacity_nbytes=1 << 20)
     table = CacheTable({1: pool}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
@@ -476,7 +484,7 @@ def test_a_one_sided_pull_from_a_killed_owner_is_a_link_failure(seed: int, memor
             with pytest.raises(LLMException) as info:
                 dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), cache, [2], [2])
             assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED, info.value
-    from shm.reaper import reap
+    from llm_datadist._shm.reaper import reap
 
     reap()
 

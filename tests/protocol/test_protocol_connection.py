@@ -10,10 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.connection import SENDABLE, Closed, Connection, ConnPhase, ConnRole, ConnState
-from protocol.errors import FrameTooLarge, LocalProtocolError, MalformedFrame, RemoteProtocolError
-from protocol.frames import encode_frame
-from protocol.messages import (
+from llm_datadist._protocol.connection import SENDABLE, Closed, Connection, ConnPhase, ConnRole, ConnState
+from llm_datadist._protocol.errors import (
+    FrameTooLarge,
+    LocalProtocolError,
+    MalformedFrame,
+    RemoteProtocolError,
+)
+from llm_datadist._protocol.frames import encode_frame
+from llm_datadist._protocol.messages import (
     KEY_REQ,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import FrameTooLarge, MalformedFrame
-from protocol.frames import DEFAULT_MAX_FRAME_NBYTES, HEADER_NBYTES, FrameDecoder, encode_frame
-from protocol.messages import PROTOCOL_VERSION, Hello, PullGrant, decode_message
+from llm_datadist._protocol.errors import FrameTooLarge, MalformedFrame
+from llm_datadist._protocol.frames import DEFAULT_MAX_FRAME_NBYTES, HEADER_NBYTES, FrameDecoder, encode_frame
+from llm_datadist._protocol.messages import PROTOCOL_VERSION, Hello, PullGrant, decode_message
 
 
 def _frame(payload: bytes) -> bytes:

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import MalformedFrame
-from protocol.frames import FrameDecoder, encode_frame
-from protocol.messages import (
+from llm_datadist._protocol.errors import MalformedFrame
+from llm_datadist._protocol.frames import FrameDecoder, encode_frame
+from llm_datadist._protocol.messages import (
     KEY_CACHE_ID,
     KEY_PREFIX,
     KEY_REQ,
@@ -524,7 +524,7 @@ def test_the_inline_shortcut_admits_nothing_the_full_check_refuses() -> None:
     through the field's check, so int subclasses stay accepted and gaps in a value set stay refused."""
     import enum
 
-    from protocol.messages import _int_in
+    from llm_datadist._protocol.messages import _int_in
 
     class Role(enum.IntEnum):
         DECODER = 2

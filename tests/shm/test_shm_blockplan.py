@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shm.copyplan import BlockPlan, block_runs, execute_block_runs, execute_blocks
-from shm.errors import InvalidRange
+from llm_datadist._shm.copyplan import BlockPlan, block_runs, execute_block_runs, execute_blocks
+from llm_datadist._shm.errors import InvalidRange
 
 
 @st.composite
@@ -101,7 +101,7 @@ def test_bounds_are_checked_before_any_byte_moves() -> None:
 def test_strided_copy_matches_runs(
     rows: int, nbytes: int, src_gap: int, dst_gap: int, src0: int, dst0: int, seed: int
 ) -> None:
-    from shm.copyplan import StridedCopy, execute_strided
+    from llm_datadist._shm.copyplan import StridedCopy, execute_strided
 
     src_offsets = [src0 + i * (nbytes + src_gap) for i in range(rows)]
     dst_offsets = [dst0 + i * (nbytes + dst_gap) for i in range(rows)]
@@ -120,7 +120,7 @@ def test_strided_copy_matches_runs(
 
 
 def test_uneven_or_overlapping_offsets_have_no_strided_form() -> None:
-    from shm.copyplan import StridedCopy
+    from llm_datadist._shm.copyplan import StridedCopy
 
     assert StridedCopy.from_offsets([0, 10, 25], [0, 10, 20], 5) is None
     assert StridedCopy.from_offsets([0, 4], [0, 10], 5) is None  # source rows would overlap
@@ -128,8 +128,8 @@ def test_uneven_or_overlapping_offsets_have_no_strided_form() -> None:
 
 
 def test_generation_words_change_before_a_slot_is_reused() -> None:
-    from shm.generations import GenerationTable, read_generation
-    from shm.segment import Segment
+    from llm_datadist._shm.generations import GenerationTable, read_generation
+    from llm_datadist._shm.segment import Segment
 
     table = GenerationTable(capacity=4)
     try:

@@ -11,9 +11,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shm.copyplan import Run, check_runs, execute, merge_runs, plan_block_copy, plan_tensor_copy, split_runs
-from shm.errors import InvalidRange
-from shm.segment import Segment
+from llm_datadist._shm.copyplan import (
+    Run,
+    check_runs,
+    execute,
+    merge_runs,
+    plan_block_copy,
+    plan_tensor_copy,
+    split_runs,
+)
+from llm_datadist._shm.errors import InvalidRange
+from llm_datadist._shm.segment import Segment
 
 SETTINGS = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

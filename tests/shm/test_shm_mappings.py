@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shm.errors import SegmentNotFound, SegmentTooSmall
-from shm.mappings import MappingCache
-from shm.segment import Segment
+from llm_datadist._shm.errors import SegmentNotFound, SegmentTooSmall
+from llm_datadist._shm.mappings import MappingCache
+from llm_datadist._shm.segment import Segment
 
 
 def test_maps_once_and_reuses() -> None:

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shm.errors import OutOfPoolMemory, ShmError
-from shm.pool import Block, Pool
-from shm.segment import PAGE_NBYTES, Segment
+from llm_datadist._shm.errors import OutOfPoolMemory, ShmError
+from llm_datadist._shm.pool import Block, Pool
+from llm_datadist._shm.segment import PAGE_NBYTES, Segment
 
 MiB = 1 << 20
 

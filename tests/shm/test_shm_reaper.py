@@ -16,16 +16,22 @@ import posix_ipc
 import psutil
 import pytest
 
-from shm.names import NAME_PREFIX, SegmentOwner, owner_alive, parse_segment_name, process_start_ticks
-from shm.reaper import SHM_DIR, list_segments, reap
-from shm.segment import Segment
+from llm_datadist._shm.names import (
+    NAME_PREFIX,
+    SegmentOwner,
+    owner_alive,
+    parse_segment_name,
+    process_start_ticks,
+)
+from llm_datadist._shm.reaper import SHM_DIR, list_segments, reap
+from llm_datadist._shm.segment import Segment
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Creates odd-sized segments, prints their names, then holds them until stdin closes (or it is killed).
 CHILD = """
 import sys
-from shm.segment import Segment
+from llm_datadist._shm.segment import Segment
 segments = [Segment.create(nbytes) for nbytes in (3333, 4097, 65536)]
 print(" ".join(segment.name for segment in segments), flush=True)
 sys.stdin.read()

@@ -12,8 +12,8 @@ import posix_ipc
 import psutil
 import pytest
 
-from shm.errors import InvalidRange, ProcessGone, SegmentNotFound, SegmentTooSmall, ShmError
-from shm.names import (
+from llm_datadist._shm.errors import InvalidRange, ProcessGone, SegmentNotFound, SegmentTooSmall, ShmError
+from llm_datadist._shm.names import (
     NAME_PREFIX,
     SegmentOwner,
     make_segment_name,
@@ -21,7 +21,7 @@ from shm.names import (
     parse_segment_name,
     process_start_ticks,
 )
-from shm.segment import PAGE_NBYTES, Segment, _touch_pages
+from llm_datadist._shm.segment import PAGE_NBYTES, Segment, _touch_pages
 
 SHM_DIR = "/dev/shm"
 ODD_SIZES = [1, 3333, PAGE_NBYTES, PAGE_NBYTES + 1, 3 * PAGE_NBYTES - 1]
