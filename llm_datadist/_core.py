@@ -47,7 +47,6 @@ from llm_datadist._protocol.messages import (
 from llm_datadist._shm.copyplan import BlockPlan, Run, StridedCopy, plan_tensor_copy
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.generations import read_generation
-from llm_datadist._shm.mappings import segment_exists
 from llm_datadist._shm.names import parse_segment_name
 from llm_datadist._shm.pool import Pool
 from llm_datadist._shm.reaper import reap
@@ -869,17 +868,9 @@ class Core(ServerHooks):
                 )
 
     def remote_cache_current(self, link: ClientLink, remote: RemoteCache) -> bool:
-        """Whether the owner still holds the cache this table entry describes (its generation word).
-
-        A generation segment that cannot be mapped any more means the owner is gone: the link is broken
-        (LLM_LINK_FAILED), never a stale answer."""
-        try:
-            words = self._peer_segment(link, remote.generations, (remote.gen_slot + 1) * 8, writable=False)
-        except ShmError as exc:
-            if not segment_exists(remote.generations) or not _process_alive(link.peer.pid):
-                link.fail(f"the peer's generation table is gone: {exc}")
-                raise PeerGone(f"cluster {link.peer.cluster_id} is gone: {exc}") from exc
-            raise
+        """Whether the owner still holds the cache this table entry describes (its generation word). A
+        generation segment that is gone because its owner ended is a link failure (see `_peer_segment`)."""
+        words = self._peer_segment(link, remote.generations, (remote.gen_slot + 1) * 8, writable=False)
         _order_loads()
         return read_generation(words, remote.gen_slot) == remote.generation
 
