@@ -651,8 +651,10 @@ class Core(ServerHooks):
             return self._push_link(remote_cluster_id, deadline)
 
     def _push_link(self, remote_cluster_id: int, deadline: float) -> ClientLink:
-        # The most recent connection from that cluster: after a restart, the new incarnation's.
-        peer = next((p for p in reversed(self.server.peers()) if p.cluster_id == remote_cluster_id), None)
+        # The most recent connection from that cluster that announced a callback socket: after a restart,
+        # the new incarnation's (a connection without one, such as a probe, is no way back).
+        peers = [p for p in self.server.peers() if p.cluster_id == remote_cluster_id]
+        peer = next((p for p in reversed(peers) if p.callback), peers[-1] if peers else None)
         with self._links_lock:
             link = self._push_links.get(remote_cluster_id)
         if (

@@ -406,12 +406,28 @@ class _Rows(list[dict[str, Any]]):
         self._pipe.send(("progress", row))
 
 
-def _wait(pipe: Connection, what: str, timeout_s: float) -> Any:
-    """The next result from a child, printing its progress rows as they come; every wait is bounded."""
+Watched = tuple[tuple[mp.process.BaseProcess, Connection], ...]
+
+
+def _wait(pipe: Connection, what: str, timeout_s: float, watched: Watched = ()) -> Any:
+    """The next result from a child, printing its progress rows as they come. Every wait is bounded, and
+    a watched process (with the pipe it reports on) that ended, a crash or an error it reported, ends the
+    wait at once rather than at the deadline."""
     deadline = time.monotonic() + timeout_s
     while True:
-        if not pipe.poll(max(deadline - time.monotonic(), 0)):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
             raise TimeoutError(f"{what} did not answer within {timeout_s:.0f} s")
+        if not pipe.poll(min(remaining, 0.5)):
+            for process, other in watched:
+                if process.exitcode is None or pipe.poll(0):
+                    continue
+                if other is not pipe and other.poll(0):
+                    status, value = other.recv()
+                    if status == "error":
+                        raise RuntimeError(f"{process.name} failed:\n{value}")
+                raise RuntimeError(f"{what}: the {process.name} process ended (exit code {process.exitcode})")
+            continue
         status, value = pipe.recv()
         if status == "progress":
             seconds = value.get("seconds")
@@ -578,13 +594,14 @@ def _run_pair(
         prompt.start()
         if together:
             decoder.start()
-        _wait(prompt_pipe, "prompt", 600)
+        both: Watched = ((prompt, prompt_pipe), (decoder, decoder_pipe))
+        _wait(prompt_pipe, "prompt", 600, both if together else both[:1])
         print("  done: Prompt ready", flush=True)
         if not together:
             decoder.start()
-        result = _wait(decoder_pipe, "decoder", 1800)
+        result = _wait(decoder_pipe, "decoder", 1800, both)
         prompt_pipe.send(("stop", None))
-        _wait(prompt_pipe, "prompt", 120)
+        _wait(prompt_pipe, "prompt", 120, both[:1])
     except (TimeoutError, RuntimeError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         result = None

@@ -614,6 +614,11 @@ class CacheTable:
                 raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"unknown lease {lease_id}")
             self._end_lease(lease, restore=not ok)
 
+    def wait_for_lease_end(self, timeout_s: float) -> None:
+        """Block until some lease ends or `timeout_s` passed (callers re-check what they wait for)."""
+        with self._lock:
+            self._lease_ended.wait(timeout_s)
+
     def holds_leases(self, owner: object) -> bool:
         with self._lock:
             return id(owner) in self._leases_by_owner

@@ -9,6 +9,7 @@ delegates to `Core`. Internal errors become `LLMException` in `api_errors`, nowh
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -574,14 +575,20 @@ def start_transfer(
             raise make_error(api, LLMStatusCode.LLM_NOT_YET_LINK, f"cluster {cluster_id} is not linked")
     with api_errors(api):
         pinned = core.table.pin(record.cache_id)
-    # Checked and marked under the gate the server grants pulls under: no pull slips in between.
-    with core.pull_gate:
-        busy = [cluster_id for cluster_id in sorted(clusters) if core.server.peer_has_leases(cluster_id)]
-        if not busy:
-            core.start_pushing(clusters)
-    if busy:
-        core.table.unpin(pinned)
-        raise make_error(api, LLMStatusCode.LLM_LINK_BUSY, f"cluster {busy[0]} is pulling from us")
+    # Checked and marked under the gate the server grants pulls under: no pull slips in between. A
+    # destination whose pull returned may still hold its lease for a moment (the release is one way and
+    # the server handles it in turn): wait for it, within the transfer timeout, outside the gate.
+    deadline = time.monotonic() + core.sync_kv_timeout_s
+    while True:
+        with core.pull_gate:
+            busy = [cluster_id for cluster_id in sorted(clusters) if core.server.peer_has_leases(cluster_id)]
+            if not busy:
+                core.start_pushing(clusters)
+                break
+        if time.monotonic() >= deadline:
+            core.table.unpin(pinned)
+            raise make_error(api, LLMStatusCode.LLM_LINK_BUSY, f"cluster {busy[0]} is pulling from us")
+        core.table.wait_for_lease_end(min(0.05, max(deadline - time.monotonic(), 0.0)))
 
     def finish() -> None:
         core.stop_pushing(clusters)

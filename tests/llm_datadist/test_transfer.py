@@ -283,3 +283,44 @@ def test_two_transfers_to_one_decoder_at_once(linked) -> None:  # type: ignore[n
     for cache_id, dst in ((first_id, first), (second_id, second)):
         for t, raw in enumerate(_raw(dst)):
             np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 8192))
+
+
+def test_a_transfer_waits_for_a_destinations_pull_to_end_and_is_busy_past_the_timeout(
+    seed: int,
+    _runtime_dir,  # type: ignore[no-untyped-def]
+) -> None:
+    """A pull whose call returned may still hold its lease at the owner for a moment (the release is one
+    way): a transfer into that cluster waits for it, and is LLM_LINK_BUSY only if the pull still holds
+    its lease when the transfer's timeout ran out."""
+    from llm_datadist._protocol.messages import KEY_REQ, PullGrant, PullRequest, Release
+    from llm_datadist._transport import ClientLink
+
+    extra = {"llm.SyncKvCacheWaitTime": "800"}
+    with PromptPeer(P, next(_ports), seed, extra=extra) as peer, decoder(D) as dd:
+        assert dd.link_clusters([peer.cluster_info()])[0] == LLMStatusCode.LLM_SUCCESS
+        cache_id = peer.alloc(2, [1, 64], [(P, 9)])
+        dst = dd.kv_cache_manager.allocate_cache(CacheDesc(2, [1, 64], DataType.DT_FLOAT16))
+        push = (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], None, None, None, "go")
+        # A second connection from cluster D holds a pull's lease, as a pull in flight would.
+        holder = ClientLink.connect(
+            _runtime_dir / f"127.0.0.1_{peer.port}.sock",
+            cluster_id=D,
+            remote_cluster_id=P,
+            role=2,
+            deadline=time.monotonic() + 5,
+            incarnation=5,
+        )
+        try:
+            seq = holder.next_seq()
+            request = PullRequest(seq, KEY_REQ, 9, 0, 0, 0, 2, True, 128, 0, False)
+            grant = holder.request(request, seq, time.monotonic() + 5)
+            assert isinstance(grant, PullGrant)
+            with pytest.raises(RuntimeError, match="LLM_LINK_BUSY"):
+                peer.call("transfer", push)  # the lease outlives the transfer's 800 ms
+            peer.call_start("transfer", push)
+            time.sleep(0.2)
+            holder.send_only(Release(grant.lease_id, True), time.monotonic() + 5)
+            task = peer.call_finish()  # started once the lease ended
+            assert peer.call("task_sync", (task, 20000)) == SUCCESS
+        finally:
+            holder.close(say_bye=True)
