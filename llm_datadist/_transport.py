@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import select
 import selectors
 import socket
 import struct
@@ -812,20 +813,18 @@ class ClientLink:
         self.remote_table = None
 
     def check_peer_alive(self) -> None:
-        """PeerGone if the peer's end of the socket is closed (it exited or died), without waiting: one
-        non-blocking peek. A transfer that never talks to the peer (a one-sided read) asks this, so that
-        it never returns what a dead process left in memory that is still mapped here."""
+        """PeerGone if the peer's end of the socket is closed (it exited or died), without waiting or
+        reading: one poll for a hang-up. A transfer that never talks to the peer (a one-sided read) asks
+        this, so that it never returns what a dead process left in memory that is still mapped here. Safe
+        while another thread waits on the same socket (nothing is read, the socket's mode is untouched)."""
+        poller = select.poll()
         try:
-            # Non-blocking for the peek (a socket with a timeout would wait for data first); every send and
-            # receive sets its own deadline again.
-            self._sock.setblocking(False)
-            data = self._sock.recv(1, socket.MSG_PEEK)
-        except (BlockingIOError, InterruptedError):
-            return  # open, nothing to read: alive
-        except OSError as exc:
+            poller.register(self._sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+            events = poller.poll(0)
+        except (OSError, ValueError) as exc:  # the socket was closed under us
             self._break(f"connection failed: {exc}")
             raise PeerGone(f"link to cluster {self.peer.cluster_id} failed: {exc}") from exc
-        if not data:
+        if events:
             self._break("peer closed the connection")
             raise PeerGone(f"cluster {self.peer.cluster_id} closed the link (the process ended)")
 
