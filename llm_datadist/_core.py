@@ -749,8 +749,7 @@ class Core(ServerHooks):
             link.check_peer_alive()
             if _process_alive(link.peer.pid):
                 raise
-            link.fail(f"process {link.peer.pid} is gone")
-            raise PeerGone(f"cluster {link.peer.cluster_id} (pid {link.peer.pid}) is gone: {exc}") from exc
+            raise _peer_ended(link, exc) from exc
 
     # ------------------------------------------------------------------ cache-manager (v2) transfers
 
@@ -982,20 +981,13 @@ class Core(ServerHooks):
                 raise StatusError(
                     LLMStatusCode.LLM_FAILED, f"cross-memory attach to pid {pid} refused: {exc}"
                 ) from exc
-            except VmBadAddress as exc:
-                if not _process_alive(pid):
-                    link.fail(f"process {pid} is gone")
-                    raise PeerGone(f"cluster {link.peer.cluster_id} (pid {pid}) is gone: {exc}") from exc
-                raise RangeUnmapped(
-                    LLMStatusCode.LLM_PARAM_INVALID, f"cross-memory copy with pid {pid} failed: {exc}"
-                ) from exc
             except VmError as exc:
+                # The peer died (or is exiting, its memory already unmapped): a link failure, noticed
+                # here before the socket said so.
                 if isinstance(exc, VmProcessGone) or not _process_alive(pid):
-                    # The peer died (or is exiting, its memory already unmapped): a link failure, noticed
-                    # here before the socket said so.
-                    link.fail(f"process {pid} is gone")
-                    raise PeerGone(f"cluster {link.peer.cluster_id} (pid {pid}) is gone: {exc}") from exc
-                raise StatusError(
+                    raise _peer_ended(link, exc) from exc
+                error = RangeUnmapped if isinstance(exc, VmBadAddress) else StatusError
+                raise error(
                     LLMStatusCode.LLM_PARAM_INVALID, f"cross-memory copy with pid {pid} failed: {exc}"
                 ) from exc
             return
@@ -1258,6 +1250,12 @@ def _order_loads() -> None:
         pass
     with _FENCE:
         pass
+
+
+def _peer_ended(link: ClientLink, cause: Exception) -> PeerGone:
+    """Break `link` because its peer's process ended; the error to raise (from `cause`)."""
+    link.fail(f"process {link.peer.pid} is gone")
+    return PeerGone(f"cluster {link.peer.cluster_id} (pid {link.peer.pid}) is gone: {cause}")
 
 
 class RangeUnmapped(StatusError):
