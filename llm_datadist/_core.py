@@ -1037,14 +1037,13 @@ class Core(ServerHooks):
                 comm = Comm(self._next_comm_id, comm_name, dict(members), path, time.monotonic() + total_s)
                 self._next_comm_id += 1
                 self._comms[comm.comm_id] = comm
-        if not full:
-            # Members that connected before the comm was recorded (the hook only sees later ones).
-            connected = {peer.cluster_id for peer in self.server.peers()}
-            with self._links_lock:
-                comm.incoming |= connected & set(members)
         if full:
             self.server.unlisten(path)
             raise StatusError(LLMStatusCode.LLM_FAILED, f"{MAX_COMMS} open link() communicators is the limit")
+        # Members that connected before the comm was recorded (the hook only sees later ones).
+        connected = {peer.cluster_id for peer in self.server.peers()}
+        with self._links_lock:
+            comm.incoming |= connected & set(members)
         self.two_sided_links_made = True
         others = {cluster: rank for cluster, rank in members.items() if cluster != self.settings.cluster_id}
         thread = threading.Thread(

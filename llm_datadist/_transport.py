@@ -218,12 +218,13 @@ class Server:
             self._apply_pending()
             return
         self._wake()
-        if not done.wait(timeout_s) or self.failure is not None:
-            # The server thread is gone or stuck: do it here (the selector then still names a closed
-            # socket, which only the dead thread would have looked at).
-            with self._lock:
-                self._pending = [entry for entry in self._pending if entry[1] != path]
-            _close_listener(path, listener)
+        if self.failure is None and done.wait(timeout_s) and self.failure is None:
+            return
+        # The server thread is gone or stuck: do it here (the selector then still names a closed
+        # socket, which only the dead thread would have looked at).
+        with self._lock:
+            self._pending = [entry for entry in self._pending if entry[1] != path]
+        _close_listener(path, listener)
 
     def check_alive(self) -> None:
         """Raise StatusError(LLM_FAILED) if the server thread died (nothing serves this process's caches)."""
@@ -301,12 +302,11 @@ class Server:
             # later API call rather than leaving peers to time out.
             self.failure = f"{type(exc).__name__}: {exc}"
             log.exception("server %d: the server thread stopped", self.cluster_id)
+            # Whoever waits on this thread to stop listening does it itself now (see unlisten).
             with self._lock:
-                pending, self._pending = self._pending, []
-            for _, path, listener, done in pending:
-                if listener is not None and done is not None:
-                    _close_listener(path, listener)
-                    done.set()
+                waiting = [done for _, _, _, done in self._pending if done is not None]
+            for done in waiting:
+                done.set()
 
     def _dispatch(self, key: selectors.SelectorKey, mask: int) -> None:
         """Serve one ready socket. The one chokepoint: whatever a peer's traffic makes go wrong, only that
