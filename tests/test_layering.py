@@ -1,9 +1,12 @@
 """The three rooms import in one direction only (STYLE.md): protocol/ is sans-IO, shm/ knows nothing of
-the protocol or sockets, and only llm_datadist/ composes them. Walks every import with ast."""
+the protocol or sockets, and only llm_datadist/ composes them. bench/ (installed as llm_datadist._bench)
+measures llm_datadist from outside: it may import its public API and private modules, always by their
+installed names; nothing in llm_datadist imports bench but the CLI. Walks every import with ast."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -26,7 +29,13 @@ FORBIDDEN = {
         "mmap",
     },
     "shm": {"protocol", "llm_datadist", "socket", "selectors", "threading", "concurrent", "asyncio"},
+    # Installed, bench/, shm/ and protocol/ exist only as llm_datadist._bench, ._shm and ._protocol.
+    "bench": {"bench", "shm", "protocol"},
 }
+# The folders installed under llm_datadist through the links of these names in llm_datadist/.
+ROOMS = {"_shm": "shm", "_protocol": "protocol", "_bench": "bench"}
+# The only modules of llm_datadist that may import bench.
+IMPORTS_BENCH = {"llm_datadist/_cli.py"}
 
 
 def _imported_roots(path: Path) -> set[str]:
@@ -56,23 +65,77 @@ def test_package_imports_stay_in_their_room(package: str) -> None:
     assert not violations, "\n".join(violations)
 
 
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Absolute names a module of `package` imports, relative imports resolved; for `from X import a`
+    both X and X.a (a may be a module)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = parts[: len(parts) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _package_of(path: Path) -> str:
+    """The package a module of llm_datadist/ belongs to: its folder's (an __init__.py's too)."""
+    return ".".join(path.relative_to(ROOT).parent.parts)
+
+
+def test_only_the_cli_imports_bench() -> None:
+    files = [
+        path
+        for path in sorted((ROOT / "llm_datadist").rglob("*.py"))
+        if path.relative_to(ROOT / "llm_datadist").parts[0] not in ROOMS
+    ]
+    importers = set()
+    for path in files:
+        names = _imported_modules(path, _package_of(path))
+        if any(name == "llm_datadist._bench" or name.startswith("llm_datadist._bench.") for name in names):
+            importers.add(str(path.relative_to(ROOT)))
+    assert importers == IMPORTS_BENCH
+
+
 def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("import socket\nfrom shm.pool import Pool\nfrom . import sibling\n")
     assert _imported_roots(sample) == {"socket", "shm"}
     sample.write_text("from .. import _core\n")
     assert _imported_roots(sample) == {"llm_datadist"}
+    sample.write_text("from .. import _bench\nfrom .._bench.suite import run\nimport llm_datadist._bench\n")
+    assert _imported_modules(sample, "llm_datadist.v1") >= {
+        "llm_datadist._bench",
+        "llm_datadist._bench.suite",
+        "llm_datadist._bench.suite.run",
+    }
+    sample.write_text("from . import _bench\n")
+    assert "llm_datadist._bench" in _imported_modules(sample, "llm_datadist")
+    assert _package_of(ROOT / "llm_datadist" / "v1" / "__init__.py") == "llm_datadist.v1"
+    assert _package_of(ROOT / "llm_datadist" / "v1" / "kv_cache_manager.py") == "llm_datadist.v1"
+    assert _package_of(ROOT / "llm_datadist" / "_cli.py") == "llm_datadist"
 
 
 def test_the_rooms_are_installed_under_the_package() -> None:
-    """shm/ and protocol/ are installed as llm_datadist._shm and llm_datadist._protocol (the links in
-    llm_datadist/ point at the folders), never as top-level packages of those generic names."""
+    """shm/, protocol/ and bench/ are installed as llm_datadist._shm, ._protocol and ._bench (the links in
+    llm_datadist/ point at the folders), never as top-level packages of those generic names. ruff checks
+    the folders themselves, not again through the links; mypy reaches them through the links."""
+    import llm_datadist._bench.suite
     import llm_datadist._protocol.messages
     import llm_datadist._shm.segment
 
-    assert (ROOT / "llm_datadist" / "_shm").resolve() == ROOT / "shm"
-    assert (ROOT / "llm_datadist" / "_protocol").resolve() == ROOT / "protocol"
+    for link, folder in ROOMS.items():
+        assert (ROOT / "llm_datadist" / link).is_symlink()
+        assert (ROOT / "llm_datadist" / link).resolve() == ROOT / folder
+        assert (ROOT / folder / "__init__.py").is_file()
     assert Path(llm_datadist._shm.segment.__file__).resolve().parent == ROOT / "shm"
     assert Path(llm_datadist._protocol.messages.__file__).resolve().parent == ROOT / "protocol"
-    text = (ROOT / "pyproject.toml").read_text()
-    assert 'include = ["llm_datadist*"]' in text
+    assert Path(llm_datadist._bench.suite.__file__).resolve().parent == ROOT / "bench"
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert config["tool"]["setuptools"]["packages"]["find"]["include"] == ["llm_datadist*"]
+    assert {f"llm_datadist/{link}" for link in ROOMS} <= set(config["tool"]["ruff"]["extend-exclude"])
+    assert config["tool"]["mypy"]["files"] == ["llm_datadist"]

@@ -3,8 +3,11 @@
 Rules: every figure comes from this run on this machine; throughput is reported as GB/s and as a ratio to
 `numpy.copyto` over two threads between warm buffers measured in the same run; latency as p50/p99 of many
 repetitions. The owner side of every transfer is a real process (spawned), the measuring side is this one.
-Peers (NIXL, Mooncake, `_bench_peers`) are measured the same way between two spawned processes when they are
-installed, and reported as skipped, with the reason, when they are not.
+Peers (NIXL, Mooncake, `peers`) are measured the same way between two spawned processes when they are
+installed, and reported as skipped, with the reason, when they are not. The report ends with SPEC.md's
+performance targets, each with its ratio from this run and PASS or MISS (`_targets`).
+Only the public API is driven; the one internal read is the pull's time breakdown, printed when the core
+offers one.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from . import _bench_peers
-from ._bench_proc import Child, timed
+from . import peers
+from .proc import BlockPattern, Child, block_patterns, timed
 
 OWNER, MEASURER = 1, 2
 IP = "127.0.0.1"
@@ -68,8 +72,8 @@ class Results:
                 file=sys.stderr,
             )
 
-    def skip(self, group: str, name: str, reason: str) -> None:
-        self.rows.append({"group": group, "name": name, "skipped": reason})
+    def skip(self, group: str, name: str, reason: str, **extra: Any) -> None:
+        self.rows.append({"group": group, "name": name, "skipped": reason, **extra})
         if not self.quiet:
             print(f"  {group:<10} {name:<48} skipped: {reason}", file=sys.stderr)
 
@@ -177,12 +181,15 @@ def _socket_baseline(results: Results, runtime: Path, mode: str, nbytes: int, re
     server.start()
     try:
         deadline = time.monotonic() + 30
-        while not os.path.exists(path):
-            if time.monotonic() > deadline:
-                raise TimeoutError("baseline socket server did not start")
-            time.sleep(0.01)
         client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        client.connect(path)
+        while True:  # the path appears at bind(), connections are accepted after listen()
+            try:
+                client.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("baseline socket server did not start") from None
+                time.sleep(0.01)
         buffer = bytearray(max(nbytes, 64))
         view = memoryview(buffer)
 
@@ -202,7 +209,8 @@ def _socket_baseline(results: Results, runtime: Path, mode: str, nbytes: int, re
         samples, cpu = _timed_with_cpu(once, repeats, server.pid)
         client.close()
         if mode == "msgpack":
-            results.add("baseline", "bare msgpack request/response, Unix socket", 0, samples, cpu_us=cpu)
+            name = "bare msgpack request/response, Unix socket"
+            results.add("baseline", name, 0, samples, cpu_us=cpu, id="baseline.msgpack")
         else:
             results.add("baseline", "bytes over a Unix socket", nbytes, samples)
     finally:
@@ -242,21 +250,37 @@ def _queue_sender(queue: Any, nbytes: int, count: int) -> None:
 
 
 def _queue_baseline(results: Results, nbytes: int, repeats: int) -> None:
-    # A Queue's semaphore lives in /dev/shm while the queue exists; it is gone when the queue is.
+    # A Queue's semaphores live in /dev/shm while the queue exists, and the sender opens them by name when
+    # it starts: a sender that cannot (their names removed under it) dies, and the row says so.
+    name = "multiprocessing Queue of numpy arrays"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue(maxsize=2)
     process = ctx.Process(target=_queue_sender, args=(queue, nbytes, repeats + 1), daemon=True)
     process.start()
-    queue.get(timeout=60)
-    samples = timed(lambda: queue.get(timeout=60), repeats)
-    process.join(30)
-    queue.close()
-    queue.join_thread()
-    results.add("baseline", "multiprocessing Queue of numpy arrays", nbytes, samples)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                queue.get(timeout=0.5)
+                break
+            except Empty:
+                if process.is_alive() and time.monotonic() < deadline:
+                    continue
+                results.skip("baseline", name, f"failed here: the sender ended with code {process.exitcode}")
+                return
+        samples = timed(lambda: queue.get(timeout=60), repeats)
+        results.add("baseline", name, nbytes, samples)
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+        queue.close()
+        queue.join_thread()
 
 
 def _peers(results: Results, quick: bool) -> None:
-    _bench_peers.run(results, functools.partial(_one_sided_repeats, quick=quick))
+    peers.run(results, functools.partial(_one_sided_repeats, quick=quick), block_patterns(quick))
 
 
 # ====================================================================== the owner process
@@ -377,15 +401,31 @@ def _link(datadist: Any, port: int) -> None:
 # ====================================================================== our engine
 
 
+def _breakdown(datadist: Any) -> Callable[[], dict[str, float] | None]:
+    """Where the last pull's time went, in seconds by phase, as the core records it; None when this
+    version of the core keeps no such record (the bench then prints the pull without it)."""
+    core = None
+    with contextlib.suppress(Exception):
+        core = datadist._require_core()
+
+    def last() -> dict[str, float] | None:
+        record = getattr(core, "last_pull_breakdown", None)
+        if not isinstance(record, dict) or not record:
+            return None
+        return {str(k): float(v) for k, v in record.items() if isinstance(v, int | float)}
+
+    return last
+
+
 def _bench_v1(results: Results, port: int, args: argparse.Namespace) -> None:
-    from llm_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType
+    from llm_datadist import CacheDesc, CacheKey, DataType
 
     owner = _Owner("v1", port, args.timeout_ms)
     datadist = _measurer("v1", args.timeout_ms)
     try:
         _link(datadist, port)
         manager = datadist.kv_cache_manager
-        core = datadist._require_core()
+        last_breakdown = _breakdown(datadist)
         key = CacheKey(OWNER, U64_MAX, 0, PREFIX)
         total = (64 << 20) if args.quick else (512 << 20)
         sizes = [4 << 10, 64 << 10, 1 << 20, 16 << 20] + ([] if args.quick else [256 << 20])
@@ -396,39 +436,25 @@ def _bench_v1(results: Results, port: int, args: argparse.Namespace) -> None:
             dst = manager.allocate_cache(CacheDesc(tensors, shape, DataType.DT_FLOAT16))
             nbytes = tensors * slice_nbytes
             manager.pull_cache(key, dst)  # maps the owner's segment once
-            repeats = _repeats(nbytes, args.quick)
             breakdowns: list[dict[str, float]] = []
 
             def pull_and_record(dst: Any = dst, breakdowns: list[dict[str, float]] = breakdowns) -> None:
                 manager.pull_cache(key, dst)
-                breakdowns.append(dict(core.last_pull_breakdown))
+                breakdown = last_breakdown()
+                if breakdown is not None:
+                    breakdowns.append(breakdown)
 
-            samples = timed(pull_and_record, repeats)
-            breakdown = {k: statistics.median(b[k] for b in breakdowns) * 1e6 for k in breakdowns[0]}
-            results.add(
-                "pull_cache",
-                f"whole, {tensors} x {_fmt_nbytes(slice_nbytes)}",
-                nbytes,
-                samples,
-                breakdown_us=breakdown,
-            )
-            if slice_nbytes == 1 << 20:
-                layers = tensors // 2
-
-                def by_layer(dst: Any = dst, layers: int = layers) -> None:
-                    for layer in range(layers):
-                        manager.pull_cache(
-                            key,
-                            dst,
-                            src_layer_range=range(layer, layer + 1),
-                            dst_layer_range=range(layer, layer + 1),
-                        )
-
-                results.add(
-                    "pull_cache", f"layer by layer, {layers} layers", nbytes, timed(by_layer, repeats)
-                )
+            samples = timed(pull_and_record, _repeats(nbytes, args.quick))
+            extra: dict[str, Any] = {"id": f"pull.whole.{slice_nbytes}"}
+            if breakdowns:
+                phases = [k for k in breakdowns[0] if all(k in b for b in breakdowns)]
+                extra["breakdown_us"] = {k: statistics.median(b[k] for b in breakdowns) * 1e6 for k in phases}
+            name = f"whole, {tensors} x {_fmt_nbytes(slice_nbytes)}"
+            results.add("pull_cache", name, nbytes, samples, **extra)
             manager.deallocate_cache(dst)
             owner.call("free")
+        for slice_nbytes in LAYER_SLICES[: 1 if args.quick else None]:
+            _layers(results, owner, manager, slice_nbytes, args.quick)
         # Small pulls by key: latency.
         owner.call("alloc", (1, [1, 2048]))
         small = manager.allocate_cache(CacheDesc(1, [1, 2048], DataType.DT_FLOAT16))
@@ -437,38 +463,93 @@ def _bench_v1(results: Results, port: int, args: argparse.Namespace) -> None:
         samples, cpu = _timed_with_cpu(
             lambda: manager.pull_cache(key, small), 300 if args.quick else 2000, owner.process.pid
         )
-        results.add("latency", "pull_cache 1 tensor x 4 KiB", 4096, samples, cpu_us=cpu)
+        results.add("latency", "pull_cache 1 tensor x 4 KiB", 4096, samples, cpu_us=cpu, id="latency.small")
         manager.deallocate_cache(small)
         owner.call("free")
-        # Paged pulls: scattered blocks over a pool, 64 tensors.
-        rng = np.random.default_rng(0)
-        for block_nbytes in (16 << 10, 64 << 10, 256 << 10):
-            tensors = 64
-            table = max(4, min(256, (total // tensors) // block_nbytes))
-            pool_blocks = 2 * table
-            shape = [pool_blocks, block_nbytes // 2]
-            owner.call("alloc_blocks", (tensors, shape, 0))
-            local = manager.allocate_blocks_cache(CacheDesc(tensors, shape, DataType.DT_FLOAT16))
-            src_blocks = [int(b) for b in rng.permutation(pool_blocks)[:table]]
-            dst_blocks = [int(b) for b in rng.permutation(pool_blocks)[:table]]
-            blocks_key = BlocksCacheKey(OWNER, 0)
-            manager.pull_blocks(blocks_key, local, src_blocks, dst_blocks)
-            nbytes = tensors * table * block_nbytes
-            samples = timed(
-                functools.partial(manager.pull_blocks, blocks_key, local, src_blocks, dst_blocks),
-                _repeats(nbytes, args.quick),
-            )
-            results.add(
-                "pull_blocks",
-                f"{table} scattered blocks x {_fmt_nbytes(block_nbytes)} x {tensors}",
-                nbytes,
-                samples,
-            )
-            manager.deallocate_cache(local)
-            owner.call("free")
+        for pattern in block_patterns(args.quick):
+            _blocks(results, owner, manager, pattern, args.quick)
     finally:
         datadist.finalize()
         owner.close()
+
+
+LAYERS = 32
+LAYER_SLICES = (1 << 20, 8 << 20)  # per tensor slice: 64 MiB and 512 MiB requests (the demo's is 512 MiB)
+
+
+def _layers(results: Results, owner: _Owner, manager: Any, slice_nbytes: int, quick: bool) -> None:
+    """A 32-layer request (K and V per layer: 64 tensors) pulled whole, and layer by layer as 32 pulls with
+    one-layer `src_layer_range`/`dst_layer_range` each: the same bytes, measured in alternation so that
+    both see the same machine; the second row carries the ratio (whole p50 / by-layer p50)."""
+    from llm_datadist import CacheDesc, CacheKey, DataType
+
+    key = CacheKey(OWNER, U64_MAX, 0, PREFIX)
+    tensors, shape = 2 * LAYERS, [1, slice_nbytes // 2]
+    owner.call("alloc", (tensors, shape))
+    dst = manager.allocate_cache(CacheDesc(tensors, shape, DataType.DT_FLOAT16))
+    nbytes = tensors * slice_nbytes
+
+    def whole() -> None:
+        manager.pull_cache(key, dst)
+
+    def by_layer() -> None:
+        for layer in range(LAYERS):
+            one = range(layer, layer + 1)
+            manager.pull_cache(key, dst, src_layer_range=one, dst_layer_range=one)
+
+    whole()  # maps the owner's segment once
+    by_layer()
+    whole_samples: list[float] = []
+    layer_samples: list[float] = []
+    for repeat in range(max(5, _repeats(nbytes, quick))):
+        order = ((whole, whole_samples), (by_layer, layer_samples))
+        for action, samples in order if repeat % 2 == 0 else order[::-1]:
+            samples.extend(timed(action, 1))
+    size = _fmt_nbytes(slice_nbytes)
+    results.add(
+        "layers",
+        f"pull_cache whole, {LAYERS} layers x 2 x {size}",
+        nbytes,
+        whole_samples,
+        id=f"layers.whole.{slice_nbytes}",
+    )
+    results.add(
+        "layers",
+        f"pull_cache layer by layer, {LAYERS} pulls",
+        nbytes,
+        layer_samples,
+        id=f"layers.by_layer.{slice_nbytes}",
+        vs_whole=statistics.median(whole_samples) / statistics.median(layer_samples),
+    )
+    manager.deallocate_cache(dst)
+    owner.call("free")
+
+
+def _blocks(results: Results, owner: _Owner, manager: Any, pattern: BlockPattern, quick: bool) -> None:
+    """`pull_blocks` of a scattered-block pattern, the same one the peers read as one descriptor list."""
+    from llm_datadist import BlocksCacheKey, CacheDesc, DataType
+
+    shape = [pattern.pool_blocks, pattern.block_nbytes // 2]
+    owner.call("alloc_blocks", (pattern.tensors, shape, 0))
+    local = manager.allocate_blocks_cache(CacheDesc(pattern.tensors, shape, DataType.DT_FLOAT16))
+    src_blocks, dst_blocks = list(pattern.src_blocks), list(pattern.dst_blocks)
+    blocks_key = BlocksCacheKey(OWNER, 0)
+    manager.pull_blocks(blocks_key, local, src_blocks, dst_blocks)
+    samples = timed(
+        functools.partial(manager.pull_blocks, blocks_key, local, src_blocks, dst_blocks),
+        _repeats(pattern.nbytes, quick),
+    )
+    block = _fmt_nbytes(pattern.block_nbytes)
+    results.add(
+        "blocks",
+        f"pull_blocks {pattern.table} scattered blocks x {block} x {pattern.tensors}",
+        pattern.nbytes,
+        samples,
+        id=f"blocks.ours.{pattern.block_nbytes}",
+        block_nbytes=pattern.block_nbytes,
+    )
+    manager.deallocate_cache(local)
+    owner.call("free")
 
 
 def _bench_v2(results: Results, port: int, args: argparse.Namespace) -> None:
@@ -479,7 +560,7 @@ def _bench_v2(results: Results, port: int, args: argparse.Namespace) -> None:
     try:
         _link(datadist, port)
         manager = datadist.cache_manager
-        for block_nbytes in _bench_peers.SIZES:
+        for block_nbytes in peers.SIZES:
             shape = [4, block_nbytes // 2]
             model_id = block_nbytes >> 10
             owner.call("register_blocks", (1, shape, model_id))
@@ -500,6 +581,7 @@ def _bench_v2(results: Results, port: int, args: argparse.Namespace) -> None:
                     f"v2 pull_blocks 1 x {_fmt_nbytes(block_nbytes)}, registered -> {into}",
                     block_nbytes,
                     samples,
+                    id=f"one_sided.{into}.{block_nbytes}",
                 )
                 if into == "pool":
                     manager.deallocate_blocks_cache(local)
@@ -522,21 +604,50 @@ def _reference_gbps(results: Results) -> float | None:
     return float(max(copies, key=lambda r: r["nbytes"])["gbps"]) if copies else None
 
 
-def _report(results: Results) -> None:
+# The report's order: rows of one group together, in this order; a group's rows in the order measured,
+# except "blocks", where each of our pull_blocks rows is followed by the peers' rows of the same pattern.
+GROUPS = ("memcpy", "baseline", "peer", "pull_cache", "layers", "latency", "blocks", "one-sided")
+
+
+def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def place(item: tuple[int, dict[str, Any]]) -> tuple[int, int, int, int]:
+        index, row = item
+        group = GROUPS.index(row["group"]) if row["group"] in GROUPS else len(GROUPS)
+        if row["group"] != "blocks":
+            return (group, 0, 0, index)
+        return (
+            group,
+            row.get("block_nbytes", 0),
+            0 if row.get("id", "").startswith("blocks.ours.") else 1,
+            index,
+        )
+
+    return [row for _, row in sorted(enumerate(rows), key=place)]
+
+
+def _with_ratios(results: Results) -> None:
+    """Each row with a throughput gets `x_memcpy`: its GB/s over the run's reference copy."""
+    reference = _reference_gbps(results)
+    for row in results.rows:
+        if row.get("gbps") and reference:
+            row["x_memcpy"] = row["gbps"] / reference
+
+
+def _report(results: Results, targets: list[dict[str, Any]]) -> None:
     reference = _reference_gbps(results)
     columns = ("group", "benchmark", "size", "GB/s", "p50 us", "p99 us", "x memcpy")
-    header = "{:<10} {:<52} {:>9} {:>7} {:>10} {:>10} {:>9}".format(*columns)
+    header = "{:<10} {:<56} {:>9} {:>7} {:>10} {:>10} {:>9}".format(*columns)
     print(header)
     print("-" * len(header))
-    for row in results.rows:
+    for row in _ordered(results.rows):
         if "skipped" in row:
-            print(f"{row['group']:<10} {row['name']:<52} skipped: {row['skipped']}")
+            print(f"{row['group']:<10} {row['name']:<56} skipped: {row['skipped']}")
             continue
         gbps = row["gbps"]
-        ratio = f"{gbps / reference:9.2f}" if gbps and reference else f"{'':>9}"
+        ratio = f"{row['x_memcpy']:9.2f}" if "x_memcpy" in row else f"{'':>9}"
         gbps_text = f"{gbps:7.2f}" if gbps else f"{'':>7}"
         print(
-            f"{row['group']:<10} {row['name']:<52} {_fmt_nbytes(row['nbytes']):>9} {gbps_text} "
+            f"{row['group']:<10} {row['name']:<56} {_fmt_nbytes(row['nbytes']):>9} {gbps_text} "
             f"{row['p50_us']:10.1f} {row['p99_us']:10.1f} {ratio}"
         )
         breakdown = row.get("breakdown_us")
@@ -547,8 +658,119 @@ def _report(results: Results) -> None:
         if cpu:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
             print(f"{'':<10}   CPU per call (mean us, all threads): {parts}")
+        if "vs_whole" in row:
+            print(
+                f"{'':<10}   x the whole pull of the same bytes (p50s, in alternation): {row['vs_whole']:.2f}"
+            )
     if reference:
         print(f"x memcpy: ratio to the largest 2-thread numpy.copyto of this run ({reference:.2f} GB/s)")
+    print()
+    print("performance targets (SPEC.md), ratios from this run")
+    header = f"{'target':<62} {'wanted':>8} {'measured':>9}  result"
+    print(header)
+    print("-" * (len(header) + 2))
+    for target in targets:
+        measured = f"{target['measured']:9.2f}" if target["measured"] is not None else f"{'-':>9}"
+        wanted = f"{target['op']} {target['limit']:g}"
+        print(f"{target['target']:<62} {wanted:>8} {measured}  {target['result']:<4}  {target['detail']}")
+
+
+_COMPARE: dict[str, Callable[[float, float], bool]] = {
+    "<=": lambda a, b: a <= b,
+    "<": lambda a, b: a < b,
+    ">=": lambda a, b: a >= b,
+}
+
+
+def _targets(results: Results) -> list[dict[str, Any]]:
+    """SPEC.md's performance targets against this run's rows (after `_with_ratios`): each with a stable
+    `key`, the measured figure, the limit, and PASS or MISS; n/a, with the reason in `detail`, where a row it
+    needs is missing (a peer not installed, a row a quick run leaves out)."""
+    rows = {row["id"]: row for row in results.rows if "id" in row and "skipped" not in row}
+    skipped = {row["id"]: row["skipped"] for row in results.rows if "id" in row and "skipped" in row}
+    targets: list[dict[str, Any]] = []
+
+    def target(key: str, text: str, op: str, limit: float, measured: float | None, detail: str) -> None:
+        passed = measured is not None and _COMPARE[op](measured, limit)
+        result = "n/a" if measured is None else "PASS" if passed else "MISS"
+        targets.append(
+            {
+                "key": key,
+                "target": text,
+                "op": op,
+                "limit": limit,
+                "measured": measured,
+                "result": result,
+                "detail": detail,
+            }
+        )
+
+    def x_memcpy(key: str, text: str, row_id: str, limit: float) -> None:
+        row = rows.get(row_id)
+        measured = row.get("x_memcpy") if row else None
+        if row is None:
+            detail = skipped.get(row_id, "not measured in this run")
+        elif measured is None:
+            detail = "no memcpy reference in this run"
+        else:
+            detail = f"{row['group']} {row['name']}, {_fmt_nbytes(row['nbytes'])}"
+        target(key, text, ">=", limit, measured, detail)
+
+    small, rtt = rows.get("latency.small"), rows.get("baseline.msgpack")
+    text = "small pull (1 x 4 KiB) p50 / bare msgpack round trip p50"
+    if small and rtt:
+        detail = f"{small['p50_us']:.1f} us against {rtt['p50_us']:.1f} us"
+        target("small_pull", text, "<=", 0.5, small["p50_us"] / rtt["p50_us"], detail)
+    else:
+        target("small_pull", text, "<=", 0.5, None, "not measured in this run")
+    owner_cpu = small.get("cpu_us", {}).get("the other") if small else None
+    detail = "all its threads, from the scheduler's counters" if owner_cpu is not None else "not measured"
+    target("owner_cpu", "owner's CPU per small pull, us", "<", 5, owner_cpu, detail)
+    for slice_nbytes in LAYER_SLICES:
+        by_layer, whole = (
+            rows.get(f"layers.by_layer.{slice_nbytes}"),
+            rows.get(f"layers.whole.{slice_nbytes}"),
+        )
+        if by_layer is None or whole is None:
+            continue  # the quick run measures one request size
+        target(
+            f"layers.{slice_nbytes}",
+            f"layer by layer (32 pulls) / whole, {_fmt_nbytes(by_layer['nbytes'])} request",
+            ">=",
+            0.8,
+            by_layer["vs_whole"],
+            f"p50 {by_layer['p50_us']:.0f} us against {whole['p50_us']:.0f} us",
+        )
+    x_memcpy("whole_64x64k", "pull_cache whole 64 x 64 KiB / memcpy", f"pull.whole.{64 << 10}", 0.6)
+    for block_nbytes, limit in ((16 << 10, 0.6), (64 << 10, 0.65), (256 << 10, 0.8)):
+        text = f"pull_blocks {block_nbytes >> 10} KiB blocks x 64 tensors / memcpy"
+        x_memcpy(f"blocks.{block_nbytes}", text, f"blocks.ours.{block_nbytes}", limit)
+    # The one-sided rows read registered memory into registered memory, as the peers' rows do.
+    ours, nixl = rows.get(f"one_sided.registered.{64 << 10}"), rows.get(f"peer.nixl.{64 << 10}")
+    text = "one-sided 64 KiB p50 / NIXL's 64 KiB p50"
+    if ours and nixl:
+        detail = f"{ours['p50_us']:.1f} us against {nixl['p50_us']:.1f} us (registered -> registered)"
+        target("one_sided_64k_vs_nixl", text, "<=", 1.0, ours["p50_us"] / nixl["p50_us"], detail)
+    else:
+        reason = "NIXL: " + skipped.get("peer.nixl", "not measured") if ours else "not measured in this run"
+        target("one_sided_64k_vs_nixl", text, "<=", 1.0, None, reason)
+    text = "one-sided 1 MiB (registered -> registered) / memcpy"
+    x_memcpy("one_sided_1m", text, f"one_sided.registered.{1 << 20}", 0.85)
+    for row_id, row in rows.items():
+        if row_id.startswith("pull.whole.") and int(row_id.rsplit(".", 1)[1]) >= 16 << 20:
+            x_memcpy(f"large.{row_id}", f"large pull, {row['name']} / memcpy", row_id, 0.9)
+    ours_rows = [r for r in results.rows if "skipped" not in r and r["group"] in OURS and r["samples"] >= 100]
+    text = "p99 / p50, worst of our rows with >= 100 samples"
+    if ours_rows:
+        worst = max(ours_rows, key=lambda r: r["p99_us"] / r["p50_us"])
+        detail = f"{worst['group']} {worst['name']}, {_fmt_nbytes(worst['nbytes'])}"
+        target("p99", text, "<=", 3, worst["p99_us"] / worst["p50_us"], detail)
+    else:
+        target("p99", text, "<=", 3, None, "not measured in this run")
+    return targets
+
+
+OURS = ("pull_cache", "layers", "latency", "one-sided")  # and our rows of "blocks" (too few samples for p99)
 
 
 def _plot(results: Results, path: Path) -> str:
@@ -559,7 +781,9 @@ def _plot(results: Results, path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no plot: matplotlib is not installed (pip install -e '.[plot]')"
-    rows = [r for r in results.rows if r.get("gbps") and r["group"] != "latency"]  # latency: see the table
+    rows = [
+        r for r in _ordered(results.rows) if r.get("gbps") and r["group"] != "latency"
+    ]  # latency: see the table
     groups = list(dict.fromkeys(r["group"] for r in rows))
     colors = plt.get_cmap("tab10")
     fig, ax = plt.subplots(figsize=(11, 0.3 * len(rows) + 1.5))
@@ -584,7 +808,7 @@ def _plot(results: Results, path: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ._runtime import ensure_runtime_dir
+    from llm_datadist._runtime import ensure_runtime_dir
 
     results = Results(quiet=args.quiet)
     runtime = ensure_runtime_dir()
@@ -622,7 +846,9 @@ def run(args: argparse.Namespace) -> int:
     from llm_datadist._shm.reaper import reap
 
     reap()
-    _report(results)
+    _with_ratios(results)
+    targets = _targets(results)
+    _report(results, targets)
     machine = {
         "cpus": os.cpu_count(),
         "python": sys.version.split()[0],
@@ -631,7 +857,9 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"machine": machine, "rows": results.rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"machine": machine, "rows": _ordered(results.rows), "targets": targets}, indent=2)
+        )
         print(f"JSON written to {args.json}")
     if args.plot:
         print(_plot(results, Path(args.plot)))

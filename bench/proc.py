@@ -1,0 +1,106 @@
+"""Plumbing shared by `suite` and `peers`: timing a call repeatedly, a spawned helper process that answers
+over a pipe, and the scattered-block pattern that our `pull_blocks` and the peers both read.
+
+Rules: a helper answers each request with ("ok", value) or ("error", text); every wait on it is bounded;
+`close` asks it to stop, then kills and reaps it if it has not. A pattern is drawn from a fixed seed, so
+every reader of one run reads exactly the same blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+BLOCK_SIZES = (16 << 10, 64 << 10, 256 << 10)
+BLOCK_TENSORS = 64
+
+
+def timed(action: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds each of `repeats` calls of `action` took."""
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+class Child:
+    """A spawned process running `target(pipe, *args)`; it answers with ("ok", value) or ("error", text)."""
+
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.pipe, child = ctx.Pipe()
+        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.process.start()
+        child.close()
+
+    def reply(self, timeout_s: float) -> Any:
+        """The next answer's value; TimeoutError, or RuntimeError with the helper's error text."""
+        if not self.pipe.poll(timeout_s):
+            raise TimeoutError(f"the helper process did not answer within {timeout_s:.0f} s")
+        try:
+            status, value = self.pipe.recv()
+        except EOFError:
+            raise RuntimeError(f"the helper process exited with code {self.process.exitcode}") from None
+        if status != "ok":
+            raise RuntimeError(f"the helper process failed: {value}")
+        return value
+
+    def close(self) -> None:
+        """Ask it to stop ("stop" is every helper's last command), then kill it if it did not."""
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.pipe.send(("stop", None))
+            self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+        self.pipe.close()
+
+
+@dataclass(frozen=True)
+class BlockPattern:
+    """`table` blocks of `block_nbytes` per tensor, over `tensors` tensors of `pool_blocks` blocks each (a
+    paged pool twice the size of the table), read from `src_blocks` into `dst_blocks` of every tensor: a
+    paged KV cache's block table. One tensor's pool is `pool_blocks * block_nbytes` contiguous bytes."""
+
+    block_nbytes: int
+    tensors: int
+    pool_blocks: int
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+
+    @property
+    def table(self) -> int:
+        return len(self.src_blocks)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one read of the pattern moves."""
+        return self.tensors * self.table * self.block_nbytes
+
+    @property
+    def tensor_nbytes(self) -> int:
+        return self.pool_blocks * self.block_nbytes
+
+
+def block_patterns(quick: bool) -> list[BlockPattern]:
+    """The patterns of one run: 64 tensors x 16/64/256 KiB blocks, 8 MiB per tensor read (1 MiB quick),
+    at most 256 blocks per tensor, the blocks drawn at random from a pool twice the table's size."""
+    per_tensor_nbytes = (1 << 20) if quick else (8 << 20)
+    rng = np.random.default_rng(0)
+    patterns = []
+    for block_nbytes in BLOCK_SIZES:
+        table = max(4, min(256, per_tensor_nbytes // block_nbytes))
+        pool_blocks = 2 * table
+        src_blocks = tuple(int(b) for b in rng.permutation(pool_blocks)[:table])
+        dst_blocks = tuple(int(b) for b in rng.permutation(pool_blocks)[:table])
+        patterns.append(BlockPattern(block_nbytes, BLOCK_TENSORS, pool_blocks, src_blocks, dst_blocks))
+    return patterns
