@@ -13,16 +13,14 @@ reuse that memory under the write.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
-import json
 import os
 import platform
 import secrets
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar, cast
 
@@ -47,21 +45,25 @@ from llm_datadist._protocol.messages import (
 from llm_datadist._shm.copyplan import BlockPlan, Run, StridedCopy, plan_tensor_copy
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.generations import read_generation
+from llm_datadist._shm.index import Index
 from llm_datadist._shm.names import parse_segment_name
 from llm_datadist._shm.pool import Pool
 from llm_datadist._shm.reaper import reap
 from llm_datadist._shm.segment import Segment
 
+from ._comm import Comms
 from ._copy import Copier, address_view, vm_columns
-from ._engine import KEY_CACHE_ID, CacheRecord, CacheTable
+from ._dataplane import Pin, peer_index, unpin
+from ._dataplane import pin as dataplane_pin
+from ._engine import KEY_BLOCKS, KEY_CACHE_ID, CacheRecord, CacheTable
 from ._errors import PeerGone, StatusError
 from ._runtime import (
     ensure_runtime_dir,
-    parse_listen_ip_info,
     remove_stale_sockets,
     socket_path,
     socket_path_in_runtime,
 )
+from ._settings import Settings
 from ._transport import ClientLink, PeerInfo, Server, ServerHooks
 from ._vm import (
     FEW_RUNS,
@@ -74,7 +76,7 @@ from ._vm import (
     write_to,
 )
 from .configs import LLMRole
-from .status import LLMStatusCode, make_error
+from .status import LLMStatusCode
 from .utils.log import log
 
 PLACEMENT_HOST = 0  # Placement.HOST
@@ -82,192 +84,10 @@ PLACEMENT_DEVICE = 1  # Placement.DEVICE
 
 GrantT = TypeVar("GrantT", PullGrant, BlocksGrant, WriteGrant, Location)
 
-DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
-DEFAULT_MEM_UTILIZATION = 0.95
-# Per process: links we made (one per remote cluster) and two-sided communicators open at once.
+# Per process: links we made (one per remote cluster).
 MAX_LINKS = 512
-MAX_COMMS = 512
 # A peer's one-sided table comes in pages; more pages than this is a peer describing more than it can own.
 _MAX_TABLE_PAGES = 1024
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    """A v2 memory pool (`mem_pool_cfg` / `host_mem_pool_cfg`): `{"memory_size": N, "page_shift": S}`."""
-
-    memory_nbytes: int
-    page_shift: int
-
-
-HOST_POOL_LIMIT_NBYTES = 20 << 30  # the documented limit of host_mem_pool_cfg
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What `init`'s option strings mean here."""
-
-    role: LLMRole
-    cluster_id: int
-    device_ids: tuple[int, ...]
-    sync_kv_timeout_ms: int
-    listen: tuple[str, int] | None
-    pool_capacity_nbytes: int | None
-    enable_switch_role: bool
-    cache_manager_mode: bool
-    remote_cache_accessible: bool = False
-    device_pool: PoolConfig | None = None
-    host_pool: PoolConfig | None = None
-    local_comm_res: str | None = None
-    link_total_time_s: int = 0
-
-    @property
-    def timeout_code(self) -> LLMStatusCode:
-        """v1 reports a transfer timeout as LLM_WAIT_PROCESS_TIMEOUT, v2 as LLM_TIMEOUT."""
-        return (
-            LLMStatusCode.LLM_TIMEOUT if self.cache_manager_mode else LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
-        )
-
-
-def _pool_config(api: str, key: str, text: str | None, limit_nbytes: int | None) -> PoolConfig | None:
-    if text is None:
-        return None
-    try:
-        parsed = json.loads(text)
-    except ValueError as exc:
-        raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"{key} is not JSON: {exc}") from exc
-    if not isinstance(parsed, dict):
-        raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"{key} must be a JSON object")
-    size = parsed.get("memory_size")
-    shift = parsed.get("page_shift", 16)
-    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-        raise make_error(
-            api, LLMStatusCode.LLM_PARAM_INVALID, f"{key}.memory_size must be a positive integer"
-        )
-    if limit_nbytes is not None and size > limit_nbytes:
-        raise make_error(
-            api, LLMStatusCode.LLM_PARAM_INVALID, f"{key}.memory_size exceeds {limit_nbytes} bytes"
-        )
-    if not isinstance(shift, int) or isinstance(shift, bool) or not 10 <= shift <= 30:
-        raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"{key}.page_shift must be in [10, 30]")
-    return PoolConfig(size, shift)
-
-
-def parse_options(role: LLMRole, cluster_id: int, options: dict[str, str]) -> Settings:
-    """Read the option keys `LLMConfig.generate_options()` emits (or a raw dict a caller wrote)."""
-    api = "init"
-    for key, value in options.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise TypeError(
-                f"`options` only support [Dict[str, str]], but got {key!r}: {type(value).__name__}"
-            )
-    # The real init's mode switch: llm.EnableCacheManager, which llm.LocalCommRes turns on by default.
-    local_comm_res = options.get("llm.LocalCommRes")
-    enable_text = options.get("llm.EnableCacheManager", "1" if local_comm_res is not None else "0")
-    cache_manager_mode = enable_text == "1"
-    if local_comm_res is not None and not cache_manager_mode:
-        raise make_error(
-            api,
-            LLMStatusCode.LLM_PARAM_INVALID,
-            "llm.LocalCommRes is not supported when llm.EnableCacheManager is not configured",
-        )
-    remote_text = options.get("llm.EnableRemoteCacheAccessible")
-    backend = options.get("llm.TransferBackend")
-    if remote_text is None and (local_comm_res is not None or backend is not None):
-        remote_text = "1"
-    if backend is not None:
-        if backend != "hixl":
-            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"unknown llm.TransferBackend {backend!r}")
-        if not cache_manager_mode or remote_text != "1" or "llm.listenIpInfo" not in options:
-            raise make_error(
-                api,
-                LLMStatusCode.LLM_PARAM_INVALID,
-                "transfer_backend needs cache-manager mode, remote cache access and listen_ip_info",
-            )
-    link_total_text = options.get("llm.LinkTotalTime", "0")
-    if not link_total_text.isdigit():
-        raise make_error(
-            api, LLMStatusCode.LLM_PARAM_INVALID, f"invalid llm.LinkTotalTime {link_total_text!r}"
-        )
-
-    pool_capacity: int | None = None
-    if "ge.flowGraphMemMaxSize" in options:
-        text = options["ge.flowGraphMemMaxSize"]
-        if not text.isdigit():
-            raise make_error(
-                api, LLMStatusCode.LLM_PARAM_INVALID, f"ge.flowGraphMemMaxSize must be digits: {text!r}"
-            )
-        utilization = DEFAULT_MEM_UTILIZATION
-        if "llm.MemoryUtilization" in options:
-            try:
-                utilization = float(options["llm.MemoryUtilization"])
-            except ValueError as exc:
-                raise make_error(
-                    api, LLMStatusCode.LLM_PARAM_INVALID, "llm.MemoryUtilization must be a float"
-                ) from exc
-            if not 0.0 < utilization <= 1.0:
-                raise make_error(
-                    api, LLMStatusCode.LLM_PARAM_INVALID, "llm.MemoryUtilization must be in (0, 1]"
-                )
-        pool_capacity = int(int(text) * utilization)
-        if pool_capacity <= 0:
-            raise make_error(
-                api, LLMStatusCode.LLM_PARAM_INVALID, "ge.flowGraphMemMaxSize leaves an empty pool"
-            )
-
-    device_text = options.get("ge.exec.deviceId")
-    if device_text is None:
-        raise make_error(
-            api, LLMStatusCode.LLM_PARAM_INVALID, "ge.exec.deviceId is required (set LLMConfig.device_id)"
-        )
-    try:
-        device_ids = tuple(int(part) for part in device_text.split(";") if part.strip())
-    except ValueError as exc:
-        raise make_error(
-            api, LLMStatusCode.LLM_PARAM_INVALID, f"invalid ge.exec.deviceId {device_text!r}"
-        ) from exc
-    if not device_ids or any(d < 0 for d in device_ids):
-        raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"invalid ge.exec.deviceId {device_text!r}")
-
-    timeout_text = options.get("llm.SyncKvCacheWaitTime", str(DEFAULT_SYNC_KV_TIMEOUT_MS))
-    if not timeout_text.isdigit() or int(timeout_text) <= 0:
-        raise make_error(
-            api, LLMStatusCode.LLM_PARAM_INVALID, f"invalid llm.SyncKvCacheWaitTime {timeout_text!r}"
-        )
-
-    listen: tuple[str, int] | None = None
-    listen_text = options.get("llm.listenIpInfo")
-    if cache_manager_mode:
-        if listen_text is not None:
-            listen = parse_listen_ip_info(listen_text)  # "" is one part: PI, as in the real v2
-    elif role == LLMRole.PROMPT:
-        if listen_text is None:
-            raise make_error(
-                api, LLMStatusCode.LLM_PARAM_INVALID, "a PROMPT needs llm.listenIpInfo (listen_ip_info)"
-            )
-        from .configs import parse_v1_listen_ip_info
-
-        listen = parse_v1_listen_ip_info(api, listen_text, device_count=len(device_ids))
-    elif listen_text:
-        # The real v1 reads no listen address on a DECODER; one given here serves too (its first entry).
-        listen = parse_listen_ip_info(listen_text.split(";")[0])
-
-    return Settings(
-        role=role,
-        cluster_id=cluster_id,
-        device_ids=device_ids,
-        sync_kv_timeout_ms=int(timeout_text),
-        listen=listen,
-        pool_capacity_nbytes=pool_capacity,
-        enable_switch_role=options.get("llm.EnableSwitchRole") == "1",
-        cache_manager_mode=cache_manager_mode,
-        remote_cache_accessible=cache_manager_mode and remote_text == "1",
-        device_pool=_pool_config(api, "llm.MemPoolConfig", options.get("llm.MemPoolConfig"), None),
-        host_pool=_pool_config(
-            api, "llm.HostMemPoolConfig", options.get("llm.HostMemPoolConfig"), HOST_POOL_LIMIT_NBYTES
-        ),
-        local_comm_res=local_comm_res,
-        link_total_time_s=int(link_total_text),
-    )
 
 
 @dataclass(frozen=True)
@@ -342,11 +162,11 @@ class Core(ServerHooks):
                         capacity_nbytes=config.memory_nbytes, alignment=max(1 << config.page_shift, 4096)
                     )
             oom_code = LLMStatusCode.LLM_OUT_OF_MEMORY
-        self.table = CacheTable(pools, oom_code=oom_code)
-        self.copier = Copier()
-        self.copier.start()
         # Drawn once per instance: peers tell a restarted process at the same address from the old one.
         self.incarnation = secrets.randbits(64) or 1
+        self.table = CacheTable(pools, oom_code=oom_code, incarnation=self.incarnation)
+        self.copier = Copier()
+        self.copier.start()
         self._closed = False
         self._links: dict[int, ClientLink] = {}
         self._links_lock = threading.Lock()
@@ -354,10 +174,7 @@ class Core(ServerHooks):
         self._push_links: dict[int, ClientLink] = {}
         self._push_connect_lock = threading.Lock()
         self.last_pull_breakdown: dict[str, float] = {}
-        # Set once a two-sided link() was made: memory registered later defaults to remote_accessible=False.
-        self.two_sided_links_made = False
-        self._comms: dict[int, Comm] = {}
-        self._next_comm_id = 1
+        self.comms = Comms(self)
         self._pushing: dict[int, int] = {}
         self.pull_gate = threading.Lock()
         self.server = Server(
@@ -433,6 +250,8 @@ class Core(ServerHooks):
             for name in link.mappings.drop_unlinked():
                 link.owned_segments.discard(name.lstrip("/"))
                 link.owned_segments.discard(name)
+        # What pullers did in our index meanwhile (caches they let go of are freed now, not at our next call).
+        self.table.sync()
 
     def peer_gone(self, peer: PeerInfo) -> None:
         self._clean_up_after(peer.pid)
@@ -525,48 +344,66 @@ class Core(ServerHooks):
     # ------------------------------------------------------------------ transfers
 
     def pull(self, spec: PullSpec, dst: CacheRecord) -> None:
-        """Resolve at the owner, copy from its segment into `dst`, release (consuming the key if asked)."""
+        """Pin the source in the owner's published index (or, for what it could not publish, ask it), copy
+        from its segment into `dst`, unpin (consuming the key if asked)."""
         deadline = time.monotonic() + self.sync_kv_timeout_s
         link = self.get_link(spec.remote_cluster_id)
         marks = [time.perf_counter()]
-
-        def copy(grant: PullGrant) -> None:
-            marks.append(time.perf_counter())
-            if len(grant.tensor_offsets) != spec.tensor_count or grant.nbytes != spec.nbytes:
-                raise StatusError(LLMStatusCode.LLM_FAILED, "peer granted a different range than requested")
-            src = self._peer_segment(link, grant.segment, grant.segment_nbytes, writable=False)
-            dst_offsets = [
-                dst.tensor_offset(spec.dst_tensor_start + i) + spec.dst_base_offset
-                for i in range(spec.tensor_count)
-            ]
-            # Tensors are a constant pitch apart on each side: one strided copy, else a list of runs.
-            strided = StridedCopy.from_offsets(grant.tensor_offsets, dst_offsets, spec.nbytes)
-            marks.append(time.perf_counter())
-            if strided is not None:
-                self.copier.run_strided(strided, src.array, dst.pool_block.segment.array)
-            else:
-                runs = plan_tensor_copy(grant.tensor_offsets, dst_offsets, spec.nbytes)
-                self.copier.run(runs, src.array, dst.pool_block.segment.array)
-            marks.append(time.perf_counter())
-
         with link.exclusive(deadline):
-            seq = link.next_seq()
-            request = PullRequest(
-                seq,
-                spec.key_kind,
-                spec.key_id,
-                spec.model_id,
-                spec.batch_index,
-                spec.src_tensor_start,
-                spec.tensor_count,
-                spec.whole,
-                spec.nbytes,
-                spec.src_offset,
-                spec.consume,
+            index, pinned = self._pin(
+                link,
+                deadline,
+                key_kind=spec.key_kind,
+                key_id=spec.key_id,
+                model_id=spec.model_id,
+                batch_index=spec.batch_index,
+                tensor_start=spec.src_tensor_start,
+                tensor_count=spec.tensor_count,
+                whole=spec.whole,
+                nbytes=spec.nbytes,
+                src_offset=spec.src_offset,
+                consume=spec.consume,
             )
-            self._leased(link, request, seq, PullGrant, deadline, copy)
+            if index is not None and pinned is not None:
+                cache = pinned.cache
+                base = cache.offset + pinned.batch_slot * cache.slot_nbytes + spec.src_offset
+                pitch = cache.pitch_nbytes
+                offsets = tuple(
+                    base + t * pitch
+                    for t in range(spec.src_tensor_start, spec.src_tensor_start + spec.tensor_count)
+                )
+                marks.append(time.perf_counter())
+                with self._pinned_in(link, index):
+                    self._copy_pull(link, spec, dst, cache.segment, cache.segment_nbytes, offsets, marks)
+            else:
+
+                def copy(grant: PullGrant) -> None:
+                    marks.append(time.perf_counter())
+                    if len(grant.tensor_offsets) != spec.tensor_count or grant.nbytes != spec.nbytes:
+                        raise StatusError(
+                            LLMStatusCode.LLM_FAILED, "peer granted a different range than requested"
+                        )
+                    self._copy_pull(
+                        link, spec, dst, grant.segment, grant.segment_nbytes, grant.tensor_offsets, marks
+                    )
+
+                seq = link.next_seq()
+                request = PullRequest(
+                    seq,
+                    spec.key_kind,
+                    spec.key_id,
+                    spec.model_id,
+                    spec.batch_index,
+                    spec.src_tensor_start,
+                    spec.tensor_count,
+                    spec.whole,
+                    spec.nbytes,
+                    spec.src_offset,
+                    spec.consume,
+                )
+                self._leased(link, request, seq, PullGrant, deadline, copy)
         marks.append(time.perf_counter())
-        # Where the last pull's time went (bench reads it): resolve round trip, planning, copy, release.
+        # Where the last pull's time went (bench reads it): resolve and pin, planning, copy, unpin.
         self.last_pull_breakdown = dict(
             zip(
                 ("resolve", "plan", "copy", "release"),
@@ -575,41 +412,153 @@ class Core(ServerHooks):
             )
         )
 
+    def _copy_pull(
+        self,
+        link: ClientLink,
+        spec: PullSpec,
+        dst: CacheRecord,
+        segment: str,
+        segment_nbytes: int,
+        src_offsets: tuple[int, ...],
+        marks: list[float],
+    ) -> None:
+        src = self._peer_segment(link, segment, segment_nbytes, writable=False)
+        dst_offsets = [
+            dst.tensor_offset(spec.dst_tensor_start + i) + spec.dst_base_offset
+            for i in range(spec.tensor_count)
+        ]
+        # Tensors are a constant pitch apart on each side: one strided copy, else a list of runs.
+        strided = StridedCopy.from_offsets(src_offsets, dst_offsets, spec.nbytes)
+        marks.append(time.perf_counter())
+        if strided is not None:
+            self.copier.run_strided(strided, src.array, dst.pool_block.segment.array)
+        else:
+            runs = plan_tensor_copy(src_offsets, dst_offsets, spec.nbytes)
+            self.copier.run(runs, src.array, dst.pool_block.segment.array)
+        marks.append(time.perf_counter())
+
+    def _pin(
+        self, link: ClientLink, deadline: float, **request: int | bool
+    ) -> tuple[Index | None, Pin | None]:
+        """Pin what a pull names through the link's row of the owner's index: (index, pin), or (index or
+        None, None) when the owner must be asked. The link's socket says first whether the owner is alive:
+        a dead owner's index is never read."""
+        link.check_usable()
+        link.check_peer_alive()
+        index = peer_index(link, self.incarnation, deadline, self.settings.timeout_code)
+        if index is None:
+            return None, None
+        pinned = dataplane_pin(
+            link,
+            index,
+            incarnation=self.incarnation,
+            cluster_id=self.settings.cluster_id,
+            deadline=deadline,
+            timeout_code=self.settings.timeout_code,
+            **request,  # type: ignore[arg-type]
+        )
+        return index, pinned
+
+    @contextlib.contextmanager
+    def _pinned_in(self, link: ClientLink, index: Index) -> Iterator[None]:
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            unpin(link, index, incarnation=self.incarnation, ok=ok)
+
     def pull_blocks(self, spec: BlocksSpec, dst: CacheRecord) -> None:
-        """Pin the owner's paged cache, copy block src_blocks[k] to dst_blocks[k] of every tensor, release."""
+        """Pin the owner's paged cache, copy block src_blocks[k] to dst_blocks[k] of every tensor, unpin."""
         deadline = time.monotonic() + self.sync_kv_timeout_s
         link = self.get_link(spec.remote_cluster_id)
-
-        def copy(grant: BlocksGrant) -> None:
-            if len(grant.tensor_offsets) != spec.tensor_count:
-                raise StatusError(LLMStatusCode.LLM_FAILED, "peer granted a different range than requested")
-            if grant.block_nbytes != dst.slot_nbytes:
-                raise StatusError(
-                    LLMStatusCode.LLM_PARAM_INVALID,
-                    f"remote blocks are {grant.block_nbytes} bytes, local blocks {dst.slot_nbytes}",
-                )
-            if max(spec.src_blocks) >= grant.num_blocks:
-                raise StatusError(
-                    LLMStatusCode.LLM_PARAM_INVALID,
-                    f"prompt block {max(spec.src_blocks)} >= the remote block count {grant.num_blocks}",
-                )
-            src = self._peer_segment(link, grant.segment, grant.segment_nbytes, writable=False)
-            dst_offsets = [dst.tensor_offset(spec.dst_tensor_start + i) for i in range(spec.tensor_count)]
-            plan = BlockPlan.make(
-                grant.tensor_offsets,
-                dst_offsets,
-                spec.src_blocks,
-                spec.dst_blocks,
-                grant.block_nbytes,
-                dst.slot_nbytes,
-                dst.slot_nbytes,
-            )
-            self.copier.run_blocks(plan, src.array, dst.pool_block.segment.array)
-
         with link.exclusive(deadline):
+            index, pinned = self._pin(
+                link,
+                deadline,
+                key_kind=KEY_BLOCKS,
+                key_id=0,
+                model_id=spec.model_id,
+                batch_index=0,
+                tensor_start=spec.src_tensor_start,
+                tensor_count=spec.tensor_count,
+                whole=spec.whole,
+                nbytes=1,
+                src_offset=0,
+                consume=False,
+            )
+            if index is not None and pinned is not None:
+                cache = pinned.cache
+                offsets = tuple(
+                    cache.offset + t * cache.pitch_nbytes
+                    for t in range(spec.src_tensor_start, spec.src_tensor_start + spec.tensor_count)
+                )
+                with self._pinned_in(link, index):
+                    self._copy_blocks(
+                        link,
+                        spec,
+                        dst,
+                        cache.segment,
+                        cache.segment_nbytes,
+                        offsets,
+                        cache.slot_nbytes,
+                        cache.batch_size,
+                    )
+                return
+
+            def copy(grant: BlocksGrant) -> None:
+                if len(grant.tensor_offsets) != spec.tensor_count:
+                    raise StatusError(
+                        LLMStatusCode.LLM_FAILED, "peer granted a different range than requested"
+                    )
+                self._copy_blocks(
+                    link,
+                    spec,
+                    dst,
+                    grant.segment,
+                    grant.segment_nbytes,
+                    grant.tensor_offsets,
+                    grant.block_nbytes,
+                    grant.num_blocks,
+                )
+
             seq = link.next_seq()
             request = BlocksRequest(seq, spec.model_id, spec.src_tensor_start, spec.tensor_count, spec.whole)
             self._leased(link, request, seq, BlocksGrant, deadline, copy)
+
+    def _copy_blocks(
+        self,
+        link: ClientLink,
+        spec: BlocksSpec,
+        dst: CacheRecord,
+        segment: str,
+        segment_nbytes: int,
+        src_offsets: tuple[int, ...],
+        block_nbytes: int,
+        num_blocks: int,
+    ) -> None:
+        if block_nbytes != dst.slot_nbytes:
+            raise StatusError(
+                LLMStatusCode.LLM_PARAM_INVALID,
+                f"remote blocks are {block_nbytes} bytes, local blocks {dst.slot_nbytes}",
+            )
+        if max(spec.src_blocks) >= num_blocks:
+            raise StatusError(
+                LLMStatusCode.LLM_PARAM_INVALID,
+                f"prompt block {max(spec.src_blocks)} >= the remote block count {num_blocks}",
+            )
+        src = self._peer_segment(link, segment, segment_nbytes, writable=False)
+        dst_offsets = [dst.tensor_offset(spec.dst_tensor_start + i) for i in range(spec.tensor_count)]
+        plan = BlockPlan.make(
+            src_offsets,
+            dst_offsets,
+            spec.src_blocks,
+            spec.dst_blocks,
+            block_nbytes,
+            dst.slot_nbytes,
+            dst.slot_nbytes,
+        )
+        self.copier.run_blocks(plan, src.array, dst.pool_block.segment.array)
 
     def push(self, remote_cluster_id: int, src: CacheRecord, spans: list[PushSpan]) -> None:
         """Pin the peer's memory at the spans' addresses, copy into it from `src`'s segment, release.
@@ -690,14 +639,20 @@ class Core(ServerHooks):
             old.close(say_bye=False)
         return link
 
-    def start_pushing(self, cluster_ids: set[int]) -> None:
-        """Mark a layer-wise transfer into these clusters: their pulls on our server get LLM_LINK_BUSY
-        until the matching `stop_pushing`."""
+    def start_pushing(self, cluster_ids: set[int]) -> int | None:
+        """Mark a layer-wise transfer into these clusters: their pulls from us (asked or through our
+        index) get LLM_LINK_BUSY until the matching `stop_pushing`. Refused, with the cluster that is
+        pulling from us now, when one is: checked and marked under the index lock, so no pin slips in."""
+        busy = self.table.start_push(cluster_ids, self.server.conns_of)
+        if busy is not None:
+            return busy
         with self._links_lock:
             for cluster_id in cluster_ids:
                 self._pushing[cluster_id] = self._pushing.get(cluster_id, 0) + 1
+        return None
 
     def stop_pushing(self, cluster_ids: set[int]) -> None:
+        self.table.end_push(cluster_ids)
         with self._links_lock:
             for cluster_id in cluster_ids:
                 self._pushing[cluster_id] -= 1
@@ -1013,138 +968,9 @@ class Core(ServerHooks):
 
     # ------------------------------------------------------------------ two-sided links (v2 `link`)
 
-    def link_comm(self, comm_name: str, members: dict[int, int]) -> int:
-        """Start a two-sided link: serve on this member's rendezvous socket and, in the background, connect
-        to every other member's until all are linked (status OK) or the link time runs out (FAILED)."""
-        self.server.check_alive()
-        own = members.get(self.settings.cluster_id)
-        if own is None:
-            raise StatusError(
-                LLMStatusCode.LLM_PARAM_INVALID, "cluster_rank_info must contain this cluster's id"
-            )
-        digest = hashlib.sha1(comm_name.encode()).hexdigest()[:16]
-        path = socket_path_in_runtime(f"comm-{digest}-r{own}.sock")
-        try:
-            self.server.listen(path)
-        except FileExistsError as exc:
-            raise StatusError(
-                LLMStatusCode.LLM_LINK_FAILED, f"rank {own} of {comm_name!r} is taken: {exc}"
-            ) from exc
-        total_s = self.settings.link_total_time_s or int(os.environ.get("HCCL_CONNECT_TIMEOUT", "120"))
-        with self._links_lock:
-            full = len(self._comms) >= MAX_COMMS or self._closed
-            if not full:
-                comm = Comm(self._next_comm_id, comm_name, dict(members), path, time.monotonic() + total_s)
-                self._next_comm_id += 1
-                self._comms[comm.comm_id] = comm
-        if full:
-            self.server.unlisten(path)
-            raise StatusError(LLMStatusCode.LLM_FAILED, f"{MAX_COMMS} open link() communicators is the limit")
-        # Members that connected before the comm was recorded (the hook only sees later ones).
-        connected = {peer.cluster_id for peer in self.server.peers()}
-        with self._links_lock:
-            comm.incoming |= connected & set(members)
-        self.two_sided_links_made = True
-        others = {cluster: rank for cluster, rank in members.items() if cluster != self.settings.cluster_id}
-        thread = threading.Thread(
-            target=self._connect_comm,
-            args=(comm, others, digest),
-            name=f"llmdd-link-{comm.comm_id}",
-            daemon=True,
-        )
-        thread.start()
-        return comm.comm_id
-
     def peer_linked(self, peer: PeerInfo) -> None:
-        """Server thread: a peer completed its handshake; two-sided links count it as linked to us."""
-        with self._links_lock:
-            for comm in self._comms.values():
-                if peer.cluster_id in comm.members:
-                    comm.incoming.add(peer.cluster_id)
-
-    def _connect_comm(self, comm: Comm, others: dict[int, int], digest: str) -> None:
-        """Connect to every other member; the link is OK once that is done and every other member has
-        connected to us too, as the real link is a collective that completes for all members at once
-        (so no member sees OK, pulls and unlinks while another is still coming up)."""
-        pending = dict(others)
-        while not comm.stop.is_set():
-            for cluster_id, rank in list(pending.items()):
-                with self._links_lock:
-                    if cluster_id in self._links:
-                        del pending[cluster_id]
-                        continue
-                path = socket_path_in_runtime(f"comm-{digest}-r{rank}.sock")
-                if not path.exists():
-                    continue
-                try:
-                    link = ClientLink.connect(
-                        path,
-                        cluster_id=self.settings.cluster_id,
-                        remote_cluster_id=cluster_id,
-                        role=int(self.role),
-                        deadline=min(comm.deadline, time.monotonic() + 5.0),
-                        callback=self.callback_name,
-                        incarnation=self.incarnation,
-                    )
-                except StatusError as exc:
-                    log.info("link %r: rank %d not reachable yet: %s", comm.name, rank, exc.detail)
-                    continue
-                with self._links_lock:
-                    # unlink_comm or close may have run while we connected: then the link is not wanted.
-                    keep = (
-                        not self._closed
-                        and not comm.stop.is_set()
-                        and self._comms.get(comm.comm_id) is comm
-                        and cluster_id not in self._links
-                    )
-                    if keep:
-                        link.on_broken = self._link_broken
-                        self._links[cluster_id] = link
-                        comm.clusters.add(cluster_id)
-                if not keep:
-                    link.close(say_bye=True)
-                    if comm.stop.is_set():
-                        return
-                del pending[cluster_id]
-            with self._links_lock:
-                missing = sorted(set(pending) | (set(others) - comm.incoming))
-            if not missing:
-                comm.status = COMM_OK
-                return
-            if time.monotonic() >= comm.deadline:
-                comm.status = COMM_FAILED
-                log.error("link %r: members %s never came up", comm.name, missing)
-                return
-            comm.stop.wait(0.02)
-
-    def comm_status(self, comm_id: int) -> int:
-        with self._links_lock:
-            comm = self._comms.get(comm_id)
-        if comm is None:
-            raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"no link with comm_id {comm_id}")
-        return comm.status
-
-    def unlink_comm(self, comm_id: int) -> None:
-        with self._links_lock:
-            comm = self._comms.get(comm_id)
-            if comm is None:
-                raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"no link with comm_id {comm_id}")
-            links = [self._links[c] for c in comm.clusters if c in self._links]
-        for link in links:
-            with link.exclusive(0.0, busy_fails=True):
-                pass
-        with self._links_lock:
-            del self._comms[comm_id]
-            for cluster_id in comm.clusters:
-                self._links.pop(cluster_id, None)
-        comm.stop.set()
-        self.server.unlisten(comm.path)
-        for link in links:
-            link.close(say_bye=True)
-        # The members' links to us belong to the same communicator: they go too.
-        for cluster_id in comm.members:
-            if cluster_id != self.settings.cluster_id:
-                self.drop_peer(cluster_id)
+        """Server thread: a peer completed its handshake (see `Comms.peer_linked`)."""
+        self.comms.peer_linked(peer)
 
     def drop_peer(self, remote_cluster_id: int) -> bool:
         """Server side of an unlink: close every connection from `remote_cluster_id` and our link back."""
@@ -1160,8 +986,7 @@ class Core(ServerHooks):
     def close(self) -> None:
         with self._links_lock:
             self._closed = True
-            for comm in self._comms.values():
-                comm.stop.set()
+            self.comms.stop_all()
             links = list(self._links.values())
             self._links.clear()
             links += list(self._push_links.values())
@@ -1203,25 +1028,6 @@ class RemoteTable:
     blocks: dict[int, int]
     generations: str = ""
     version: int = 0
-
-
-COMM_OK, COMM_PREPARING, COMM_FAILED = 0, 1, 2  # RegisterMemStatus values
-
-
-@dataclass(eq=False)
-class Comm:
-    """One two-sided link (`link()`): its members, rendezvous socket and progress."""
-
-    comm_id: int
-    name: str
-    members: dict[int, int]
-    path: Path
-    deadline: float
-    status: int = COMM_PREPARING
-    clusters: set[int] = field(default_factory=set)
-    # Members that have connected to us (any socket) since the comm began.
-    incoming: set[int] = field(default_factory=set)
-    stop: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)

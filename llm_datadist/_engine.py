@@ -8,17 +8,39 @@ writing into it). Cache ids count from 1 and are never reused. Leases belong to 
 dead peer's leases can be dropped in one call without consuming its keys. A lease names the records it
 pins, not their ids: whatever the owner did to a cache meanwhile (unregistered it, freed it), ending the
 lease is always well-defined. A connection holds at most `MAX_LEASES_PER_OWNER` leases at once.
+
+The table publishes its pool caches, their keys and its pins in a shared-memory index (`shm.index`), so
+that pullers on this host pin, copy and consume without a message: each connection gets a row of the index
+to pin through. The index is the truth for what pullers did (consumed keys, pins); the table catches up
+(`_sync`) at the start of every operation that depends on it, and its server thread does so twice a second.
+A cache whose last reference goes while a row pins it is freed when that row lets go.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from llm_datadist._shm.errors import OutOfPoolMemory, ShmError
 from llm_datadist._shm.generations import GenerationTable
+from llm_datadist._shm.index import (
+    CACHE_BLOCKS,
+    CACHE_PENDING,
+    KIND_BLOCKS,
+    KIND_CACHE,
+    KIND_SLOT,
+    MAX_MASK_TENSORS,
+    NAME_LIVE,
+    CacheEntry,
+    Index,
+    IndexCorrupt,
+    IndexLockTimeout,
+)
 from llm_datadist._shm.pool import Block, Pool
 from llm_datadist._shm.segment import Segment
 
@@ -38,6 +60,14 @@ TENSOR_ALIGN_NBYTES = 4096
 # A well-behaved link holds one lease at a time (one transfer at a time per link); this bounds a peer that
 # asks for leases and never releases them.
 MAX_LEASES_PER_OWNER = 1024
+# The owner waits this long for the index lock (a puller holds it for microseconds; only a stopped puller
+# holds it longer).
+INDEX_LOCK_TIMEOUT_S = 5.0
+# The server thread never waits that long: what it cannot do at once it retries at its next housekeeping.
+SERVER_LOCK_TIMEOUT_S = 0.05
+# Index header flag: some key or cache is not in the index (registered memory, more tensors than a mask
+# holds, a full index): a puller that does not find a name asks the owner instead.
+FLAG_UNPUBLISHED = 1
 
 
 def _align_up(value: int, alignment: int) -> int:
@@ -75,6 +105,11 @@ class CacheRecord:
     keys: set[KeyId] = field(default_factory=set)
     leases: int = 0
     pins: int = 0
+    # In the index: the cache entry (at gen_slot) and its KIND_CACHE name; `pending` once nothing but a
+    # puller's row keeps it (its free waits for that row).
+    published: bool = False
+    cache_name: int = -1
+    pending: bool = False
 
     @property
     def slot_nbytes(self) -> int:
@@ -111,8 +146,11 @@ class KeyRecord:
     cache_id: int
     slot: int
     # v1 tracks, per key, the tensors not pulled yet: a layer-by-layer pull consumes the key only once
-    # every tensor was pulled (reference §9.4, §16).
+    # every tensor was pulled (reference §9.4, §16). For a key in the index (`name` >= 0) the index's
+    # mask is the truth and this set is unused.
     unpulled: set[int]
+    name: int = -1
+    slot_name: int = -1  # req keys: the KIND_SLOT name that finds this key from (cache id, slot)
 
 
 @dataclass(frozen=True)
@@ -201,7 +239,7 @@ class WriteGrant:
 class CacheTable:
     """Caches, keys and leases of one process, backed by one `shm.pool.Pool`."""
 
-    def __init__(self, pools: dict[int, Pool], *, oom_code: LLMStatusCode) -> None:
+    def __init__(self, pools: dict[int, Pool], *, oom_code: LLMStatusCode, incarnation: int = 0) -> None:
         # Pools by placement (Placement.DEVICE = 1, HOST = 0); a placement without a pool cannot allocate.
         self._pools = pools
         self._generations = GenerationTable()
@@ -220,6 +258,213 @@ class CacheTable:
         self._leases_by_owner: dict[int, int] = {}  # id(owner) -> leases held
         # Signalled whenever a lease ends (unregister waits for the leases on memory its caller will reuse).
         self._lease_ended = threading.Condition(self._lock)
+        self.index = Index.create(os.getpid(), incarnation)
+        self._free_names = list(range(self.index.names - 1, -1, -1))
+        self._key_by_name: dict[int, KeyId] = {}
+        self._blocks_names: dict[int, int] = {}  # model_id -> KIND_BLOCKS name
+        self._free_rows = list(range(self.index.rows - 1, -1, -1))
+        self._rows: dict[int, int] = {}  # id(connection) -> its row
+        self._pending: dict[int, CacheRecord] = {}  # cache_id -> a record whose free waits for a row
+        self._epoch_seen = 0
+        self._flags = 0
+        self._lock_timeout_s = INDEX_LOCK_TIMEOUT_S
+        self._rows_to_release: list[int] = []  # rows of ended connections the server could not clear yet
+
+    # ----------------------------------------------------------------- the index (lock held)
+
+    @contextlib.contextmanager
+    def _indexed(self) -> Iterator[Index]:
+        try:
+            with self.index.locked(self._lock_timeout_s):
+                yield self.index
+        except IndexLockTimeout as exc:
+            raise StatusError(LLMStatusCode.LLM_TIMEOUT, str(exc)) from exc
+
+    def _unpublished(self) -> None:
+        if not self._flags & FLAG_UNPUBLISHED:
+            self._flags |= FLAG_UNPUBLISHED
+            with self._indexed() as index:
+                index.set_flags(self._flags)
+
+    def _new_name(
+        self, kind: int, key_id: int, model_id: int, record: CacheRecord, slot: int, target: int = -1
+    ) -> int:
+        if not self._free_names:
+            self._unpublished()
+            return -1
+        name = self._free_names.pop()
+        with self._indexed() as index:
+            index.insert_name(
+                name,
+                kind,
+                key_id,
+                model_id,
+                record.gen_slot,
+                slot,
+                record.generation,
+                target=target,
+                num_tensors=record.num_tensors,
+            )
+        return name
+
+    def _drop_name(self, name: int) -> None:
+        if name < 0:
+            return
+        with self._indexed() as index:
+            index.remove_name(name)
+        self._free_names.append(name)
+
+    def _publish_cache(self, record: CacheRecord) -> None:
+        if record.block is None or record.gen_slot >= self.index.caches:
+            self._unpublished()
+            return
+        segment = record.block.segment
+        with self._indexed() as index:
+            index.put_cache(
+                CacheEntry(
+                    record.gen_slot,
+                    record.generation,
+                    record.cache_id,
+                    CACHE_BLOCKS if record.is_blocks else 0,
+                    record.batch_size,
+                    record.block.offset,
+                    record.pitch_nbytes,
+                    record.tensor_nbytes,
+                    record.num_tensors,
+                    segment.name,
+                    segment.nbytes,
+                )
+            )
+            record.cache_name = self._new_name(KIND_CACHE, record.cache_id, 0, record, 0)
+            record.published = True
+
+    def _publish_key(self, key_record: KeyRecord, record: CacheRecord) -> None:
+        if not record.published or record.num_tensors > MAX_MASK_TENSORS:
+            self._unpublished()
+            return
+        kind, key_id, model_id = key_record.key
+        name = self._new_name(kind, key_id, model_id, record, key_record.slot)
+        if name < 0:
+            return
+        key_record.name = name
+        self._key_by_name[name] = key_record.key
+        if kind == KEY_REQ:
+            if key_record.unpulled != set(range(record.num_tensors)):
+                with self._indexed() as index:
+                    index.set_name_state(name, NAME_LIVE, _mask(key_record.unpulled))
+            key_record.slot_name = self._new_name(
+                KIND_SLOT, record.cache_id, key_record.slot, record, key_record.slot, target=name
+            )
+
+    def _unpublish_key(self, key_record: KeyRecord) -> None:
+        self._key_by_name.pop(key_record.name, None)
+        self._drop_name(key_record.name)
+        self._drop_name(key_record.slot_name)
+        key_record.name = key_record.slot_name = -1
+
+    def _sync(self) -> None:
+        """Catch up with what pullers did in the index: unbind the keys they consumed (once no row still
+        refers to them) and free the caches whose rows let go."""
+        with self._indexed() as index:
+            epoch = index.epoch
+            if epoch == self._epoch_seen:
+                return
+            self._epoch_seen = epoch
+            consumed = index.consumed_names()
+            if consumed:
+                referenced = {index.row(row)[4] for row in index.pinned(self._rows.values())}
+                for name in consumed:
+                    key = self._key_by_name.get(name)
+                    if key is not None and name not in referenced:
+                        self._unbind(key)
+            for record in list(self._pending.values()):
+                self._maybe_free(record)
+
+    @contextlib.contextmanager
+    def _impatient(self) -> Iterator[None]:
+        """For the server thread (lock held): index waits of SERVER_LOCK_TIMEOUT_S only."""
+        saved, self._lock_timeout_s = self._lock_timeout_s, SERVER_LOCK_TIMEOUT_S
+        try:
+            yield
+        finally:
+            self._lock_timeout_s = saved
+
+    def sync(self) -> None:
+        """The server thread's housekeeping: clear the rows of ended connections not cleared yet and catch
+        up with the index; skipped (until the next time) while the lock is held elsewhere."""
+        with self._lock, self._impatient(), contextlib.suppress(StatusError):
+            while self._rows_to_release:
+                self._clear_row(self._rows_to_release[-1])
+                self._rows_to_release.pop()
+            self._sync()
+
+    def _row_pins(self) -> set[tuple[int, int]]:
+        with self._indexed() as index:
+            return set(index.pinned(self._rows.values()).values())
+
+    # ----------------------------------------------------------------- rows (server thread)
+
+    def assign_row(self, owner: object, incarnation: int) -> int:
+        """A row of the index for a new connection to pin through; -1 if none is free or the lock is busy
+        (the connection then asks for what it pulls)."""
+        with self._lock, self._impatient():
+            if not self._free_rows:
+                return -1
+            row = self._free_rows[-1]
+            try:
+                with self._indexed() as index:
+                    index.assign_row(row, incarnation)
+            except StatusError:
+                return -1
+            self._free_rows.pop()
+            self._rows[id(owner)] = row
+            return row
+
+    def release_row(self, owner: object) -> bool:
+        """The connection ended: give back what its pin consumed (as `drop_owner` does for leases), clear
+        its row and free what only that row kept; later (housekeeping) if the lock is busy now. True if
+        the row pinned something."""
+        with self._lock, self._impatient():
+            row = self._rows.pop(id(owner), None)
+            if row is None:
+                return False
+            try:
+                pinned = self._clear_row(row)
+                self._sync()
+            except StatusError:
+                self._rows_to_release.append(row)
+                return False
+            return pinned
+
+    def _clear_row(self, row: int) -> bool:
+        with self._indexed() as index:
+            _, state, cache_slot, generation, name, mask = index.row(row)
+            if state and name >= 0 and mask:
+                # The row is the puller's to write: a name it made up gives nothing back.
+                with contextlib.suppress(IndexCorrupt):
+                    index.restore(name, mask, cache_slot, generation)
+            index.clear_row(row, 0)
+            index.bump_epoch()
+        self._free_rows.append(row)
+        return bool(state)
+
+    def start_push(self, clusters: set[int], connections: Callable[[int], list[object]]) -> int | None:
+        """Mark pushes into `clusters` in the index unless one of them is pulling from us: the busy cluster
+        then (nothing marked), else None. Pullers check the mark under the same lock."""
+        with self._lock, self._indexed() as index:
+            pinning = index.pinned(self._rows.values())
+            for cluster_id in sorted(clusters):
+                for conn in connections(cluster_id):
+                    if id(conn) in self._leases_by_owner or self._rows.get(id(conn), -1) in pinning:
+                        return cluster_id
+            for cluster_id in clusters:
+                index.set_busy(cluster_id, 1)
+            return None
+
+    def end_push(self, clusters: set[int]) -> None:
+        with self._lock, self._indexed() as index:
+            for cluster_id in clusters:
+                index.set_busy(cluster_id, -1)
 
     # ----------------------------------------------------------------- local operations (owner side)
 
@@ -242,6 +487,7 @@ class CacheTable:
         bindings = self._bindings(num_tensors, tensor_nbytes, batch_size, keys, unique_keys)
         pitch = _align_up(tensor_nbytes, TENSOR_ALIGN_NBYTES)
         with self._lock:
+            self._sync()
             self._check_unbound(bindings)
             pool = self._pools.get(placement)
             if pool is None:
@@ -293,6 +539,7 @@ class CacheTable:
                 LLMStatusCode.LLM_PARAM_INVALID, f"{len(addrs)} addresses for {num_tensors} tensors"
             )
         with self._lock:
+            self._sync()
             self._check_unbound(bindings)
             spans = sorted((addr, addr + tensor_nbytes) for addr in addrs)
             for record in self._caches.values():
@@ -338,8 +585,7 @@ class CacheTable:
                 return False
             for key in list(record.keys):
                 self._unbind(key)
-            for model_id in [m for m, c in self._blocks_keys.items() if c == cache_id]:
-                del self._blocks_keys[model_id]
+            self._drop_blocks_keys(cache_id)
             # Refuse new leases by id while waiting (resolve checks `external`), then wait out the old ones.
             record.external = False
             deadline = time.monotonic() + timeout_s
@@ -387,11 +633,14 @@ class CacheTable:
     def _add(self, record: CacheRecord, bindings: dict[KeyId, int]) -> CacheRecord:
         self._next_cache_id += 1
         self._caches[record.cache_id] = record
+        self._publish_cache(record)
         for key, slot in bindings.items():
-            self._keys[key] = KeyRecord(key, record.cache_id, slot, set(range(record.num_tensors)))
+            key_record = KeyRecord(key, record.cache_id, slot, set(range(record.num_tensors)))
+            self._keys[key] = key_record
             record.keys.add(key)
             if key[0] == KEY_REQ:
                 self._slot_req_key[(record.cache_id, slot)] = key
+            self._publish_key(key_record, record)
         return record
 
     def bind_blocks_key(self, model_id: int, cache_id: int) -> None:
@@ -400,6 +649,24 @@ class CacheTable:
                 # Peers' copies of the table name the old cache under this model id: make them refetch.
                 self._generations.bump_version()
             self._blocks_keys[model_id] = cache_id
+            record = self._caches.get(cache_id)
+            name = self._blocks_names.get(model_id, -1)
+            if record is None or not record.published:
+                self._drop_name(name)
+                self._blocks_names.pop(model_id, None)
+                self._unpublished()
+            elif name >= 0:
+                with self._indexed() as index:
+                    index.retarget_name(name, record.gen_slot, record.generation)
+            else:
+                name = self._new_name(KIND_BLOCKS, 0, model_id, record, 0)
+                if name >= 0:
+                    self._blocks_names[model_id] = name
+
+    def _drop_blocks_keys(self, cache_id: int) -> None:
+        for model_id in [m for m, c in self._blocks_keys.items() if c == cache_id]:
+            del self._blocks_keys[model_id]
+            self._drop_name(self._blocks_names.pop(model_id, -1))
 
     @property
     def table_version(self) -> int:
@@ -414,12 +681,12 @@ class CacheTable:
             if record is None or not record.external:
                 return
             record.external = False
-            for model_id in [m for m, c in self._blocks_keys.items() if c == cache_id]:
-                del self._blocks_keys[model_id]
+            self._drop_blocks_keys(cache_id)
             self._maybe_free(record)
 
     def remove_key(self, key: KeyId) -> None:
         with self._lock:
+            self._sync()
             self._unbind(key)
 
     def get(self, cache_id: int) -> CacheRecord | None:
@@ -429,11 +696,13 @@ class CacheTable:
     def key_on_registered(self, key: KeyId) -> bool:
         """True if `key` is bound to a registered cache (whose keys nothing removes)."""
         with self._lock:
+            self._sync()
             key_record = self._keys.get(key)
             return key_record is not None and self._caches[key_record.cache_id].registered
 
     def has_key(self, key: KeyId) -> bool:
         with self._lock:
+            self._sync()
             return key in self._keys
 
     def pin(self, cache_id: int) -> CacheRecord:
@@ -473,6 +742,7 @@ class CacheTable:
     ) -> Grant:
         """Find the slot a pull names, check the ranges against it and pin it with a lease."""
         with self._lock:
+            self._sync()
             record, slot, consume_key = self._find(key_kind, key_id, model_id, batch_index)
             if key_kind == KEY_CACHE_ID and record.is_blocks:
                 # v1 pulls a continuous slot by cache id; a paged cache is pulled by its blocks key.
@@ -507,6 +777,7 @@ class CacheTable:
     ) -> BlocksGrant:
         """Pin the blocks cache a BlocksCacheKey's model_id names (blocks keys are never consumed)."""
         with self._lock:
+            self._sync()
             record, _, _ = self._find(KEY_BLOCKS, 0, model_id, 0)
             self._check_tensors(record, tensor_start, tensor_count, whole)
             segment = _segment_of(record)  # before the lease: a refused request pins nothing
@@ -575,6 +846,7 @@ class CacheTable:
         for pool caches, addresses for registered memory). Keys on registered memory are never consumed.
         A write (a peer's push) only reaches a cache its user still holds."""
         with self._lock:
+            self._sync()
             record, slot, consume_key = self._find(key_kind, key_id, model_id, batch_index)
             if for_write and not record.external:
                 raise StatusError(
@@ -596,6 +868,7 @@ class CacheTable:
         """Remote-accessible live caches with ids from `start_cache_id` on, in id order: each with its whole
         location and the blocks model ids naming it."""
         with self._lock:
+            self._sync()
             entries = []
             for cache_id in sorted(c for c in self._caches if c >= start_cache_id):
                 record = self._caches[cache_id]
@@ -620,8 +893,15 @@ class CacheTable:
             self._lease_ended.wait(timeout_s)
 
     def holds_leases(self, owner: object) -> bool:
+        """Whether a connection holds a lease or pins a cache through its row."""
         with self._lock:
-            return id(owner) in self._leases_by_owner
+            if id(owner) in self._leases_by_owner:
+                return True
+            row = self._rows.get(id(owner))
+            if row is None:
+                return False
+            with self._indexed() as index:
+                return bool(index.pinned((row,)))
 
     def drop_owner(self, owner: object) -> int:
         """Release every lease a (dead or departed) connection held, consuming nothing."""
@@ -637,10 +917,12 @@ class CacheTable:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
+            self._sync()
             return {
                 "caches": len(self._caches),
                 "keys": len(self._keys),
                 "leases": len(self._leases),
+                "pins": len(self._row_pins()),
                 "pool_used_nbytes": sum(pool.used_nbytes for pool in self._pools.values()),
             }
 
@@ -654,9 +936,11 @@ class CacheTable:
             self._leases.clear()
             self._leases_by_owner.clear()
             self._lease_ended.notify_all()
+            self._pending.clear()
             for pool in self._pools.values():
                 pool.close()
             self._generations.close()
+            self.index.close()
 
     # ----------------------------------------------------------------- helpers (lock held)
 
@@ -675,7 +959,7 @@ class CacheTable:
             return record, 0, None
         if key_kind == KEY_CACHE_ID:
             record = self._caches.get(key_id)
-            if record is None or (record.registered and not record.external):
+            if record is None or record.pending or (record.registered and not record.external):
                 raise StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key_id} does not exist")
             if batch_index >= record.batch_size:
                 raise StatusError(
@@ -710,11 +994,18 @@ class CacheTable:
         if consume_key is not None:
             key_record = self._keys.get(consume_key)
             if key_record is not None and key_record.cache_id == records[0].cache_id:
-                consumed = frozenset(
-                    key_record.unpulled & set(range(tensor_start, tensor_start + tensor_count))
-                )
-                key_record.unpulled -= consumed
-                if not key_record.unpulled:
+                wanted = set(range(tensor_start, tensor_start + tensor_count))
+                if key_record.name >= 0:
+                    with self._indexed() as index:
+                        before = index.name_entry(key_record.name).mask
+                        taken = index.consume(key_record.name, _mask(wanted))
+                    consumed = frozenset(_tensors(taken))
+                    emptied = not before & ~taken
+                else:
+                    consumed = frozenset(key_record.unpulled & wanted)
+                    key_record.unpulled -= consumed
+                    emptied = not key_record.unpulled
+                if emptied:
                     unbound_slot = key_record.slot
         lease = Lease(
             lease_id=self._next_lease_id,
@@ -749,13 +1040,19 @@ class CacheTable:
         if key_record is None and lease.unbound_slot is not None:
             if key[0] == KEY_REQ and (record.cache_id, lease.unbound_slot) in self._slot_req_key:
                 return  # the slot was bound to another key since
-            key_record = KeyRecord(key, record.cache_id, lease.unbound_slot, set())
+            key_record = KeyRecord(key, record.cache_id, lease.unbound_slot, set(lease.consumed))
             self._keys[key] = key_record
             record.keys.add(key)
             if key[0] == KEY_REQ:
                 self._slot_req_key[(record.cache_id, lease.unbound_slot)] = key
+            self._publish_key(key_record, record)
+            return
         if key_record is not None and key_record.cache_id == record.cache_id:
-            key_record.unpulled |= lease.consumed
+            if key_record.name >= 0:
+                with self._indexed() as index:
+                    index.restore(key_record.name, _mask(lease.consumed), record.gen_slot, record.generation)
+            else:
+                key_record.unpulled |= lease.consumed
 
     def _end_lease(self, lease: Lease, *, restore: bool) -> None:
         del self._leases[lease.lease_id]
@@ -792,6 +1089,7 @@ class CacheTable:
             return
         if key[0] == KEY_REQ:
             self._slot_req_key.pop((key_record.cache_id, key_record.slot), None)
+        self._unpublish_key(key_record)
         record = self._caches[key_record.cache_id]
         record.keys.discard(key)
         self._maybe_free(record)
@@ -799,11 +1097,36 @@ class CacheTable:
     def _maybe_free(self, record: CacheRecord) -> None:
         if record.referenced or self._caches.get(record.cache_id) is not record:
             return
+        if record.published:
+            # No new pin may start (its last name goes first); one already taken keeps the memory.
+            self._drop_name(record.cache_name)
+            record.cache_name = -1
+            with self._indexed() as index:
+                if (record.gen_slot, record.generation) in set(index.pinned(self._rows.values()).values()):
+                    if not record.pending:
+                        record.pending = True
+                        flags = (CACHE_BLOCKS if record.is_blocks else 0) | CACHE_PENDING
+                        index.set_cache_flags(record.gen_slot, flags)
+                        self._pending[record.cache_id] = record
+                    return
+                index.clear_cache(record.gen_slot)
+            self._pending.pop(record.cache_id, None)
         del self._caches[record.cache_id]
         # Retire the generation before the memory can be handed out again: readers check it after copying.
         self._generations.retire(record.gen_slot)
         if record.block is not None:
             self._pools[record.placement].free(record.block)
+
+
+def _mask(tensors: set[int] | frozenset[int]) -> int:
+    mask = 0
+    for tensor in tensors:
+        mask |= 1 << tensor
+    return mask
+
+
+def _tensors(mask: int) -> list[int]:
+    return [t for t in range(mask.bit_length()) if mask >> t & 1]
 
 
 def _key_text(key: KeyId) -> str:

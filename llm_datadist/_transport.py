@@ -52,6 +52,7 @@ from llm_datadist._protocol.messages import (
     WriteGrant,
     WriteRequest,
 )
+from llm_datadist._shm.index import Index
 from llm_datadist._shm.mappings import MappingCache
 from llm_datadist._shm.segment import Segment
 
@@ -149,6 +150,7 @@ class Server:
         self.failure: str | None = None
         self._table = table
         self._hooks = hooks or ServerHooks()
+        self.handled = 0  # messages handled (read by tests: a pull through the index adds none)
         self._selector = selectors.DefaultSelector()
         self._listeners: dict[Path, socket.socket] = {}
         self._wake_r, self._wake_w = socket.socketpair()
@@ -253,6 +255,11 @@ class Server:
         # The server thread closes them; wait so that the caller sees them gone (bounded, never a hang).
         done.wait(5.0)
         return found
+
+    def conns_of(self, cluster_id: int) -> list[object]:
+        """The connections from `cluster_id` (what the table knows leases and rows by)."""
+        with self._lock:
+            return [c for c in self._conns.values() if c.peer is not None and c.peer.cluster_id == cluster_id]
 
     def peer_has_leases(self, cluster_id: int) -> bool:
         """True while a connection from `cluster_id` holds a lease (a pull from us is in progress)."""
@@ -428,6 +435,7 @@ class Server:
         self._flush(sconn)
 
     def _handle(self, sconn: _ServerConn, msg: Message) -> None:
+        self.handled += 1
         if isinstance(msg, Hello):
             self._on_hello(sconn, msg)
             return
@@ -603,7 +611,12 @@ class Server:
             self._drop(sconn, reason)
             return
         sconn.peer = PeerInfo(hello.cluster_id, hello.role, hello.pid, hello.incarnation)
-        welcome = Welcome(PROTOCOL_VERSION, self.cluster_id, self.role, os.getpid(), self.incarnation)
+        # A row of the published index to pin through; with none free the peer asks us instead.
+        row = self._table.assign_row(sconn, hello.incarnation)
+        index = self._table.index.name if row >= 0 else ""
+        welcome = Welcome(
+            PROTOCOL_VERSION, self.cluster_id, self.role, os.getpid(), self.incarnation, index, max(row, 0)
+        )
         self._send(sconn, welcome)
         self._hooks.peer_linked(sconn.peer)
 
@@ -648,7 +661,7 @@ class Server:
         sconn.sock.close()
         # Neither may take the server down: the connection is gone whatever they raise.
         try:
-            released = self._table.drop_owner(sconn)
+            released = self._table.drop_owner(sconn) + self._table.release_row(sconn)
             if released:
                 log.info(
                     "server %d: pid %d gone (%s), released %d leases",
@@ -682,8 +695,11 @@ class ClientLink:
         self.path = path
         self.mappings = _LockedMappings()
         self.owned_segments: set[str] = set()  # segment names already checked to be the peer's own
-        # What was learnt from this peer incarnation (its one-sided table): it dies with the link.
+        # What was learnt from this peer incarnation (its one-sided table, its index): it dies with the link.
         self.remote_table: object | None = None
+        self.index_name = ""
+        self.index_row = 0
+        self.index: Index | None = None  # mapped on first use (see llm_datadist._dataplane)
         self._lock = threading.Lock()
         self._seq = 0
         self.broken: str | None = None
@@ -737,6 +753,7 @@ class ClientLink:
                     LLMStatusCode.LLM_LINK_FAILED, f"peer claims pid {reply.pid}, socket says {pid}"
                 )
             link = cls(sock, conn, PeerInfo(reply.cluster_id, reply.role, pid, reply.incarnation), path)
+            link.index_name, link.index_row = reply.index, reply.index_row
             seq = link.next_seq()
             sock.sendall(conn.send(Announce(seq, callback)))
             ack = _receive(sock, conn, deadline)
@@ -811,6 +828,9 @@ class ClientLink:
         self._sock.close()
         self.mappings.clear()
         self.remote_table = None
+        index, self.index = self.index, None
+        if index is not None:
+            index.close()
 
     def check_peer_alive(self) -> None:
         """PeerGone if the peer's end of the socket is closed (it exited or died), without waiting or

@@ -56,7 +56,7 @@ __all__ = [
     "encode_message",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # PullRequest.key_kind: what key_id names at the owner.
 KEY_REQ = 1  # key_id is a req_id
@@ -347,7 +347,11 @@ class Hello(Message):
 @_register
 @dataclass(frozen=True, slots=True)
 class Welcome(Message):
-    """Server -> client: handshake accepted; `incarnation` as in Hello, of the serving instance."""
+    """Server -> client: handshake accepted; `incarnation` as in Hello, of the serving instance.
+
+    `index` names the server's published index (a shared-memory file, "" if none) and `index_row` the row
+    of it this connection pins through (see `llm_datadist._shm.index`).
+    """
 
     TYPE: ClassVar[int] = 2
     version: Annotated[int, U32]
@@ -355,6 +359,8 @@ class Welcome(Message):
     role: Annotated[int, _ROLE]
     pid: Annotated[int, U32]
     incarnation: Annotated[int, U64]
+    index: Annotated[str, _OPT_SEGMENT] = ""
+    index_row: Annotated[int, U32] = 0
 
 
 @_register

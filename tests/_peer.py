@@ -247,6 +247,10 @@ def _prompt_main(
                 result = None
             elif command == "stats":
                 result = datadist._require_core().table.stats()
+            elif command == "handled":
+                result = datadist._require_core().server.handled
+            elif command == "index_name":
+                result = datadist._require_core().table.index.name
             elif command == "addrs":
                 result = caches[args].per_device_tensor_addrs
             else:
@@ -417,3 +421,78 @@ def start_lease_holder(socket_file: str, remote_cluster_id: int, req_id: int) ->
     parent.close()
     assert status == "ok" and value == "PullGrant", value
     return process
+
+
+def _index_holder_main(
+    pipe: Connection, socket_file: str, remote_cluster_id: int, mode: str, key: tuple[int, int, int]
+) -> None:
+    """A Decoder process that links to a Prompt and then, through the Prompt's published index, either
+    pins `key` (mode "pin": it unpins when told "unpin") or takes the index lock and stops itself (mode
+    "lock", SIGSTOP while holding it). It waits to be killed."""
+    import time
+    from pathlib import Path
+
+    from llm_datadist._dataplane import peer_index, pin, unpin
+    from llm_datadist._transport import ClientLink
+    from llm_datadist.status import LLMStatusCode
+
+    incarnation = 4242
+    link = ClientLink.connect(
+        Path(socket_file),
+        cluster_id=77,
+        remote_cluster_id=remote_cluster_id,
+        role=2,
+        deadline=time.monotonic() + 10,
+        incarnation=incarnation,
+    )
+    index = peer_index(link, incarnation, time.monotonic() + 10, LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT)
+    assert index is not None
+    if mode == "lock":
+        with index.locked(10.0):
+            pipe.send(("ok", "locked"))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(600)
+    kind, key_id, model_id = key
+    pinned = pin(
+        link,
+        index,
+        incarnation=incarnation,
+        cluster_id=77,
+        key_kind=kind,
+        key_id=key_id,
+        model_id=model_id,
+        batch_index=0,
+        tensor_start=0,
+        tensor_count=2,
+        whole=True,
+        nbytes=64,
+        src_offset=0,
+        consume=True,
+        deadline=time.monotonic() + 10,
+        timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
+    )
+    pipe.send(("ok", "pinned" if pinned is not None else "not published"))
+    if pipe.poll(600) and pipe.recv() == "unpin":
+        unpin(link, index, incarnation=incarnation, ok=True)
+        pipe.send(("ok", "unpinned"))
+    time.sleep(600)
+
+
+def start_index_holder(
+    socket_file: str, remote_cluster_id: int, mode: str, key: tuple[int, int, int] = (0, 0, 0)
+) -> tuple[mp.process.BaseProcess, Connection]:
+    """Start `_index_holder_main`; returns once it holds its pin or the lock (the pipe stays open)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(
+        target=_index_holder_main, args=(child, socket_file, remote_cluster_id, mode, key), daemon=True
+    )
+    process.start()
+    child.close()
+    if not parent.poll(CALL_TIMEOUT_S):
+        process.kill()
+        process.join(10)
+        raise TimeoutError("index holder did not report")
+    status, value = parent.recv()
+    assert status == "ok" and value in ("pinned", "locked"), value
+    return process, parent

@@ -61,7 +61,9 @@ def _ours(name: str, descendants: set[int]) -> bool:
 
     owner = parse_segment_name(name)
     if owner is None:
-        return True
+        # multiprocessing's semaphores (sem.mp-*) carry no owner: one may be another session's, alive,
+        # and the library never makes any, so they are neither judged nor removed here.
+        return not name.startswith("sem.")
     if owner.pid == os.getpid() or owner.pid in descendants:
         return True
     return not owner_alive(owner)

@@ -21,6 +21,15 @@ from .._copy import address_view
 from .._core import PLACEMENT_DEVICE, PLACEMENT_HOST, RemoteCache, UnitRun
 from .._engine import KEY_BLOCKS, KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
 from .._errors import api_errors
+from .._transfer import (
+    LayerArgs,
+    TensorSelection,
+    check_cache_key,
+    check_transfer_args,
+    parse_layer_kwargs,
+    plan_transfer,
+    start_transfer,
+)
 from .._validate import (
     check_index_lists,
     check_int64,
@@ -31,15 +40,6 @@ from .._validate import (
 )
 from .._vm import allow_peers_to_attach, cross_memory_supported
 from ..status import LLMStatusCode, make_error
-from ..v1.kv_cache_manager import (
-    LayerArgs,
-    TensorSelection,
-    check_cache_key,
-    check_transfer_args,
-    parse_layer_kwargs,
-    plan_transfer,
-    start_transfer,
-)
 from .cache import Cache
 from .llm_types import (
     U64_MAX,
@@ -310,7 +310,7 @@ class CacheManager:
         *,
         is_blocks: bool,
     ) -> Cache:
-        linked = core.two_sided_links_made
+        linked = core.comms.two_sided_links_made
         if remote_accessible is None:
             remote_accessible = desc.placement == Placement.DEVICE and not linked
         elif remote_accessible and linked:

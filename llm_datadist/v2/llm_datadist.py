@@ -14,10 +14,11 @@ import threading
 import time
 from typing import ClassVar
 
-from .._core import Core, parse_options
+from .._core import Core
 from .._errors import api_errors
 from .._rank_table import check_link_args
 from .._runtime import parse_listen_ip_info
+from .._settings import parse_options
 from .._validate import check_dict, check_int32, check_isinstance, check_uint64
 from ..configs import LLMClusterInfo, LLMRole, ip_int_to_str, parse_v1_listen_ip_info
 from ..status import LLMException, LLMStatusCode, make_error
@@ -300,7 +301,7 @@ class LLMDataDist:
             comm_name, cluster_rank_info, rank_table, local_cluster_id=self._cluster_id
         )
         with api_errors(api):
-            return core.link_comm(name, members)
+            return core.comms.link(name, members)
 
     def unlink(self, comm_id: int) -> None:
         """Tear down a two-sided link; LLM_LINK_BUSY while one of its links is transferring."""
@@ -312,7 +313,7 @@ class LLMDataDist:
             )
         check_uint64("comm_id", comm_id)
         with api_errors(api):
-            core.unlink_comm(comm_id)
+            core.comms.unlink(comm_id)
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
         """PREPARING until every member of the two-sided link is linked, then OK; FAILED when it timed out."""
@@ -322,7 +323,7 @@ class LLMDataDist:
             raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, "only available in cache-manager mode")
         check_uint64("comm_id", comm_id)
         with api_errors(api):
-            return RegisterMemStatus(core.comm_status(comm_id))
+            return RegisterMemStatus(core.comms.status(comm_id))
 
 
 def _overall(results: list[LLMStatusCode]) -> LLMStatusCode:

@@ -138,7 +138,7 @@ def test_memory_is_freed_only_when_nothing_references_it(table: CacheTable) -> N
     table.remove_key((KEY_REQ, 1, 0))
     assert table.stats()["caches"] == 1  # a peer is still copying out of it
     table.release(grant.lease_id, ok=True, owner="a")
-    assert table.stats() == {"caches": 0, "keys": 0, "leases": 0, "pool_used_nbytes": 0}
+    assert table.stats() == {"caches": 0, "keys": 0, "leases": 0, "pins": 0, "pool_used_nbytes": 0}
 
 
 def test_leases_belong_to_their_connection(table: CacheTable) -> None:

@@ -206,25 +206,23 @@ def test_a_different_protocol_version_is_refused(seed: int, _runtime_dir) -> Non
         assert _hello_as(os.getuid(), path, P).startswith("Welcome")
 
 
-def test_check_link_status_and_unlink_are_busy_during_a_pull(seed: int) -> None:
-    import signal
+def test_check_link_status_and_unlink_are_busy_during_a_pull(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
     import threading
     import time
 
-    import psutil
-
     from llm_datadist import CacheDesc, CacheKey, DataType
+    from tests._peer import PROMPT_IP, start_index_holder
 
     with PromptPeer(P, next(_ports), seed) as peer, decoder(sync_kv_timeout_ms=3000) as dd:
         info = peer.cluster_info()
         assert dd.link_clusters([info])[0] == LLMStatusCode.LLM_SUCCESS
         peer.alloc(2, [1, 64], [(P, 1)])
         dst = dd.kv_cache_manager.allocate_cache(CacheDesc(2, [1, 64], DataType.DT_FLOAT16))
-        os.kill(peer.pid, signal.SIGSTOP)
+        # A process stopped while it holds the Prompt's index lock keeps our pull waiting for the lock.
+        socket_file = os.fspath(_runtime_dir / f"{PROMPT_IP}_{peer.port}.sock")
+        holder, pipe = start_index_holder(socket_file, P, "lock")
         errors: list[BaseException] = []
         try:
-            while psutil.Process(peer.pid).status() != psutil.STATUS_STOPPED:
-                time.sleep(0.001)
 
             def pull() -> None:
                 try:
@@ -234,13 +232,15 @@ def test_check_link_status_and_unlink_are_busy_during_a_pull(seed: int) -> None:
 
             puller = threading.Thread(target=pull)
             puller.start()
-            time.sleep(0.2)  # the pull is now waiting for the stopped Prompt
+            time.sleep(0.2)  # the pull is now waiting for the lock
             with pytest.raises(LLMException) as exc_info:
                 dd.check_link_status(P)
             assert exc_info.value.status_code == LLMStatusCode.LLM_LINK_BUSY
             assert dd.unlink_clusters([info])[1] == [LLMStatusCode.LLM_LINK_BUSY]
         finally:
-            os.kill(peer.pid, signal.SIGCONT)
+            holder.kill()  # the kernel drops the lock of a dead holder
+            holder.join(10)
+            pipe.close()
         puller.join(10)
-        assert not errors  # the Prompt woke up in time: the pull itself succeeded
+        assert not errors  # the lock came free in time: the pull itself succeeded
         dd.check_link_status(P)

@@ -468,29 +468,25 @@ def _wait_stopped(pid: int) -> None:
         time.sleep(0.001)
 
 
-def test_stopped_prompt_gives_wait_process_timeout(seed: int) -> None:
+def test_a_stopped_prompt_does_not_block_pulls(seed: int) -> None:
+    """Pulls resolve and pin in the Prompt's published index: a Prompt that is stopped (not dead) is not
+    asked anything, so its keys are pulled and consumed all the same."""
     with PromptPeer(P, _port(), seed) as peer, decoder(sync_kv_timeout_ms=300) as dd:
         assert dd.link_clusters([peer.cluster_info()])[0] == LLMStatusCode.LLM_SUCCESS
-        peer.alloc(2, [1, 64], [(P, 1)])
+        cache_id = peer.alloc(2, [1, 64], [(P, 1)])
         dst = dd.kv_cache_manager.allocate_cache(_desc(2, [1, 64]))
         os.kill(peer.pid, signal.SIGSTOP)
         try:
             _wait_stopped(peer.pid)
-            started = time.monotonic()
+            dd.kv_cache_manager.pull_cache(CacheKey(P, 1), dst)
             with pytest.raises(LLMException) as exc_info:
                 dd.kv_cache_manager.pull_cache(CacheKey(P, 1), dst)
-            elapsed = time.monotonic() - started
+            assert _status(exc_info) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
         finally:
             os.kill(peer.pid, signal.SIGCONT)
-        assert _status(exc_info) == LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
-        assert elapsed < 5.0  # bounded by sync_kv_timeout, not hanging
-        # The link is unusable after a transfer timeout until it is rebuilt.
-        with pytest.raises(LLMException) as exc_info:
-            dd.kv_cache_manager.pull_cache(CacheKey(P, 1), dst)
-        assert _status(exc_info) == LLMStatusCode.LLM_LINK_FAILED
-        assert dd.unlink_clusters([peer.cluster_info()])[0] == LLMStatusCode.LLM_SUCCESS
-        assert dd.link_clusters([peer.cluster_info()])[0] == LLMStatusCode.LLM_SUCCESS
-        dd.kv_cache_manager.pull_cache(CacheKey(P, 1), dst)  # the lease of the timed-out pull was released
+        for t, raw in enumerate(_raw(dst)):
+            np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 128))
+        assert peer.stats()["keys"] == 0  # the Prompt caught up with the consumption when it resumed
 
 
 def test_killed_prompt_is_noticed_at_once(seed: int) -> None:
@@ -531,7 +527,7 @@ def test_a_decoder_killed_while_holding_a_lease_leaves_the_key_pullable(linked, 
     dd.kv_cache_manager.pull_cache(CacheKey(P, 1), dst)
     for t, raw in enumerate(_raw(dst)):
         np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 128))
-    assert peer.stats() == {"caches": 0, "keys": 0, "leases": 0, "pool_used_nbytes": 0}
+    assert peer.stats() == {"caches": 0, "keys": 0, "leases": 0, "pins": 0, "pool_used_nbytes": 0}
 
 
 def test_several_devices_in_one_process_pull_every_device(seed: int) -> None:

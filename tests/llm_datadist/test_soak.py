@@ -166,6 +166,7 @@ def test_soak_two_decoders_one_prompt(seed: int, _runtime_dir) -> None:  # type:
             "caches": 0,
             "keys": 0,
             "leases": 0,
+            "pins": 0,
             "pool_used_nbytes": 0,
         }
         if len(samples) >= 2:

@@ -36,7 +36,7 @@ def test_golden_hello() -> None:
         "0000001a"  # payload length 26
         "97"  # array of 7
         "01"  # TYPE 1 (Hello)
-        "02"  # version 2
+        "03"  # version 3
         "cf0102030405060708"  # cluster_id as uint64
         "cfffffffffffffffff"  # remote_cluster_id 2**64-1
         "02"  # role DECODER

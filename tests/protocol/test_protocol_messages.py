@@ -121,7 +121,7 @@ def write_grants(draw: st.DrawFn) -> WriteGrant:
 
 MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     Hello: st.builds(Hello, u32, u64, u64, roles, u32, u64),
-    Welcome: st.builds(Welcome, u32, u64, roles, u32, u64),
+    Welcome: st.builds(Welcome, u32, u64, roles, u32, u64, st.just("") | segment_names, u32),
     PullRequest: st.builds(
         PullRequest,
         u32,
@@ -228,7 +228,7 @@ def test_registry_is_complete() -> None:
         15,
     ]
     assert {type(msg) for msg in VALID} == set(MESSAGE_TYPES.values())
-    assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 2)
+    assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 3)
 
 
 @pytest.mark.parametrize("msg", VALID, ids=lambda m: type(m).__name__)
@@ -317,6 +317,8 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
         "role": BAD_ROLE,
         "pid": BAD_U32,
         "incarnation": BAD_U64,
+        "index": [s for s in BAD_SEGMENT if s != ""],
+        "index_row": BAD_U32,
     },
     PullRequest: {
         "seq": BAD_U32,

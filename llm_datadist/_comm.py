@@ -1,0 +1,199 @@
+"""Two-sided links (v2 `link(comm_name, cluster_rank_info)`, `unlink`, `query_register_mem_status`).
+
+Rules: `Comms` belongs to one `Core` and keeps only the communicators' own state; the links a communicator
+makes are the core's links (`Core._links`, under `Core._links_lock`, which also guards this state), so
+`pull`, `unlink` and `close` treat them like any other. Each member serves on a rendezvous socket named
+after the communicator and its rank; a background thread connects to the others until all are linked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ._errors import StatusError
+from ._runtime import socket_path_in_runtime
+from ._transport import ClientLink, PeerInfo
+from .status import LLMStatusCode
+from .utils.log import log
+
+if TYPE_CHECKING:
+    from ._core import Core
+
+# Per process: two-sided communicators open at once.
+MAX_COMMS = 512
+
+COMM_OK, COMM_PREPARING, COMM_FAILED = 0, 1, 2  # RegisterMemStatus values
+
+
+@dataclass(eq=False)
+class Comm:
+    """One two-sided link (`link()`): its members, rendezvous socket and progress."""
+
+    comm_id: int
+    name: str
+    members: dict[int, int]
+    path: Path
+    deadline: float
+    status: int = COMM_PREPARING
+    clusters: set[int] = field(default_factory=set)
+    # Members that have connected to us (any socket) since the comm began.
+    incoming: set[int] = field(default_factory=set)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class Comms:
+    """The two-sided links of one `Core` (`core.comms`), by comm id."""
+
+    def __init__(self, core: Core) -> None:
+        self._core = core
+        self._comms: dict[int, Comm] = {}
+        self._next_comm_id = 1
+        # Set once a two-sided link() was made: memory registered later defaults to remote_accessible=False.
+        self.two_sided_links_made = False
+
+    def link(self, comm_name: str, members: dict[int, int]) -> int:
+        """Start a two-sided link: serve on this member's rendezvous socket and, in the background, connect
+        to every other member's until all are linked (status OK) or the link time runs out (FAILED)."""
+        core = self._core
+        core.server.check_alive()
+        own = members.get(core.settings.cluster_id)
+        if own is None:
+            raise StatusError(
+                LLMStatusCode.LLM_PARAM_INVALID, "cluster_rank_info must contain this cluster's id"
+            )
+        digest = hashlib.sha1(comm_name.encode()).hexdigest()[:16]
+        path = socket_path_in_runtime(f"comm-{digest}-r{own}.sock")
+        try:
+            core.server.listen(path)
+        except FileExistsError as exc:
+            raise StatusError(
+                LLMStatusCode.LLM_LINK_FAILED, f"rank {own} of {comm_name!r} is taken: {exc}"
+            ) from exc
+        total_s = core.settings.link_total_time_s or int(os.environ.get("HCCL_CONNECT_TIMEOUT", "120"))
+        with core._links_lock:
+            full = len(self._comms) >= MAX_COMMS or core._closed
+            if not full:
+                comm = Comm(self._next_comm_id, comm_name, dict(members), path, time.monotonic() + total_s)
+                self._next_comm_id += 1
+                self._comms[comm.comm_id] = comm
+        if full:
+            core.server.unlisten(path)
+            raise StatusError(LLMStatusCode.LLM_FAILED, f"{MAX_COMMS} open link() communicators is the limit")
+        # Members that connected before the comm was recorded (the hook only sees later ones).
+        connected = {peer.cluster_id for peer in core.server.peers()}
+        with core._links_lock:
+            comm.incoming |= connected & set(members)
+        self.two_sided_links_made = True
+        others = {cluster: rank for cluster, rank in members.items() if cluster != core.settings.cluster_id}
+        thread = threading.Thread(
+            target=self._connect,
+            args=(comm, others, digest),
+            name=f"llmdd-link-{comm.comm_id}",
+            daemon=True,
+        )
+        thread.start()
+        return comm.comm_id
+
+    def peer_linked(self, peer: PeerInfo) -> None:
+        """Server thread: a peer completed its handshake; two-sided links count it as linked to us."""
+        with self._core._links_lock:
+            for comm in self._comms.values():
+                if peer.cluster_id in comm.members:
+                    comm.incoming.add(peer.cluster_id)
+
+    def _connect(self, comm: Comm, others: dict[int, int], digest: str) -> None:
+        """Connect to every other member; the link is OK once that is done and every other member has
+        connected to us too, as the real link is a collective that completes for all members at once
+        (so no member sees OK, pulls and unlinks while another is still coming up)."""
+        core = self._core
+        pending = dict(others)
+        while not comm.stop.is_set():
+            for cluster_id, rank in list(pending.items()):
+                with core._links_lock:
+                    if cluster_id in core._links:
+                        del pending[cluster_id]
+                        continue
+                path = socket_path_in_runtime(f"comm-{digest}-r{rank}.sock")
+                if not path.exists():
+                    continue
+                try:
+                    link = ClientLink.connect(
+                        path,
+                        cluster_id=core.settings.cluster_id,
+                        remote_cluster_id=cluster_id,
+                        role=int(core.role),
+                        deadline=min(comm.deadline, time.monotonic() + 5.0),
+                        callback=core.callback_name,
+                        incarnation=core.incarnation,
+                    )
+                except StatusError as exc:
+                    log.info("link %r: rank %d not reachable yet: %s", comm.name, rank, exc.detail)
+                    continue
+                with core._links_lock:
+                    # unlink or close may have run while we connected: then the link is not wanted.
+                    keep = (
+                        not core._closed
+                        and not comm.stop.is_set()
+                        and self._comms.get(comm.comm_id) is comm
+                        and cluster_id not in core._links
+                    )
+                    if keep:
+                        link.on_broken = core._link_broken
+                        core._links[cluster_id] = link
+                        comm.clusters.add(cluster_id)
+                if not keep:
+                    link.close(say_bye=True)
+                    if comm.stop.is_set():
+                        return
+                del pending[cluster_id]
+            with core._links_lock:
+                missing = sorted(set(pending) | (set(others) - comm.incoming))
+            if not missing:
+                comm.status = COMM_OK
+                return
+            if time.monotonic() >= comm.deadline:
+                comm.status = COMM_FAILED
+                log.error("link %r: members %s never came up", comm.name, missing)
+                return
+            comm.stop.wait(0.02)
+
+    def status(self, comm_id: int) -> int:
+        with self._core._links_lock:
+            comm = self._comms.get(comm_id)
+        if comm is None:
+            raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"no link with comm_id {comm_id}")
+        return comm.status
+
+    def unlink(self, comm_id: int) -> None:
+        core = self._core
+        with core._links_lock:
+            comm = self._comms.get(comm_id)
+            if comm is None:
+                raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"no link with comm_id {comm_id}")
+            links = [core._links[c] for c in comm.clusters if c in core._links]
+        for link in links:
+            with link.exclusive(0.0, busy_fails=True):
+                pass
+        with core._links_lock:
+            del self._comms[comm_id]
+            for cluster_id in comm.clusters:
+                core._links.pop(cluster_id, None)
+        comm.stop.set()
+        core.server.unlisten(comm.path)
+        for link in links:
+            link.close(say_bye=True)
+        # The members' links to us belong to the same communicator: they go too.
+        for cluster_id in comm.members:
+            if cluster_id != core.settings.cluster_id:
+                core.drop_peer(cluster_id)
+
+    def stop_all(self) -> None:
+        """`Core.close`, with `Core._links_lock` held: every connecting thread stops."""
+        for comm in self._comms.values():
+            comm.stop.set()

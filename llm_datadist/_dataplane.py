@@ -1,0 +1,238 @@
+"""The puller's side of the published index: resolve, pin, consume and unpin in the owner's index with no
+message to the owner (see `llm_datadist._shm.index` for the layout and `_engine.CacheTable` for the owner).
+
+Rules: the caller holds its link exclusively, so one pin at a time goes through the link's row. Every
+check the owner makes on a pull request is made here, with the same status codes; whatever the index says
+is checked before it is used (`IndexCorrupt` becomes LLM_FAILED). A lock not had by the deadline is the
+transfer's timeout. A name the index does not hold while the owner flags keys it could not publish makes
+`pin` return None: the caller asks the owner instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from llm_datadist._shm.errors import ShmError
+from llm_datadist._shm.index import (
+    CACHE_PENDING,
+    KIND_BLOCKS,
+    KIND_CACHE,
+    KIND_SLOT,
+    STATE_OPEN,
+    CacheEntry,
+    Index,
+    IndexCorrupt,
+    IndexLockTimeout,
+)
+
+from ._engine import FLAG_UNPUBLISHED, KEY_BLOCKS, KEY_CACHE_ID, KEY_REQ
+from ._errors import StatusError
+from ._transport import ClientLink
+from .status import LLMStatusCode
+
+# An unpin after the copy gets at least this long for the lock, whatever the transfer's deadline left.
+_UNPIN_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A cache pinned through the link's row: where its tensors are in which segment of the owner."""
+
+    cache: CacheEntry
+    batch_slot: int
+
+
+def peer_index(
+    link: ClientLink, incarnation: int, deadline: float, timeout_code: LLMStatusCode
+) -> Index | None:
+    """The link's mapping of its owner's index (mapped on first use), or None when the owner gave none."""
+    if link.index is not None:
+        return link.index
+    if not link.index_name:
+        return None
+    try:
+        link.index = Index.attach(link.index_name, pid=link.peer.pid, incarnation=link.peer.incarnation)
+    except IndexCorrupt as exc:
+        raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
+    with _index_errors(link, timeout_code), link.index.locked(max(deadline - time.monotonic(), 0.0)):
+        row_incarnation = link.index.row(link.index_row)[0]
+    if row_incarnation != incarnation:
+        link.index.close()
+        link.index = None
+        raise StatusError(LLMStatusCode.LLM_FAILED, "peer's index gave our row to another process")
+    return link.index
+
+
+@contextlib.contextmanager
+def _index_errors(link: ClientLink, timeout_code: LLMStatusCode) -> Iterator[None]:
+    try:
+        yield
+    except IndexLockTimeout as exc:
+        raise StatusError(timeout_code, str(exc)) from exc
+    except IndexCorrupt as exc:
+        link.fail(f"peer's index is corrupt: {exc}")
+        raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
+    except ShmError as exc:
+        link.check_peer_alive()
+        raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
+
+
+def pin(
+    link: ClientLink,
+    index: Index,
+    *,
+    incarnation: int,
+    cluster_id: int,
+    key_kind: int,
+    key_id: int,
+    model_id: int,
+    batch_index: int,
+    tensor_start: int,
+    tensor_count: int,
+    whole: bool,
+    nbytes: int,
+    src_offset: int,
+    consume: bool,
+    deadline: float,
+    timeout_code: LLMStatusCode,
+) -> Pin | None:
+    """Find what a pull names in the owner's index, check it as the owner would and pin it through the
+    link's row, consuming the pulled tensors of a req key when `consume`; None: ask the owner."""
+    with _index_errors(link, timeout_code):
+        index.lock(max(deadline - time.monotonic(), 0.0))
+        try:
+            return _pin_locked(
+                link,
+                index,
+                incarnation,
+                cluster_id,
+                key_kind,
+                key_id,
+                model_id,
+                batch_index,
+                tensor_start,
+                tensor_count,
+                whole,
+                nbytes,
+                src_offset,
+                consume,
+            )
+        finally:
+            index.unlock()
+
+
+def _pin_locked(
+    link: ClientLink,
+    index: Index,
+    incarnation: int,
+    cluster_id: int,
+    key_kind: int,
+    key_id: int,
+    model_id: int,
+    batch_index: int,
+    tensor_start: int,
+    tensor_count: int,
+    whole: bool,
+    nbytes: int,
+    src_offset: int,
+    consume: bool,
+) -> Pin | None:
+    state, flags = index.header()
+    if state != STATE_OPEN:
+        raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "the peer closed its cache table")
+    if index.busy(cluster_id):
+        raise StatusError(LLMStatusCode.LLM_LINK_BUSY, "a layer-wise transfer into this cluster is running")
+    row = index.row_state(link.index_row)
+    if row != (incarnation, 0):
+        raise IndexCorrupt(f"row {link.index_row} is not ours or still pins a cache")
+    consume_name = -1
+    if key_kind == KEY_BLOCKS:
+        name = index.lookup(KIND_BLOCKS, 0, model_id)
+    elif key_kind == KEY_CACHE_ID:
+        name = index.lookup(KIND_CACHE, key_id, 0)
+    else:
+        name = index.lookup(key_kind, key_id, model_id)
+        if name is not None and key_kind == KEY_REQ:
+            consume_name = name.index
+    if name is None:
+        if flags & FLAG_UNPUBLISHED:
+            return None
+        raise StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, _missing(key_kind, key_id, model_id))
+    cache = index.cache(name.cache_slot)
+    if cache.generation != name.generation:
+        raise IndexCorrupt(f"name {name.index} names a cache that is not in its slot")
+    batch_slot = name.batch_slot
+    if key_kind == KEY_CACHE_ID:
+        if batch_index >= cache.batch_size:
+            raise StatusError(
+                LLMStatusCode.LLM_PARAM_INVALID,
+                f"batch index {batch_index} out of range for batch size {cache.batch_size}",
+            )
+        if cache.is_blocks:
+            raise StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key_id} is a blocks cache")
+        batch_slot = batch_index
+        alias = index.lookup(KIND_SLOT, key_id, batch_index)
+        if alias is not None:
+            consume_name = alias.target
+    if batch_slot >= cache.batch_size:
+        raise IndexCorrupt(f"name {name.index} names slot {batch_slot} of a batch of {cache.batch_size}")
+    if whole and tensor_count != cache.num_tensors:
+        raise StatusError(
+            LLMStatusCode.LLM_PARAM_INVALID,
+            f"source cache has {cache.num_tensors} tensors, destination selects {tensor_count}",
+        )
+    if tensor_start + tensor_count > cache.num_tensors:
+        raise StatusError(
+            LLMStatusCode.LLM_PARAM_INVALID,
+            f"source tensors [{tensor_start}, {tensor_start + tensor_count}) exceed "
+            f"the cache's {cache.num_tensors}",
+        )
+    if key_kind != KEY_BLOCKS and src_offset + nbytes > cache.slot_nbytes:
+        raise StatusError(
+            LLMStatusCode.LLM_PARAM_INVALID,
+            f"src_cache_offset {src_offset} + size {nbytes} > source slot {cache.slot_nbytes}",
+        )
+    taken = 0
+    if consume and consume_name >= 0:
+        target = index.name_entry(consume_name)
+        if (target.cache_slot, target.generation) == (cache.slot, cache.generation):
+            bits = ((1 << tensor_count) - 1) << tensor_start
+            taken = index.consume(consume_name, bits)
+    index.set_row(link.index_row, incarnation, cache.slot, cache.generation, consume_name, taken)
+    return Pin(cache, batch_slot)
+
+
+def _missing(key_kind: int, key_id: int, model_id: int) -> str:
+    if key_kind == KEY_BLOCKS:
+        return f"no blocks cache with model_id {model_id}"
+    if key_kind == KEY_CACHE_ID:
+        return f"cache id {key_id} does not exist"
+    label = "req_id" if key_kind == KEY_REQ else "prefix_id"
+    return f"cache key ({label}={key_id}, model_id={model_id}) does not exist"
+
+
+def unpin(link: ClientLink, index: Index, *, incarnation: int, ok: bool) -> None:
+    """End the row's pin; after a failed copy, give back what the pin consumed. A lock that cannot be had
+    even now leaves the pin to the owner, who clears it when the link closes: the link is broken."""
+    try:
+        index.lock(_UNPIN_TIMEOUT_S)
+        try:
+            _, state, cache_slot, generation, name, taken = index.row(link.index_row)
+            if not state:
+                return
+            if not ok and name >= 0 and taken:
+                index.restore(name, taken, cache_slot, generation)
+            elif taken or index.cache_flags(cache_slot) & CACHE_PENDING:
+                # The owner unbinds what this pin consumed, and frees what only the pin kept, at its next
+                # look (its next call, or its server thread within half a second).
+                index.bump_epoch()
+            index.clear_row(link.index_row, incarnation)
+        finally:
+            index.unlock()
+    except ShmError as exc:
+        link.fail(f"could not unpin in the peer's index: {exc}")
+        if ok:
+            raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc

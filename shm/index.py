@@ -1,0 +1,680 @@
+"""The published index: an owner's keys, caches and pins in one shared-memory file, so that a puller on the
+same host resolves, pins, copies and consumes without waking the owner.
+
+Rules: every read or write of the index happens under its lock, an OFD byte-range lock (F_OFD_SETLK) on
+the whole file, which the kernel drops when the holder's last descriptor closes (a killed holder never
+leaves it locked). The owner creates, sizes, writes and unlinks the file; a puller maps it writable only to
+pin, consume and unpin through its own row. Everything a reader takes from the index is bounds-checked as
+hostile input (`IndexCorrupt`). A lock that cannot be had in time raises `IndexLockTimeout`. Not
+thread-safe within one process: callers serialise users of one `Index` (one open file description).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import struct
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ShmError
+from .names import make_segment_name
+from .reaper import SHM_DIR
+
+__all__ = [
+    "KIND_BLOCKS",
+    "KIND_CACHE",
+    "KIND_PREFIX",
+    "KIND_REQ",
+    "KIND_SLOT",
+    "LAYOUT_VERSION",
+    "MAX_MASK_TENSORS",
+    "CacheEntry",
+    "Index",
+    "IndexCorrupt",
+    "IndexLockTimeout",
+    "NameEntry",
+]
+
+LAYOUT_VERSION = 1
+_MAGIC = b"LLMDDIX\x00"
+
+# Name kinds: the three key kinds of the protocol, plus two the index adds for lookups by cache id.
+KIND_REQ = 1  # (req_id, model_id) -> a batch slot; consumed by pulls
+KIND_PREFIX = 2  # (prefix_id, model_id) -> a batch slot; never consumed
+KIND_CACHE = 3  # (cache_id, 0) -> a cache (pulls by cache id and batch index)
+KIND_BLOCKS = 4  # (0, model_id) -> a blocks cache
+KIND_SLOT = 5  # (cache_id, batch slot) -> the KIND_REQ name bound to that slot (what a pull by id consumes)
+
+# Name states.
+NAME_FREE = 0
+NAME_LIVE = 1
+NAME_CONSUMED = 2  # a puller pulled the last tensor of the key; the owner reclaims the name
+
+# Cache flags.
+CACHE_BLOCKS = 1
+CACHE_PENDING = 2  # the owner wants to free the cache: a puller that unpins it bumps the epoch
+
+MAX_MASK_TENSORS = 512  # a key's unpulled tensors are a bitmask of this many bits
+_MASK_NBYTES = MAX_MASK_TENSORS // 8
+_SEGMENT_NAME_NBYTES = 64
+BUSY_CAPACITY = 64  # clusters an owner pushes into at once (transfer_cache_async)
+
+# ---------------------------------------------------------------------------------------------------- layout
+#
+#   offset  size                   what
+#   0       _HEADER.size (60)      magic, layout version, state, pid, incarnation, capacities, epoch, flags
+#   60      4                      busy entries in use
+#   1024    BUSY_CAPACITY * 16     (cluster_id u64, count u64): clusters the owner is pushing into
+#   4096    rows * 128             pin rows, one per accepted connection (see _ROW)
+#   ...     caches * 128           cache entries, indexed by the cache's generation slot (see _CACHE)
+#   ...     names * 128            name entries (see _NAME), stable indices
+#   ...     buckets * 4            open-addressing hash of names: entry index + 1, 0 = empty; linear probing,
+#                                  deletion by backward shift (no tombstones), so entries never move
+#
+# All integers are little-endian. The header's capacities say where each region starts; a reader checks
+# that they fit the file before it trusts any of them.
+_HEADER = struct.Struct("<8sII QQ IIII QI")  # magic, layout, state, pid, incarnation, 4 caps, epoch, flags
+_BUSY_OFFSET = 1024
+_BUSY = struct.Struct("<QQ")
+_BUSY_ALL = struct.Struct(f"<{2 * BUSY_CAPACITY}Q")
+_BUSY_COUNT_OFFSET = 60  # u32 after the header: how many busy entries are in use
+_ROWS_OFFSET = 4096
+_ROW_NBYTES = 128
+# incarnation of the puller (owner writes at assignment), state, cache slot, generation, name index + 1
+_ROW = struct.Struct("<QIIQI")
+_ROW_MASK_OFFSET = 64
+_CACHE_NBYTES = 128
+# generation (0 = free), cache_id, flags, batch_size, offset, pitch, tensor_nbytes, num_tensors, seg nbytes
+_CACHE = struct.Struct("<QQIIQQQIxxxxQ")
+_CACHE_NAME_OFFSET = 64
+_NAME_NBYTES = 128
+# state, kind, key_id, model_id, cache slot, batch slot, generation, target + 1 (KIND_SLOT), unpulled count
+_NAME = struct.Struct("<IIQQIIQII")
+_NAME_MASK_OFFSET = 64
+_NAME_KEY = struct.Struct("<IIQQ")  # the first four fields of _NAME: state, kind, key_id, model_id
+_U32 = struct.Struct("<I")
+
+STATE_OPEN = 1
+STATE_CLOSED = 2
+
+_LOCK = struct.Struct("hh4xqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD)
+_WRLCK = _LOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)  # the whole file
+_UNLCK = _LOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 0, 0)
+_LOCK_RETRY_MIN_S = 20e-6
+_LOCK_RETRY_MAX_S = 1e-3
+
+
+class IndexCorrupt(ShmError):
+    """The index holds something no owner of ours writes: a hostile or broken peer."""
+
+
+class IndexLockTimeout(ShmError):
+    """The index lock could not be had in time (its holder is stopped, or very slow)."""
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    slot: int
+    generation: int
+    cache_id: int
+    flags: int
+    batch_size: int
+    offset: int
+    pitch_nbytes: int
+    tensor_nbytes: int
+    num_tensors: int
+    segment: str
+    segment_nbytes: int
+
+    @property
+    def is_blocks(self) -> bool:
+        return bool(self.flags & CACHE_BLOCKS)
+
+    @property
+    def slot_nbytes(self) -> int:
+        return self.tensor_nbytes // self.batch_size
+
+
+@dataclass(frozen=True)
+class NameEntry:
+    index: int
+    state: int
+    kind: int
+    key_id: int
+    model_id: int
+    cache_slot: int
+    batch_slot: int
+    generation: int
+    target: int  # KIND_SLOT: index of the KIND_REQ name; -1 otherwise
+    mask: int  # unpulled tensors (KIND_REQ)
+
+
+def _hash(kind: int, key_id: int, model_id: int) -> int:
+    # splitmix64 over the three fields: both sides compute it the same way.
+    h = (kind * 0x9E3779B97F4A7C15 + key_id * 0xBF58476D1CE4E5B9 + model_id * 0x94D049BB133111EB) & (
+        (1 << 64) - 1
+    )
+    h ^= h >> 31
+    h = (h * 0xD6E8FEB86659FD93) & ((1 << 64) - 1)
+    h ^= h >> 32
+    return h
+
+
+def _layout_nbytes(rows: int, caches: int, names: int, buckets: int) -> int:
+    return _ROWS_OFFSET + rows * _ROW_NBYTES + caches * _CACHE_NBYTES + names * _NAME_NBYTES + buckets * 4
+
+
+class Index:
+    """One mapping of an index file and one open file description to lock it with.
+
+    `create` (the owner) makes the file under a segment name (so the reaper removes it after a crash),
+    mode 0600; `attach` (a puller) opens and maps it, and checks its header against the expected owner.
+    """
+
+    def __init__(
+        self, name: str, fd: int, mapping: mmap.mmap, caps: tuple[int, int, int, int], owned: bool
+    ) -> None:
+        self.name = name
+        self._fd = fd
+        self._mm: mmap.mmap | None = mapping
+        self.rows, self.caches, self.names, self.buckets = caps
+        self._caches_offset = _ROWS_OFFSET + self.rows * _ROW_NBYTES
+        self._names_offset = self._caches_offset + self.caches * _CACHE_NBYTES
+        self._buckets_offset = self._names_offset + self.names * _NAME_NBYTES
+        self._owned = owned
+        self._depth = 0
+        self._segment_names: dict[bytes, str] = {}  # raw name field -> decoded (a pull decodes none)
+
+    # ------------------------------------------------------------------------------------ lifetime
+
+    @classmethod
+    def create(
+        cls,
+        pid: int,
+        incarnation: int,
+        *,
+        rows: int = 512,
+        caches: int = 16384,
+        names: int = 16384,
+    ) -> Index:
+        buckets = 2 * names
+        nbytes = _layout_nbytes(rows, caches, names, buckets)
+        for _ in range(8):
+            name = make_segment_name()
+            try:
+                fd = os.open(os.path.join(SHM_DIR, name[1:]), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise ShmError("could not create a uniquely named index")
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, nbytes)  # sparse: pages are allocated where they are written
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(os.path.join(SHM_DIR, name[1:]))
+            raise
+        _HEADER.pack_into(
+            mapping,
+            0,
+            _MAGIC,
+            LAYOUT_VERSION,
+            STATE_OPEN,
+            pid,
+            incarnation,
+            rows,
+            caches,
+            names,
+            buckets,
+            0,
+            0,
+        )
+        return cls(name, fd, mapping, (rows, caches, names, buckets), owned=True)
+
+    @classmethod
+    def attach(cls, name: str, *, pid: int, incarnation: int) -> Index:
+        """Map the index `name` of owner (`pid`, `incarnation`); IndexCorrupt if it is not that owner's."""
+        if not name.startswith("/") or "/" in name[1:] or name in ("/", "/.", "/.."):
+            raise IndexCorrupt(f"not an index name: {name!r}")
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name[1:]), os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError as exc:
+            raise ShmError(f"no index named {name!r}") from exc
+        except OSError as exc:
+            raise ShmError(f"cannot open index {name!r}: {exc}") from exc
+        try:
+            nbytes = os.fstat(fd).st_size
+            if nbytes < _ROWS_OFFSET:
+                raise IndexCorrupt(f"index {name!r} holds {nbytes} bytes")
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            magic, layout, _, owner_pid, owner_inc, rows, caches, names, buckets, _, _ = _HEADER.unpack_from(
+                mapping, 0
+            )
+            if magic != _MAGIC or layout != LAYOUT_VERSION:
+                raise IndexCorrupt(f"index {name!r}: layout {layout}, not {LAYOUT_VERSION}")
+            if (owner_pid, owner_inc) != (pid, incarnation):
+                raise IndexCorrupt(f"index {name!r} belongs to pid {owner_pid}, not to the linked owner")
+            if not (0 < rows <= 1 << 16 and 0 < caches <= 1 << 20 and 0 < names <= 1 << 22):
+                raise IndexCorrupt(f"index {name!r}: capacities out of range")
+            if buckets != 2 * names or _layout_nbytes(rows, caches, names, buckets) > nbytes:
+                raise IndexCorrupt(f"index {name!r}: capacities do not fit its {nbytes} bytes")
+        except BaseException:
+            mapping.close()
+            os.close(fd)
+            raise
+        return cls(name, fd, mapping, (rows, caches, names, buckets), owned=False)
+
+    def close(self) -> None:
+        """Unmap and close; the owner also marks the index closed and unlinks it."""
+        if self._mm is None:
+            return
+        if self._owned:
+            struct.pack_into("<I", self._mm, 12, STATE_CLOSED)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, self.name[1:]))
+        # A view still alive somewhere keeps the mapping until its last reference goes.
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+        self._mm = None
+        os.close(self._fd)
+        self._fd = -1
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
+    @property
+    def _map(self) -> mmap.mmap:
+        if self._mm is None:
+            raise ShmError(f"index {self.name} is closed")
+        return self._mm
+
+    # ------------------------------------------------------------------------------------ the lock
+
+    @contextlib.contextmanager
+    def locked(self, timeout_s: float) -> Iterator[None]:
+        """Hold the index lock (re-entrant within this object); IndexLockTimeout after `timeout_s`."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self.lock(timeout_s)
+        try:
+            yield
+        finally:
+            self.unlock()
+
+    def lock(self, timeout_s: float) -> None:
+        """Take the lock (not re-entrant: `locked` is); IndexLockTimeout after `timeout_s`."""
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _WRLCK)
+            self._depth = 1
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        self._acquire(timeout_s)
+        self._depth = 1
+
+    def unlock(self) -> None:
+        self._depth = 0
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _UNLCK)
+
+    def _acquire(self, timeout_s: float) -> None:
+        request = _WRLCK
+        # Held by someone else: holders keep it for microseconds, so poll with a short growing sleep
+        # rather than block in F_OFD_SETLKW, which no timeout can interrupt.
+        deadline = time.monotonic() + timeout_s
+        pause = _LOCK_RETRY_MIN_S
+        while True:
+            time.sleep(pause)
+            try:
+                fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, request)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            if time.monotonic() >= deadline:
+                raise IndexLockTimeout(f"the lock of index {self.name} was held for over {timeout_s:.3f} s")
+            pause = min(pause * 2, _LOCK_RETRY_MAX_S)
+
+    def _check_locked(self) -> mmap.mmap:
+        assert self._depth, "index accessed without its lock"
+        return self._map
+
+    # ------------------------------------------------------------------------------------ header
+
+    def header(self) -> tuple[int, int]:
+        """(state, flags)."""
+        mm = self._check_locked()
+        return _U32.unpack_from(mm, 12)[0], _U32.unpack_from(mm, 56)[0]
+
+    @property
+    def epoch(self) -> int:
+        return int(struct.unpack_from("<Q", self._map, 48)[0])
+
+    def bump_epoch(self) -> None:
+        mm = self._check_locked()
+        (epoch,) = struct.unpack_from("<Q", mm, 48)
+        struct.pack_into("<Q", mm, 48, (epoch + 1) & ((1 << 64) - 1))
+
+    def set_flags(self, flags: int) -> None:
+        struct.pack_into("<I", self._check_locked(), 56, flags)
+
+    # ------------------------------------------------------------------------------------ busy clusters
+
+    def busy(self, cluster_id: int) -> bool:
+        mm = self._check_locked()
+        if not struct.unpack_from("<I", mm, _BUSY_COUNT_OFFSET)[0]:
+            return False  # the common case: the owner pushes into nobody
+        words = _BUSY_ALL.unpack_from(mm, _BUSY_OFFSET)
+        return any(words[i] == cluster_id and words[i + 1] for i in range(0, 2 * BUSY_CAPACITY, 2))
+
+    def set_busy(self, cluster_id: int, delta: int) -> None:
+        """Owner: count a push into `cluster_id` in (+1) or out (-1)."""
+        mm = self._check_locked()
+        free = -1
+        for i in range(BUSY_CAPACITY):
+            cid, count = _BUSY.unpack_from(mm, _BUSY_OFFSET + 16 * i)
+            if count and cid == cluster_id:
+                _BUSY.pack_into(mm, _BUSY_OFFSET + 16 * i, cid, max(count + delta, 0))
+                self._count_busy()
+                return
+            if not count and free < 0:
+                free = i
+        if delta <= 0:
+            return
+        if free < 0:
+            raise ShmError(f"pushing into more than {BUSY_CAPACITY} clusters at once")
+        _BUSY.pack_into(mm, _BUSY_OFFSET + 16 * free, cluster_id, delta)
+        self._count_busy()
+
+    def _count_busy(self) -> None:
+        mm = self._map
+        words = _BUSY_ALL.unpack_from(mm, _BUSY_OFFSET)
+        struct.pack_into("<I", mm, _BUSY_COUNT_OFFSET, sum(1 for count in words[1::2] if count))
+
+    # ------------------------------------------------------------------------------------ caches
+
+    def put_cache(self, entry: CacheEntry) -> None:
+        mm = self._check_locked()
+        offset = self._cache_offset(entry.slot)
+        raw = entry.segment.encode()
+        if len(raw) >= _SEGMENT_NAME_NBYTES:
+            raise ShmError(f"segment name {entry.segment!r} is too long for the index")
+        _CACHE.pack_into(
+            mm,
+            offset,
+            entry.generation,
+            entry.cache_id,
+            entry.flags,
+            entry.batch_size,
+            entry.offset,
+            entry.pitch_nbytes,
+            entry.tensor_nbytes,
+            entry.num_tensors,
+            entry.segment_nbytes,
+        )
+        mm[offset + _CACHE_NAME_OFFSET : offset + _CACHE_NAME_OFFSET + _SEGMENT_NAME_NBYTES] = raw.ljust(
+            _SEGMENT_NAME_NBYTES, b"\0"
+        )
+
+    def set_cache_flags(self, slot: int, flags: int) -> None:
+        struct.pack_into("<I", self._check_locked(), self._cache_offset(slot) + 16, flags)
+
+    def cache_flags(self, slot: int) -> int:
+        return int(struct.unpack_from("<I", self._check_locked(), self._cache_offset(slot) + 16)[0])
+
+    def clear_cache(self, slot: int) -> None:
+        mm = self._check_locked()
+        offset = self._cache_offset(slot)
+        mm[offset : offset + _CACHE_NBYTES] = bytes(_CACHE_NBYTES)
+
+    def cache(self, slot: int) -> CacheEntry:
+        """The live cache in `slot`, checked; IndexCorrupt if the slot is free or its fields are absurd."""
+        mm = self._check_locked()
+        offset = self._cache_offset(slot)
+        (gen, cache_id, flags, batch, base, pitch, tensor_nbytes, count, seg_nbytes) = _CACHE.unpack_from(
+            mm, offset
+        )
+        raw = mm[offset + _CACHE_NAME_OFFSET : offset + _CACHE_NAME_OFFSET + _SEGMENT_NAME_NBYTES]
+        segment = self._segment_names.get(raw)
+        if segment is None:
+            segment = raw.split(b"\0", 1)[0].decode("ascii", "replace")
+            if len(self._segment_names) >= 4096:
+                self._segment_names.clear()
+            self._segment_names[raw] = segment
+        if (
+            not gen
+            or batch <= 0
+            or count <= 0
+            or tensor_nbytes <= 0
+            or tensor_nbytes % batch
+            or pitch < tensor_nbytes
+            or base + pitch * (count - 1) + tensor_nbytes > seg_nbytes
+        ):
+            raise IndexCorrupt(f"cache entry {slot} of index {self.name} is not a valid cache")
+        return CacheEntry(
+            slot, gen, cache_id, flags, batch, base, pitch, tensor_nbytes, count, segment, seg_nbytes
+        )
+
+    def _cache_offset(self, slot: int) -> int:
+        if not 0 <= slot < self.caches:
+            raise IndexCorrupt(f"cache slot {slot} outside an index of {self.caches}")
+        return self._caches_offset + slot * _CACHE_NBYTES
+
+    # ------------------------------------------------------------------------------------ names
+
+    def lookup(self, kind: int, key_id: int, model_id: int) -> NameEntry | None:
+        """The live name (kind, key_id, model_id), or None."""
+        mm = self._check_locked()
+        bucket = _hash(kind, key_id, model_id) % self.buckets
+        for _ in range(self.buckets):
+            (stored,) = _U32.unpack_from(mm, self._buckets_offset + 4 * bucket)
+            if not stored:
+                return None
+            fields = _NAME_KEY.unpack_from(mm, self._name_offset(stored - 1))
+            if fields == (NAME_LIVE, kind, key_id, model_id):
+                return self.name_entry(stored - 1)
+            bucket = (bucket + 1) % self.buckets
+        raise IndexCorrupt(f"index {self.name}: a hash chain with no end")
+
+    def name_entry(self, index: int) -> NameEntry:
+        mm = self._check_locked()
+        offset = self._name_offset(index)
+        state, kind, key_id, model_id, cache_slot, batch_slot, gen, target, _ = _NAME.unpack_from(mm, offset)
+        mask = int.from_bytes(
+            mm[offset + _NAME_MASK_OFFSET : offset + _NAME_MASK_OFFSET + _MASK_NBYTES], "little"
+        )
+        return NameEntry(index, state, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, mask)
+
+    def insert_name(
+        self,
+        index: int,
+        kind: int,
+        key_id: int,
+        model_id: int,
+        cache_slot: int,
+        batch_slot: int,
+        generation: int,
+        *,
+        target: int = -1,
+        num_tensors: int = 0,
+    ) -> None:
+        """Owner: write name entry `index` (free) and hash it in."""
+        mm = self._check_locked()
+        offset = self._name_offset(index)
+        mask = (1 << num_tensors) - 1 if kind == KIND_REQ else 0
+        _NAME.pack_into(
+            mm, offset, NAME_LIVE, kind, key_id, model_id, cache_slot, batch_slot, generation, target + 1, 0
+        )
+        self._write_mask(offset, mask)
+        bucket = _hash(kind, key_id, model_id) % self.buckets
+        for _ in range(self.buckets):
+            at = self._buckets_offset + 4 * bucket
+            (stored,) = struct.unpack_from("<I", mm, at)
+            if not stored:
+                struct.pack_into("<I", mm, at, index + 1)
+                return
+            bucket = (bucket + 1) % self.buckets
+        raise ShmError("the index's hash is full")
+
+    def retarget_name(self, index: int, cache_slot: int, generation: int) -> None:
+        """Owner: point a blocks name at another cache."""
+        mm = self._check_locked()
+        offset = self._name_offset(index)
+        struct.pack_into("<I", mm, offset + 24, cache_slot)
+        struct.pack_into("<Q", mm, offset + 32, generation)
+
+    def remove_name(self, index: int) -> None:
+        """Owner: unhash name `index` (linear probing, backward-shift deletion) and free its entry."""
+        mm = self._check_locked()
+        entry = self.name_entry(index)
+        bucket = _hash(entry.kind, entry.key_id, entry.model_id) % self.buckets
+        for _ in range(self.buckets):
+            (stored,) = struct.unpack_from("<I", mm, self._buckets_offset + 4 * bucket)
+            if not stored:
+                break
+            if stored == index + 1:
+                self._delete_bucket(bucket)
+                break
+            bucket = (bucket + 1) % self.buckets
+        offset = self._name_offset(index)
+        mm[offset : offset + _NAME_NBYTES] = bytes(_NAME_NBYTES)
+
+    def _delete_bucket(self, hole: int) -> None:
+        mm = self._map
+        size = self.buckets
+        probe = hole
+        while True:
+            probe = (probe + 1) % size
+            (stored,) = struct.unpack_from("<I", mm, self._buckets_offset + 4 * probe)
+            if not stored:
+                break
+            entry = self.name_entry(stored - 1)
+            home = _hash(entry.kind, entry.key_id, entry.model_id) % size
+            # Move the entry into the hole unless its home lies cyclically in (hole, probe].
+            if (probe - home) % size >= (probe - hole) % size:
+                struct.pack_into("<I", mm, self._buckets_offset + 4 * hole, stored)
+                hole = probe
+        struct.pack_into("<I", mm, self._buckets_offset + 4 * hole, 0)
+
+    def set_name_state(self, index: int, state: int, mask: int) -> None:
+        mm = self._check_locked()
+        offset = self._name_offset(index)
+        struct.pack_into("<I", mm, offset, state)
+        self._write_mask(offset, mask)
+
+    def _write_mask(self, offset: int, mask: int) -> None:
+        self._map[offset + _NAME_MASK_OFFSET : offset + _NAME_MASK_OFFSET + _MASK_NBYTES] = mask.to_bytes(
+            _MASK_NBYTES, "little"
+        )
+
+    def _name_offset(self, index: int) -> int:
+        if not 0 <= index < self.names:
+            raise IndexCorrupt(f"name {index} outside an index of {self.names}")
+        return self._names_offset + index * _NAME_NBYTES
+
+    def consume(self, index: int, tensors: int) -> int:
+        """Clear the tensors of bitmask `tensors` from name `index`'s unpulled set; the bits that were set.
+        A name whose set empties becomes NAME_CONSUMED (lookups no longer find it) and the epoch moves."""
+        entry = self.name_entry(index)
+        taken = entry.mask & tensors
+        if taken:
+            left = entry.mask & ~taken
+            self.set_name_state(index, NAME_LIVE if left else NAME_CONSUMED, left)
+            if not left:
+                self.bump_epoch()
+        return taken
+
+    def restore(self, index: int, tensors: int, cache_slot: int, generation: int) -> None:
+        """Give back tensors a failed pull consumed, if name `index` still names that cache."""
+        entry = self.name_entry(index)
+        if (
+            entry.state in (NAME_LIVE, NAME_CONSUMED)
+            and entry.kind == KIND_REQ
+            and (entry.cache_slot, entry.generation) == (cache_slot, generation)
+        ):
+            self.set_name_state(index, NAME_LIVE, entry.mask | tensors)
+            self.bump_epoch()
+
+    # ------------------------------------------------------------------------------------ rows
+
+    def assign_row(self, row: int, incarnation: int) -> None:
+        """Owner: hand row `row` (idle) to a puller of that incarnation."""
+        mm = self._check_locked()
+        offset = self._row_offset(row)
+        mm[offset : offset + _ROW_NBYTES] = bytes(_ROW_NBYTES)
+        _ROW.pack_into(mm, offset, incarnation, 0, 0, 0, 0)
+
+    def row_state(self, row: int) -> tuple[int, int]:
+        """(incarnation, state) of a row."""
+        incarnation, state, _, _, _ = _ROW.unpack_from(self._check_locked(), self._row_offset(row))
+        return incarnation, state
+
+    def row(self, row: int) -> tuple[int, int, int, int, int, int]:
+        """(incarnation, state, cache slot, generation, name index or -1, consumed mask)."""
+        mm = self._check_locked()
+        offset = self._row_offset(row)
+        incarnation, state, cache_slot, generation, name = _ROW.unpack_from(mm, offset)
+        mask = int.from_bytes(
+            mm[offset + _ROW_MASK_OFFSET : offset + _ROW_MASK_OFFSET + _MASK_NBYTES], "little"
+        )
+        return incarnation, state, cache_slot, generation, name - 1, mask
+
+    def set_row(
+        self, row: int, incarnation: int, cache_slot: int, generation: int, name: int, mask: int
+    ) -> None:
+        """A puller pins (cache_slot, generation) through its row, noting what it consumed of `name`."""
+        mm = self._check_locked()
+        offset = self._row_offset(row)
+        _ROW.pack_into(mm, offset, incarnation, 1, cache_slot, generation, name + 1)
+        mm[offset + _ROW_MASK_OFFSET : offset + _ROW_MASK_OFFSET + _MASK_NBYTES] = mask.to_bytes(
+            _MASK_NBYTES, "little"
+        )
+
+    def clear_row(self, row: int, incarnation: int) -> None:
+        """End the row's pin (its other fields mean nothing while its state is 0)."""
+        _ROW.pack_into(self._check_locked(), self._row_offset(row), incarnation, 0, 0, 0, 0)
+
+    def pinned(self, rows: Iterable[int]) -> dict[int, tuple[int, int]]:
+        """Owner: row -> (cache slot, generation) for each of `rows` that pins a cache."""
+        mm = self._check_locked()
+        found: dict[int, tuple[int, int]] = {}
+        for row in rows:
+            _, state, cache_slot, generation, _ = _ROW.unpack_from(mm, self._row_offset(row))
+            if state:
+                found[row] = (cache_slot, generation)
+        return found
+
+    def consumed_names(self) -> list[int]:
+        """Owner: the indices of names in state NAME_CONSUMED (one pass over the region, in numpy)."""
+        mm = self._check_locked()
+        words = np.frombuffer(
+            mm, dtype="<u4", count=self.names * _NAME_NBYTES // 4, offset=self._names_offset
+        )
+        states = words[:: _NAME_NBYTES // 4]
+        found = np.flatnonzero(states == NAME_CONSUMED).tolist()
+        del words, states  # no export of the mapping may outlive this call (close needs none)
+        return found
+
+    def _row_offset(self, row: int) -> int:
+        if not 0 <= row < self.rows:
+            raise IndexCorrupt(f"row {row} outside an index of {self.rows}")
+        return _ROWS_OFFSET + row * _ROW_NBYTES

@@ -1,0 +1,195 @@
+"""shm.index: the published index's layout, hashing, lock and checks, in one process (two open file
+descriptions of one index stand for the owner and a puller)."""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from llm_datadist._shm.index import (
+    KIND_BLOCKS,
+    KIND_PREFIX,
+    KIND_REQ,
+    NAME_CONSUMED,
+    CacheEntry,
+    Index,
+    IndexCorrupt,
+    IndexLockTimeout,
+)
+
+_PID = os.getpid()
+
+
+@pytest.fixture
+def owner() -> Index:
+    index = Index.create(_PID, 77, rows=8, caches=16, names=32)
+    yield index
+    index.close()
+
+
+def _entry(slot: int = 1, generation: int = 5) -> CacheEntry:
+    return CacheEntry(slot, generation, 3, 0, 2, 4096, 8192, 6666, 3, "/llmdd.0.1.2.ab", 4096 + 3 * 8192)
+
+
+def test_a_puller_reads_what_the_owner_published(owner: Index) -> None:
+    puller = Index.attach(owner.name, pid=_PID, incarnation=77)
+    try:
+        with owner.locked(1.0):
+            owner.put_cache(_entry())
+            owner.insert_name(0, KIND_REQ, 2**64 - 1, 9, 1, 1, 5, num_tensors=3)
+        with puller.locked(1.0):
+            name = puller.lookup(KIND_REQ, 2**64 - 1, 9)
+            assert name is not None and (name.cache_slot, name.batch_slot, name.mask) == (1, 1, 0b111)
+            assert puller.cache(1) == _entry()
+            assert puller.lookup(KIND_PREFIX, 2**64 - 1, 9) is None
+            assert puller.consume(0, 0b101) == 0b101
+            assert puller.consume(0, 0b111) == 0b010  # only what was left
+            assert puller.name_entry(0).state == NAME_CONSUMED
+            assert puller.lookup(KIND_REQ, 2**64 - 1, 9) is None  # a consumed key is not found
+            puller.restore(0, 0b010, 1, 5)
+            assert puller.lookup(KIND_REQ, 2**64 - 1, 9) is not None
+            puller.restore(0, 0b001, 1, 6)  # another generation of that slot: nothing given back
+            assert puller.name_entry(0).mask == 0b010
+        with owner.locked(1.0):
+            assert owner.consumed_names() == []
+    finally:
+        puller.close()
+
+
+def test_attach_checks_the_owner_and_the_layout(owner: Index) -> None:
+    with pytest.raises(IndexCorrupt, match="belongs to"):
+        Index.attach(owner.name, pid=_PID, incarnation=78)
+    with pytest.raises(IndexCorrupt, match="not an index name"):
+        Index.attach("/../etc/passwd", pid=_PID, incarnation=77)
+    path = f"/dev/shm/{owner.name[1:]}"
+    with open(path, "r+b") as raw:
+        raw.seek(32)
+        raw.write(struct.pack("<I", 1 << 20))  # rows: far more than the file holds
+    with pytest.raises(IndexCorrupt, match="capacities"):
+        Index.attach(owner.name, pid=_PID, incarnation=77)
+
+
+def test_a_hostile_cache_entry_is_refused(owner: Index) -> None:
+    with owner.locked(1.0):
+        owner.put_cache(_entry())
+        with pytest.raises(IndexCorrupt):
+            owner.cache(2)  # a free slot
+        with pytest.raises(IndexCorrupt):
+            owner.cache(16)  # past the end
+        bad = _entry()
+        owner.put_cache(CacheEntry(1, 5, 3, 0, 2, 1 << 40, 8192, 6666, 3, bad.segment, bad.segment_nbytes))
+        with pytest.raises(IndexCorrupt):
+            owner.cache(1)  # tensors past the segment
+        with pytest.raises(IndexCorrupt):
+            owner.name_entry(32)
+
+
+def test_the_lock_excludes_another_open_file_description_and_times_out(owner: Index) -> None:
+    puller = Index.attach(owner.name, pid=_PID, incarnation=77)
+    try:
+        with owner.locked(1.0):
+            started = time.monotonic()
+            with pytest.raises(IndexLockTimeout):
+                puller.lock(0.05)
+            assert time.monotonic() - started < 2.0
+
+        # Released: the puller gets it; a waiter gets it as soon as it is let go.
+        def release_soon() -> None:
+            time.sleep(0.05)
+            puller.unlock()
+
+        puller.lock(1.0)
+        thread = threading.Thread(target=release_soon)
+        thread.start()
+        with owner.locked(2.0):
+            pass
+        thread.join(5)
+    finally:
+        puller.close()
+
+
+def test_busy_clusters_are_counted(owner: Index) -> None:
+    with owner.locked(1.0):
+        assert not owner.busy(5)
+        owner.set_busy(5, 1)
+        owner.set_busy(5, 1)
+        owner.set_busy(6, 1)
+        assert owner.busy(5) and owner.busy(6) and not owner.busy(7)
+        owner.set_busy(5, -1)
+        assert owner.busy(5)
+        owner.set_busy(5, -1)
+        owner.set_busy(6, -1)
+        assert not owner.busy(5) and not owner.busy(6)
+
+
+def test_rows_pin_and_clear(owner: Index) -> None:
+    with owner.locked(1.0):
+        owner.assign_row(3, 1234)
+        assert owner.row_state(3) == (1234, 0)
+        owner.set_row(3, 1234, 1, 5, 0, 0b11)
+        assert owner.pinned(range(8)) == {3: (1, 5)}
+        assert owner.row(3) == (1234, 1, 1, 5, 0, 0b11)
+        owner.clear_row(3, 1234)
+        assert owner.pinned(range(8)) == {}
+        with pytest.raises(IndexCorrupt):
+            owner.row(8)
+
+
+_KEYS = st.tuples(st.sampled_from([KIND_REQ, KIND_PREFIX, KIND_BLOCKS]), st.integers(0, 4), st.integers(0, 2))
+
+
+class NameTable(RuleBasedStateMachine):
+    """The open-addressing hash (linear probing, backward-shift deletion) against a dict: whatever the
+    order of inserts and removals, every live key is found and no removed one is."""
+
+    names = Bundle("names")
+
+    def __init__(self) -> None:
+        super().__init__()
+        # A small table: long probe chains, wrap-around and deletions inside clusters all happen.
+        self.index = Index.create(_PID, 1, rows=1, caches=4, names=12)
+        self.model: dict[tuple[int, int, int], int] = {}
+        self.free = list(range(12))
+
+    @rule(target=names, key=_KEYS)
+    def insert(self, key: tuple[int, int, int]) -> tuple[int, int, int]:
+        if key in self.model or not self.free:
+            return key
+        entry = self.free.pop()
+        with self.index.locked(1.0):
+            self.index.insert_name(entry, *key, 1, 0, 7, num_tensors=2)
+        self.model[key] = entry
+        return key
+
+    @rule(key=consumes(names))
+    def remove(self, key: tuple[int, int, int]) -> None:
+        entry = self.model.pop(key, None)
+        if entry is None:
+            return
+        with self.index.locked(1.0):
+            self.index.remove_name(entry)
+        self.free.append(entry)
+
+    @invariant()
+    def every_key_is_found_where_it_was_put(self) -> None:
+        with self.index.locked(1.0):
+            for kind in (KIND_REQ, KIND_PREFIX, KIND_BLOCKS):
+                for key_id in range(5):
+                    for model_id in range(3):
+                        found = self.index.lookup(kind, key_id, model_id)
+                        expected = self.model.get((kind, key_id, model_id))
+                        assert (found.index if found else None) == expected
+
+    def teardown(self) -> None:
+        self.index.close()
+
+
+NameTable.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+test_name_table = NameTable.TestCase
