@@ -13,7 +13,6 @@ reuse that memory under the write.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import platform
 import secrets
@@ -53,7 +52,7 @@ from llm_datadist._shm.segment import Segment
 
 from ._comm import Comms
 from ._copy import Copier, address_view, vm_columns
-from ._dataplane import Pin, peer_index, unpin
+from ._dataplane import Pin, PinRequest, peer_index, unpin
 from ._dataplane import pin as dataplane_pin
 from ._engine import KEY_BLOCKS, KEY_CACHE_ID, CacheRecord, CacheTable
 from ._errors import PeerGone, StatusError
@@ -114,7 +113,7 @@ class PushSpan:
     runs: tuple[Run, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PullSpec:
     """A validated pull, in the owner's terms (source) and ours (destination)."""
 
@@ -353,16 +352,18 @@ class Core(ServerHooks):
             index, pinned = self._pin(
                 link,
                 deadline,
-                key_kind=spec.key_kind,
-                key_id=spec.key_id,
-                model_id=spec.model_id,
-                batch_index=spec.batch_index,
-                tensor_start=spec.src_tensor_start,
-                tensor_count=spec.tensor_count,
-                whole=spec.whole,
-                nbytes=spec.nbytes,
-                src_offset=spec.src_offset,
-                consume=spec.consume,
+                (
+                    spec.key_kind,
+                    spec.key_id,
+                    spec.model_id,
+                    spec.batch_index,
+                    spec.src_tensor_start,
+                    spec.tensor_count,
+                    spec.whole,
+                    spec.nbytes,
+                    spec.src_offset,
+                    spec.consume,
+                ),
             )
             if index is not None and pinned is not None:
                 cache = pinned.cache
@@ -373,8 +374,12 @@ class Core(ServerHooks):
                     for t in range(spec.src_tensor_start, spec.src_tensor_start + spec.tensor_count)
                 )
                 marks.append(time.perf_counter())
-                with self._pinned_in(link, index):
+                ok = False
+                try:
                     self._copy_pull(link, spec, dst, cache.segment, cache.segment_nbytes, offsets, marks)
+                    ok = True
+                finally:
+                    unpin(link, index, incarnation=self.incarnation, ok=ok)
             else:
 
                 def copy(grant: PullGrant) -> None:
@@ -404,13 +409,14 @@ class Core(ServerHooks):
                 self._leased(link, request, seq, PullGrant, deadline, copy)
         marks.append(time.perf_counter())
         # Where the last pull's time went (bench reads it): resolve and pin, planning, copy, unpin.
-        self.last_pull_breakdown = dict(
-            zip(
-                ("resolve", "plan", "copy", "release"),
-                (b - a for a, b in itertools.pairwise(marks)),
-                strict=False,
-            )
-        )
+        if len(marks) == 5:
+            start, pinned_at, planned, copied, done = marks
+            self.last_pull_breakdown = {
+                "resolve": pinned_at - start,
+                "plan": planned - pinned_at,
+                "copy": copied - planned,
+                "release": done - copied,
+            }
 
     def _copy_pull(
         self,
@@ -438,7 +444,7 @@ class Core(ServerHooks):
         marks.append(time.perf_counter())
 
     def _pin(
-        self, link: ClientLink, deadline: float, **request: int | bool
+        self, link: ClientLink, deadline: float, request: PinRequest, *, v2: bool = False
     ) -> tuple[Index | None, Pin | None]:
         """Pin what a pull names through the link's row of the owner's index: (index, pin), or (index or
         None, None) when the owner must be asked. The link's socket says first whether the owner is alive:
@@ -451,11 +457,12 @@ class Core(ServerHooks):
         pinned = dataplane_pin(
             link,
             index,
+            request,
             incarnation=self.incarnation,
             cluster_id=self.settings.cluster_id,
             deadline=deadline,
             timeout_code=self.settings.timeout_code,
-            **request,  # type: ignore[arg-type]
+            v2=v2,
         )
         return index, pinned
 
@@ -473,20 +480,8 @@ class Core(ServerHooks):
         deadline = time.monotonic() + self.sync_kv_timeout_s
         link = self.get_link(spec.remote_cluster_id)
         with link.exclusive(deadline):
-            index, pinned = self._pin(
-                link,
-                deadline,
-                key_kind=KEY_BLOCKS,
-                key_id=0,
-                model_id=spec.model_id,
-                batch_index=0,
-                tensor_start=spec.src_tensor_start,
-                tensor_count=spec.tensor_count,
-                whole=spec.whole,
-                nbytes=1,
-                src_offset=0,
-                consume=False,
-            )
+            fields = (KEY_BLOCKS, 0, spec.model_id, 0, spec.src_tensor_start, spec.tensor_count, spec.whole)
+            index, pinned = self._pin(link, deadline, (*fields, 1, 0, False))
             if index is not None and pinned is not None:
                 cache = pinned.cache
                 offsets = tuple(
@@ -886,6 +881,46 @@ class Core(ServerHooks):
             )
 
         with link.exclusive(deadline):
+            if not request.for_write:
+                fields = (request.key_kind, request.key_id, request.model_id, request.batch_index)
+                index, pinned = self._pin(
+                    link,
+                    deadline,
+                    (
+                        *fields,
+                        request.tensor_start,
+                        request.tensor_count,
+                        request.whole,
+                        0,
+                        0,
+                        request.consume,
+                    ),
+                    v2=True,
+                )
+                if index is not None and pinned is not None:
+                    cache = pinned.cache
+                    bases = tuple(
+                        cache.offset + t * cache.pitch_nbytes
+                        for t in range(request.tensor_start, request.tensor_start + request.tensor_count)
+                    )
+                    location = Location(
+                        0,
+                        0,
+                        link.peer.pid,
+                        cache.segment,
+                        cache.segment_nbytes,
+                        bases,
+                        cache.slot_nbytes,
+                        cache.batch_size,
+                        pinned.batch_slot,
+                    )
+                    ok = False
+                    try:
+                        copy(location)
+                        ok = True
+                    finally:
+                        unpin(link, index, incarnation=self.incarnation, ok=ok)
+                    return
             seq = link.next_seq()
             self._leased(link, replace(request, seq=seq), seq, Location, deadline, copy)
 

@@ -10,10 +10,9 @@ transfer's timeout. A name the index does not hold while the owner flags keys it
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NoReturn
 
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.index import (
@@ -57,8 +56,11 @@ def peer_index(
         link.index = Index.attach(link.index_name, pid=link.peer.pid, incarnation=link.peer.incarnation)
     except IndexCorrupt as exc:
         raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
-    with _index_errors(link, timeout_code), link.index.locked(max(deadline - time.monotonic(), 0.0)):
-        row_incarnation = link.index.row(link.index_row)[0]
+    try:
+        with link.index.locked(max(deadline - time.monotonic(), 0.0)):
+            row_incarnation = link.index.row(link.index_row)[0]
+    except ShmError as exc:
+        _raise_index_error(link, exc, timeout_code)
     if row_incarnation != incarnation:
         link.index.close()
         link.index = None
@@ -66,62 +68,43 @@ def peer_index(
     return link.index
 
 
-@contextlib.contextmanager
-def _index_errors(link: ClientLink, timeout_code: LLMStatusCode) -> Iterator[None]:
-    try:
-        yield
-    except IndexLockTimeout as exc:
-        raise StatusError(timeout_code, str(exc)) from exc
-    except IndexCorrupt as exc:
-        link.fail(f"peer's index is corrupt: {exc}")
-        raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
-    except ShmError as exc:
-        link.check_peer_alive()
-        raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
+# What a pull asks for, in the owner's terms: key kind, key id, model id, batch index, first tensor, tensor
+# count, whole (the source must have exactly that many tensors), bytes per tensor, source offset, consume.
+PinRequest = tuple[int, int, int, int, int, int, bool, int, int, bool]
 
 
 def pin(
     link: ClientLink,
     index: Index,
+    request: PinRequest,
     *,
     incarnation: int,
     cluster_id: int,
-    key_kind: int,
-    key_id: int,
-    model_id: int,
-    batch_index: int,
-    tensor_start: int,
-    tensor_count: int,
-    whole: bool,
-    nbytes: int,
-    src_offset: int,
-    consume: bool,
     deadline: float,
     timeout_code: LLMStatusCode,
+    v2: bool = False,
 ) -> Pin | None:
     """Find what a pull names in the owner's index, check it as the owner would and pin it through the
-    link's row, consuming the pulled tensors of a req key when `consume`; None: ask the owner."""
-    with _index_errors(link, timeout_code):
+    link's row, consuming the pulled tensors of a req key when it asks to; None: ask the owner. `v2`: the
+    cache-manager rules (a blocks cache may be named by id; a push into our cluster does not stop pulls)."""
+    try:
         index.lock(max(deadline - time.monotonic(), 0.0))
         try:
-            return _pin_locked(
-                link,
-                index,
-                incarnation,
-                cluster_id,
-                key_kind,
-                key_id,
-                model_id,
-                batch_index,
-                tensor_start,
-                tensor_count,
-                whole,
-                nbytes,
-                src_offset,
-                consume,
-            )
+            return _pin_locked(link, index, incarnation, cluster_id, v2, *request)
         finally:
             index.unlock()
+    except ShmError as exc:
+        _raise_index_error(link, exc, timeout_code)
+
+
+def _raise_index_error(link: ClientLink, exc: ShmError, timeout_code: LLMStatusCode) -> NoReturn:
+    if isinstance(exc, IndexLockTimeout):
+        raise StatusError(timeout_code, str(exc)) from exc
+    if isinstance(exc, IndexCorrupt):
+        link.fail(f"peer's index is corrupt: {exc}")
+        raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
+    link.check_peer_alive()
+    raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
 
 
 def _pin_locked(
@@ -129,6 +112,7 @@ def _pin_locked(
     index: Index,
     incarnation: int,
     cluster_id: int,
+    v2: bool,
     key_kind: int,
     key_id: int,
     model_id: int,
@@ -143,7 +127,7 @@ def _pin_locked(
     state, flags = index.header()
     if state != STATE_OPEN:
         raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "the peer closed its cache table")
-    if index.busy(cluster_id):
+    if not v2 and index.busy(cluster_id):
         raise StatusError(LLMStatusCode.LLM_LINK_BUSY, "a layer-wise transfer into this cluster is running")
     row = index.row_state(link.index_row)
     if row != (incarnation, 0):
@@ -171,7 +155,7 @@ def _pin_locked(
                 LLMStatusCode.LLM_PARAM_INVALID,
                 f"batch index {batch_index} out of range for batch size {cache.batch_size}",
             )
-        if cache.is_blocks:
+        if cache.is_blocks and not v2:
             raise StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key_id} is a blocks cache")
         batch_slot = batch_index
         alias = index.lookup(KIND_SLOT, key_id, batch_index)

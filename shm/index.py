@@ -355,8 +355,11 @@ class Index:
             pause = min(pause * 2, _LOCK_RETRY_MAX_S)
 
     def _check_locked(self) -> mmap.mmap:
+        mm = self._mm
+        if mm is None:
+            raise ShmError(f"index {self.name} is closed")
         assert self._depth, "index accessed without its lock"
-        return self._map
+        return mm
 
     # ------------------------------------------------------------------------------------ header
 

@@ -285,8 +285,7 @@ class KvCacheManager:
                 "model_id": 0,
                 "batch_index": cache_key.batch_index,
             }
-        check_cache_key(cache_key)
-        req_valid = cache_key.req_id != U64_MAX
+        req_valid = cache_key.req_id != U64_MAX  # the caller checked the key
         return {
             "remote_cluster_id": cache_key.prompt_cluster_id,
             "key_kind": KEY_REQ if req_valid else KEY_PREFIX,

@@ -395,11 +395,15 @@ def test_push_cache_and_continuous_slot_into_blocks(seed: int) -> None:
             np.testing.assert_array_equal(view[512:600], source[512:600])
 
 
-def test_v2_timeout_is_llm_timeout(seed: int) -> None:
+def test_v2_timeout_is_llm_timeout(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    """A two-sided v2 pull pins in the owner's index: a stopped owner does not stop it; a process stopped
+    while it holds the index lock makes it fail with v2's timeout code."""
     import os
     import signal
 
     import psutil
+
+    from tests._peer import PROMPT_IP, start_index_holder
 
     extra = _v2_options(remote_access=False)
     with PromptPeer(P, next(_ports), seed, extra=extra) as peer:
@@ -412,10 +416,18 @@ def test_v2_timeout_is_llm_timeout(seed: int) -> None:
             try:
                 while psutil.Process(peer.pid).status() != psutil.STATUS_STOPPED:
                     time.sleep(0.001)
+                dd.cache_manager.pull_cache(CacheKeyByIdAndIndex(P, cache_id, 0), local)
+            finally:
+                os.kill(peer.pid, signal.SIGCONT)
+            socket_file = os.fspath(_runtime_dir / f"{PROMPT_IP}_{peer.port}.sock")
+            holder, pipe = start_index_holder(socket_file, P, "lock")
+            try:
                 with pytest.raises(LLMException) as exc_info:
                     dd.cache_manager.pull_cache(CacheKeyByIdAndIndex(P, cache_id, 0), local)
             finally:
-                os.kill(peer.pid, signal.SIGCONT)
+                holder.kill()
+                holder.join(10)
+                pipe.close()
             assert exc_info.value.status_code == LLMStatusCode.LLM_TIMEOUT
 
 
