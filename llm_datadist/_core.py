@@ -66,13 +66,12 @@ from ._settings import Settings
 from ._transport import ClientLink, PeerInfo, Server, ServerHooks
 from ._vm import (
     FEW_RUNS,
+    PreparedRuns,
     VmBadAddress,
     VmError,
     VmNotPermitted,
     VmProcessGone,
     VmRun,
-    read_from,
-    write_to,
 )
 from .configs import LLMRole
 from .status import LLMStatusCode
@@ -444,7 +443,13 @@ class Core(ServerHooks):
         marks.append(time.perf_counter())
 
     def _pin(
-        self, link: ClientLink, deadline: float, request: PinRequest, *, v2: bool = False
+        self,
+        link: ClientLink,
+        deadline: float,
+        request: PinRequest,
+        *,
+        v2: bool = False,
+        for_write: bool = False,
     ) -> tuple[Index | None, Pin | None]:
         """Pin what a pull names through the link's row of the owner's index: (index, pin), or (index or
         None, None) when the owner must be asked. The link's socket says first whether the owner is alive:
@@ -463,6 +468,7 @@ class Core(ServerHooks):
             deadline=deadline,
             timeout_code=self.settings.timeout_code,
             v2=v2,
+            for_write=for_write,
         )
         return index, pinned
 
@@ -760,13 +766,15 @@ class Core(ServerHooks):
         _order_loads()
         return read_generation(words, 0) == table.version
 
-    def check_peer(self, remote_cluster_id: int) -> None:
+    def check_peer(self, remote_cluster_id: int) -> ClientLink:
         """LLM_LINK_FAILED at once if the link to `remote_cluster_id` is broken or its peer has ended: a
-        one-sided transfer checks this before it trusts anything it learnt from that peer."""
+        one-sided transfer checks this before it trusts anything it learnt from that peer. Returns the
+        link (`link_to`)."""
         deadline = time.monotonic() + self.sync_kv_timeout_s
         link = self.link_to(remote_cluster_id, deadline)
         link.check_usable()
         link.check_peer_alive()
+        return link
 
     def transfer_one_sided(
         self,
@@ -777,7 +785,11 @@ class Core(ServerHooks):
         local_tensor_start: int,
         tensor_count: int,
         runs: list[UnitRun],
-    ) -> None:
+        *,
+        link: ClientLink | None = None,
+        prepared: PreparedRuns | None = None,
+        words: Segment | None = None,
+    ) -> tuple[PreparedRuns | None, Segment]:
         """Read from a peer's cache (from its table) into ours with no round trip to the peer.
 
         The cache's generation word is checked after the copy: if the owner freed or reused the cache
@@ -785,13 +797,19 @@ class Core(ServerHooks):
         returning stale data. No check is needed before: callers take `remote` from a table entry they just
         found current, and a change since then fails the check after. Writes never go this way (a write
         cannot be taken back once it landed in reused memory): see `write_pinned`.
+
+        `link`: the link `link_to` just gave (spares looking it up again). Returns what a caller that
+        repeats this very read (same link, entry, local record and runs) may pass back to skip building it
+        again: the prepared copy (`_copy_units`) and the entry's generation segment as mapped
+        (`remote_cache_current`'s `words`).
         """
         deadline = time.monotonic() + self.sync_kv_timeout_s
-        link = self.link_to(remote_cluster_id, deadline)
+        if link is None:
+            link = self.link_to(remote_cluster_id, deadline)
         bases = remote.tensor_bases[remote_tensor_start : remote_tensor_start + tensor_count]
         with link.exclusive(deadline):
             try:
-                self._copy_units(
+                prepared = self._copy_units(
                     link,
                     remote.pid,
                     remote.segment,
@@ -801,28 +819,54 @@ class Core(ServerHooks):
                     local_tensor_start,
                     runs,
                     to_remote=False,
+                    prepared=prepared,
                 )
             except RangeUnmapped as exc:
                 # The owner unregistered and freed that memory during the read (nothing pins it): the
                 # generation check tells that from a bad local range.
-                if not self.remote_cache_current(link, remote):
+                if not self.remote_cache_current(link, remote, words=words):
                     raise StatusError(
                         LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                         f"remote cache {remote.cache_id} was unregistered during the transfer",
                     ) from exc
                 raise
             link.check_peer_alive()
-            if not self.remote_cache_current(link, remote):
+            if words is None or words.closed:
+                words = self._peer_segment(
+                    link, remote.generations, (remote.gen_slot + 1) * 8, writable=False
+                )
+            if not self.remote_cache_current(link, remote, words=words):
                 raise StatusError(
                     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                     f"remote cache {remote.cache_id} was freed or reused during the transfer",
                 )
+        return prepared, words
 
-    def remote_cache_current(self, link: ClientLink, remote: RemoteCache) -> bool:
+    def remote_cache_current(
+        self,
+        link: ClientLink,
+        remote: RemoteCache,
+        table: RemoteTable | None = None,
+        *,
+        words: Segment | None = None,
+    ) -> bool:
         """Whether the owner still holds the cache this table entry describes (its generation word). A
-        generation segment that is gone because its owner ended is a link failure (see `_peer_segment`)."""
-        words = self._peer_segment(link, remote.generations, (remote.gen_slot + 1) * 8, writable=False)
+        generation segment that is gone because its owner ended is a link failure (see `_peer_segment`).
+
+        With `table` (the entry's), also whether what its model ids name is still current, as
+        `remote_table_current` says, in the same look at the segment: False for a table whose version
+        word is unknown or lives in another segment than the entry's. `words`: the entry's generation
+        segment as an earlier call on this link mapped it, used while it is open (the link's mapping cache
+        closes what it drops)."""
+        if table is not None and (
+            not table.version or not table.generations or table.generations != remote.generations
+        ):
+            return False
+        if words is None or words.closed:
+            words = self._peer_segment(link, remote.generations, (remote.gen_slot + 1) * 8, writable=False)
         _order_loads()
+        if table is not None and read_generation(words, 0) != table.version:
+            return False
         return read_generation(words, remote.gen_slot) == remote.generation
 
     def write_pinned(
@@ -881,46 +925,40 @@ class Core(ServerHooks):
             )
 
         with link.exclusive(deadline):
-            if not request.for_write:
-                fields = (request.key_kind, request.key_id, request.model_id, request.batch_index)
-                index, pinned = self._pin(
-                    link,
-                    deadline,
-                    (
-                        *fields,
-                        request.tensor_start,
-                        request.tensor_count,
-                        request.whole,
-                        0,
-                        0,
-                        request.consume,
-                    ),
-                    v2=True,
+            # In the owner's index when it holds the cache; a write pins it too, consuming nothing.
+            fields = (request.key_kind, request.key_id, request.model_id, request.batch_index)
+            consume = request.consume and not request.for_write
+            index, pinned = self._pin(
+                link,
+                deadline,
+                (*fields, request.tensor_start, request.tensor_count, request.whole, 0, 0, consume),
+                v2=True,
+                for_write=request.for_write,
+            )
+            if index is not None and pinned is not None:
+                cache = pinned.cache
+                bases = tuple(
+                    cache.offset + t * cache.pitch_nbytes
+                    for t in range(request.tensor_start, request.tensor_start + request.tensor_count)
                 )
-                if index is not None and pinned is not None:
-                    cache = pinned.cache
-                    bases = tuple(
-                        cache.offset + t * cache.pitch_nbytes
-                        for t in range(request.tensor_start, request.tensor_start + request.tensor_count)
-                    )
-                    location = Location(
-                        0,
-                        0,
-                        link.peer.pid,
-                        cache.segment,
-                        cache.segment_nbytes,
-                        bases,
-                        cache.slot_nbytes,
-                        cache.batch_size,
-                        pinned.batch_slot,
-                    )
-                    ok = False
-                    try:
-                        copy(location)
-                        ok = True
-                    finally:
-                        unpin(link, index, incarnation=self.incarnation, ok=ok)
-                    return
+                location = Location(
+                    0,
+                    0,
+                    link.peer.pid,
+                    cache.segment,
+                    cache.segment_nbytes,
+                    bases,
+                    cache.slot_nbytes,
+                    cache.batch_size,
+                    pinned.batch_slot,
+                )
+                ok = False
+                try:
+                    copy(location)
+                    ok = True
+                finally:
+                    unpin(link, index, incarnation=self.incarnation, ok=ok)
+                return
             seq = link.next_seq()
             self._leased(link, replace(request, seq=seq), seq, Location, deadline, copy)
 
@@ -936,13 +974,23 @@ class Core(ServerHooks):
         runs: list[UnitRun],
         *,
         to_remote: bool,
-    ) -> None:
-        local_addrs = local.tensor_addrs()[local_tensor_start : local_tensor_start + len(remote_bases)]
-        for run in runs:
-            if run.local_offset + run.nbytes > local.tensor_nbytes:
-                raise StatusError(
-                    LLMStatusCode.LLM_PARAM_INVALID, "the transfer does not fit the local tensors"
-                )
+        prepared: PreparedRuns | None = None,
+    ) -> PreparedRuns | None:
+        """Copy `runs` of each remote tensor (segment offsets, or addresses in `pid` for registered memory
+        when `segment` is "") from or to the matching local tensor.
+
+        Returns the `PreparedRuns` a cross-memory copy of a few runs ran (None for any other copy). A
+        caller that repeats the same copy (same link, remote tensors, local record and runs) may pass it
+        back as `prepared`: the copy then skips the checks and building it did the first time."""
+        if not segment and prepared is not None:
+            local_addrs: list[int] = []
+        else:
+            local_addrs = local.tensor_addrs()[local_tensor_start : local_tensor_start + len(remote_bases)]
+            for run in runs:
+                if run.local_offset + run.nbytes > local.tensor_nbytes:
+                    raise StatusError(
+                        LLMStatusCode.LLM_PARAM_INVALID, "the transfer does not fit the local tensors"
+                    )
         if not segment:
             # The peer's registered memory: one kernel copy between the two address spaces.
             if pid != link.peer.pid:
@@ -950,13 +998,16 @@ class Core(ServerHooks):
                     LLMStatusCode.LLM_FAILED, f"peer {link.peer.pid} named memory of process {pid}"
                 )
             try:
-                if len(runs) * len(remote_bases) <= FEW_RUNS:  # `_vm`'s ctypes fast path
+                if prepared is not None:
+                    prepared()
+                elif len(runs) * len(remote_bases) <= FEW_RUNS:  # `_vm`'s ctypes fast path
                     vm_runs = [
                         VmRun(addr + run.local_offset, base + run.remote_offset, run.nbytes)
                         for addr, base in zip(local_addrs, remote_bases, strict=True)
                         for run in runs
                     ]
-                    (write_to if to_remote else read_from)(pid, vm_runs)
+                    prepared = PreparedRuns(pid, vm_runs, write=to_remote)
+                    prepared()
                 else:
                     # Many runs (a block table): numpy columns, split over the copy threads by bytes.
                     columns = vm_columns(
@@ -980,7 +1031,7 @@ class Core(ServerHooks):
                 raise error(
                     LLMStatusCode.LLM_PARAM_INVALID, f"cross-memory copy with pid {pid} failed: {exc}"
                 ) from exc
-            return
+            return prepared
         mapped = self._peer_segment(link, segment, segment_nbytes, writable=to_remote)
         if local.block is not None:
             local_array = local.block.segment.array
@@ -1000,6 +1051,7 @@ class Core(ServerHooks):
             self.copier.run(copy_runs, local_array, mapped.array)
         else:
             self.copier.run(copy_runs, mapped.array, local_array)
+        return None
 
     # ------------------------------------------------------------------ two-sided links (v2 `link`)
 

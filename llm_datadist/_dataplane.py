@@ -17,6 +17,7 @@ from typing import NoReturn
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.index import (
     CACHE_PENDING,
+    CACHE_WITHDRAWN,
     KIND_BLOCKS,
     KIND_CACHE,
     KIND_SLOT,
@@ -83,14 +84,22 @@ def pin(
     deadline: float,
     timeout_code: LLMStatusCode,
     v2: bool = False,
+    for_write: bool = False,
 ) -> Pin | None:
     """Find what a pull names in the owner's index, check it as the owner would and pin it through the
     link's row, consuming the pulled tensors of a req key when it asks to; None: ask the owner. `v2`: the
-    cache-manager rules (a blocks cache may be named by id; a push into our cluster does not stop pulls)."""
+    cache-manager rules (a blocks cache may be named by id; a push into our cluster does not stop pulls);
+    `for_write`: pin for a push, which only reaches a cache its user still holds (and consumes nothing)."""
     try:
         index.lock(max(deadline - time.monotonic(), 0.0))
         try:
-            return _pin_locked(link, index, incarnation, cluster_id, v2, *request)
+            pinned = _pin_locked(link, index, incarnation, cluster_id, v2, *request)
+            if pinned is not None and for_write and pinned.cache.flags & CACHE_WITHDRAWN:
+                index.clear_row(link.index_row, incarnation)
+                raise StatusError(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {pinned.cache.cache_id} was deallocated"
+                )
+            return pinned
         finally:
             index.unlock()
     except ShmError as exc:

@@ -31,6 +31,7 @@ from llm_datadist._shm.generations import GenerationTable
 from llm_datadist._shm.index import (
     CACHE_BLOCKS,
     CACHE_PENDING,
+    CACHE_WITHDRAWN,
     KIND_BLOCKS,
     KIND_CACHE,
     KIND_SLOT,
@@ -682,6 +683,9 @@ class CacheTable:
                 return
             record.external = False
             self._drop_blocks_keys(cache_id)
+            if record.published:
+                with self._indexed() as index:
+                    index.set_cache_flags(record.gen_slot, _flags_of(record))
             self._maybe_free(record)
 
     def remove_key(self, key: KeyId) -> None:
@@ -1105,8 +1109,7 @@ class CacheTable:
                 if (record.gen_slot, record.generation) in set(index.pinned(self._rows.values()).values()):
                     if not record.pending:
                         record.pending = True
-                        flags = (CACHE_BLOCKS if record.is_blocks else 0) | CACHE_PENDING
-                        index.set_cache_flags(record.gen_slot, flags)
+                        index.set_cache_flags(record.gen_slot, _flags_of(record))
                         self._pending[record.cache_id] = record
                     return
                 index.clear_cache(record.gen_slot)
@@ -1116,6 +1119,15 @@ class CacheTable:
         self._generations.retire(record.gen_slot)
         if record.block is not None:
             self._pools[record.placement].free(record.block)
+
+
+def _flags_of(record: CacheRecord) -> int:
+    """The index's flags for a cache (see shm.index)."""
+    return (
+        (CACHE_BLOCKS if record.is_blocks else 0)
+        | (CACHE_PENDING if record.pending else 0)
+        | (0 if record.external else CACHE_WITHDRAWN)
+    )
 
 
 def _mask(tensors: set[int] | frozenset[int]) -> int:

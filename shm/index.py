@@ -60,6 +60,7 @@ NAME_CONSUMED = 2  # a puller pulled the last tensor of the key; the owner recla
 # Cache flags.
 CACHE_BLOCKS = 1
 CACHE_PENDING = 2  # the owner wants to free the cache: a puller that unpins it bumps the epoch
+CACHE_WITHDRAWN = 4  # its user deallocated it: it is still read (keys remain), never written
 
 MAX_MASK_TENSORS = 512  # a key's unpulled tensors are a bitmask of this many bits
 _MASK_NBYTES = MAX_MASK_TENSORS // 8

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from llm_datadist._shm.copyplan import plan_block_copy
 
 from .._copy import address_view
-from .._core import PLACEMENT_DEVICE, PLACEMENT_HOST, RemoteCache, UnitRun
+from .._core import PLACEMENT_DEVICE, PLACEMENT_HOST, RemoteCache, RemoteTable, UnitRun
 from .._engine import KEY_BLOCKS, KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
 from .._errors import api_errors
 from .._transfer import (
@@ -59,7 +59,11 @@ from .llm_utils import CacheTask, LayerPush
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from llm_datadist._shm.segment import Segment
+
     from .._core import Core
+    from .._transport import ClientLink
+    from .._vm import PreparedRuns
 
     # (remote slot, remote unit bytes, remote unit count) -> the byte runs to copy in every tensor.
     _RunsFor = Callable[[int, int, int], list[UnitRun]]
@@ -75,10 +79,26 @@ def _invalid(api: str, context: str) -> NoReturn:
 
 
 @dataclass(frozen=True, slots=True)
+class _Found:
+    """What a one-sided pull found on the remote side and derived from it: the link and the peer's table it
+    looked in, the entry, the runs, and what `Core.transfer_one_sided` prepared (the copy, the mapped
+    generation segment)."""
+
+    link: ClientLink
+    table: RemoteTable
+    remote: RemoteCache
+    runs: list[UnitRun]
+    prepared: PreparedRuns | None
+    words: Segment
+
+
+@dataclass(slots=True, eq=False)
 class _OneSidedPull:
     """A one-sided pull whose arguments were checked: everything `pull_cache` / `pull_blocks` derive from
     their arguments and the local record alone, so a repeat with equal arguments into the same live record
-    skips straight to `_run_one_sided` (which looks up the remote side afresh each time)."""
+    skips straight to `_run_one_sided` (which checks the remote side afresh each time). Only `found`
+    changes: what the last call found, which the next reuses while the link, the peer's table and the
+    entry's generation say it is still what a lookup would find."""
 
     core: Core
     record: CacheRecord
@@ -89,6 +109,7 @@ class _OneSidedPull:
     selection: TensorSelection
     runs_for: _RunsFor
     continuous_source: bool  # pull_cache: the remote cache must not be a blocks cache
+    found: _Found | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +136,16 @@ def _exact_ints(values: object) -> tuple[int, ...] | None:
     if type(values) is not list and type(values) is not tuple:
         return None
     items = tuple(values)
-    return items if all(type(v) is int for v in items) else None
+    for value in items:  # a loop, not all(): cheaper for the few items of a repeated pull
+        if type(value) is not int:
+            return None
+    return items
+
+
+@functools.cache
+def _timeout_errors(api: str) -> api_errors:
+    """`api_errors` with LLM_TIMEOUT for timeouts; it keeps no state, so one per api serves every call."""
+    return api_errors(api, timeout_code=LLMStatusCode.LLM_TIMEOUT)
 
 
 def _owner_key(key: CacheKey) -> KeyId | None:
@@ -424,8 +454,8 @@ class CacheManager:
 
     # ------------------------------------------------------------------ transfers
 
-    def _timeout_errors(self, api: str) -> Any:
-        return api_errors(api, timeout_code=LLMStatusCode.LLM_TIMEOUT)
+    def _timeout_errors(self, api: str) -> api_errors:
+        return _timeout_errors(api)
 
     def _layers(self, api: str, layers: LayerArgs, num_tensors: int) -> TensorSelection:
         return layers.select(api, num_tensors)
@@ -459,17 +489,48 @@ class CacheManager:
             self._prepared[key] = prepared
 
     def _run_one_sided(self, api: str, pull: _OneSidedPull) -> None:
-        """The part of a one-sided pull that depends on state: pin the local cache, find the remote one in
-        the peer's table (refetched when stale), read."""
+        """The part of a one-sided pull that depends on state: pin the local cache, check the peer, find the
+        remote cache in the peer's table (refetched when stale), read. When the link and the peer's table
+        are those of the last call, and that call's entry is still current (by model id: in a table whose
+        version is current), the lookup would find that entry again: the read reuses what was derived."""
         core = pull.core
         with self._timeout_errors(api), core.table.pinned(pull.record.cache_id) as pinned:
             self._one_sided(api, pinned)
-            remote = self._remote(api, core, pull.cluster_id, pull.cache_id, pull.model_id)
+            link = core.check_peer(pull.cluster_id)
+            found, selection = pull.found, pull.selection
+            if (
+                found is not None
+                and found.link is link
+                and found.table is link.remote_table
+                and pinned is pull.record
+                and core.remote_cache_current(
+                    link,
+                    found.remote,
+                    found.table if pull.model_id is not None else None,
+                    words=found.words,
+                )
+            ):
+                core.transfer_one_sided(
+                    pull.cluster_id,
+                    found.remote,
+                    selection.src_start,
+                    pinned,
+                    selection.dst_start,
+                    selection.count,
+                    found.runs,
+                    link=link,
+                    prepared=found.prepared,
+                    words=found.words,
+                )
+                return
+            table, remote = self._find_remote(api, core, pull.cluster_id, pull.cache_id, pull.model_id)
             if pull.continuous_source and remote.is_blocks:
                 _invalid(api, "the source of pull_cache must not be a blocks cache")
-            self._pull_one_sided(
-                api, core, pull.cluster_id, remote, pull.slot, pinned, pull.selection, pull.runs_for
+            runs, (prepared, words) = self._pull_one_sided(
+                api, core, pull.cluster_id, remote, pull.slot, pinned, selection, pull.runs_for, link
             )
+            if pinned is pull.record:
+                pull.found = _Found(link, table, remote, runs, prepared, words)
 
     def _remote(
         self, api: str, core: Core, cluster_id: int, cache_id: int | None, model_id: int | None
@@ -477,9 +538,17 @@ class CacheManager:
         """A cache from the peer's table (one-sided mode), refetching the table once on a miss.
 
         Nothing learnt from a peer is trusted once it ended: a dead peer is a link failure before any
-        check against its table. A model id is looked up only in a table whose version is current (the
-        owner may have bound it to another cache since), a cache id in any (ids are never reused)."""
+        check against its table."""
         core.check_peer(cluster_id)
+        return self._find_remote(api, core, cluster_id, cache_id, model_id)[1]
+
+    @staticmethod
+    def _find_remote(
+        api: str, core: Core, cluster_id: int, cache_id: int | None, model_id: int | None
+    ) -> tuple[RemoteTable, RemoteCache]:
+        """`_remote` once the peer was checked, with the table the cache was found in. A model id is looked
+        up only in a table whose version is current (the owner may have bound it to another cache since), a
+        cache id in any (ids are never reused)."""
         for refresh in (False, True):
             table = core.remote_table(cluster_id, refresh=refresh)
             if model_id is not None and not refresh and not core.remote_table_current(cluster_id, table):
@@ -491,7 +560,7 @@ class CacheManager:
                 and wanted in table.caches
                 and core.remote_is_current(cluster_id, table.caches[wanted])
             ):
-                return table.caches[wanted]
+                return table, table.caches[wanted]
         name = f"model_id {model_id}" if model_id is not None else f"cache id {cache_id}"
         raise make_error(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no remote-accessible cache with {name}")
 
@@ -1085,11 +1154,13 @@ class CacheManager:
         local: CacheRecord,
         selection: TensorSelection,
         runs_for: _RunsFor,
-    ) -> None:
-        """Read the selected tensors of remote slot `slot` straight from the peer's table (no round trip)."""
+        link: ClientLink,
+    ) -> tuple[list[UnitRun], tuple[PreparedRuns | None, Segment]]:
+        """Read the selected tensors of remote slot `slot` straight from the peer's table (no round trip)
+        over `link` (`Core.check_peer`'s); the runs read and what the read prepared, for a repeat."""
         self._check_remote_tensors(api, remote, selection)
         runs = runs_for(slot, remote.unit_nbytes, remote.num_units)
-        core.transfer_one_sided(
+        prepared = core.transfer_one_sided(
             cluster_id,
             remote,
             selection.src_start,
@@ -1097,7 +1168,9 @@ class CacheManager:
             selection.dst_start,
             selection.count,
             runs,
+            link=link,
         )
+        return runs, prepared
 
     @staticmethod
     def _pull_resolved(
