@@ -70,6 +70,7 @@ MAX_OUTBUF_NBYTES = 16 << 20
 # A page of a Table reply stays well under the frame limit (1 MiB), whatever the caches look like.
 _TABLE_PAGE_NBYTES = 512 << 10
 _PEERCRED = struct.Struct("3i")
+_HANGUP_EVENTS = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -700,6 +701,7 @@ class ClientLink:
         self.index_name = ""
         self.index_row = 0
         self.index: Index | None = None  # mapped on first use (see llm_datadist._dataplane)
+        self._poller: select.poll | None = None  # check_peer_alive's, registered once
         self._lock = threading.Lock()
         self._seq = 0
         self.broken: str | None = None
@@ -825,6 +827,7 @@ class ClientLink:
                 self._sock.settimeout(0.5)
                 self._sock.sendall(self._conn.send(Bye("unlink")))
         self.broken = self.broken or "closed"
+        self._poller = None  # it names the socket's fd, which the kernel may hand out again
         self._sock.close()
         self.mappings.clear()
         self.remote_table = None
@@ -837,10 +840,18 @@ class ClientLink:
         reading: one poll for a hang-up. A transfer that never talks to the peer (a one-sided read) asks
         this, so that it never returns what a dead process left in memory that is still mapped here. Safe
         while another thread waits on the same socket (nothing is read, the socket's mode is untouched)."""
-        poller = select.poll()
         try:
-            poller.register(self._sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
-            events = poller.poll(0)
+            poller = self._poller
+            if poller is None:
+                poller = select.poll()
+                poller.register(self._sock, _HANGUP_EVENTS)
+                self._poller = poller
+            try:
+                events = poller.poll(0)
+            except RuntimeError:  # another thread polls this link's poller right now: use one of ours
+                poller = select.poll()
+                poller.register(self._sock, _HANGUP_EVENTS)
+                events = poller.poll(0)
         except (OSError, ValueError) as exc:  # the socket was closed under us
             self._break(f"connection failed: {exc}")
             raise PeerGone(f"link to cluster {self.peer.cluster_id} failed: {exc}") from exc
