@@ -404,7 +404,13 @@ class _Machine(RuleBasedStateMachine):
         if not self.owner_model.alive:
             return
         stats = self.owner.ok("stats")
-        expected = {"caches": len(self.owner_model.caches), "keys": len(self.owner_model.keys), "leases": 0}
+        # Every pull ended before this look: no lease, no pin in the owner's index.
+        expected = {
+            "caches": len(self.owner_model.caches),
+            "keys": len(self.owner_model.keys),
+            "leases": 0,
+            "pins": 0,
+        }
         got = {name: stats[name] for name in expected}
         assert got == expected, f"owner table {got}, model {expected}"
 
