@@ -23,6 +23,7 @@ import pytest
 
 from llm_datadist._vm import (
     IOV_MAX,
+    PreparedRuns,
     VmBadAddress,
     VmError,
     VmNotPermitted,
@@ -148,6 +149,33 @@ def test_read_and_write_odd_sizes(seed: int) -> None:
         write_to(peer.pid, [VmRun(fresh[name].ctypes.data, remote[name], SIZES[name]) for name in SIZES])
         for name in SIZES:
             assert peer.call("verify", name, new_seed) is True, name
+
+
+def test_prepared_runs_repeat_a_transfer_and_explain_a_failure(seed: int) -> None:
+    """PreparedRuns builds the call once: it moves the same bytes on every call, writes too, and a
+    transfer that no longer completes (the range went away) raises what read_from raises."""
+    with child() as peer:
+        remote = {name: peer.call("alloc", name, nbytes, seed) for name, nbytes in SIZES.items()}
+        local = {name: np.zeros(nbytes, dtype=np.uint8) for name, nbytes in SIZES.items()}
+        runs = [VmRun(local[name].ctypes.data, remote[name], SIZES[name]) for name in SIZES]
+        read = PreparedRuns(peer.pid, runs)
+        for _ in range(3):
+            for array in local.values():
+                array[:] = 0
+            read()
+            for name, nbytes in SIZES.items():
+                np.testing.assert_array_equal(local[name], pattern(seed, name, nbytes), err_msg=name)
+        fresh = {name: pattern(seed + 1, name, nbytes) for name, nbytes in SIZES.items()}
+        PreparedRuns(
+            peer.pid,
+            [VmRun(fresh[name].ctypes.data, remote[name], SIZES[name]) for name in SIZES],
+            write=True,
+        )()
+        for name in SIZES:
+            assert peer.call("verify", name, seed + 1) is True, name
+        bad = PreparedRuns(peer.pid, [VmRun(local["a"].ctypes.data, 4096, 64)])  # nothing mapped there
+        with pytest.raises(VmBadAddress):
+            bad()
 
 
 def test_many_small_scattered_runs_against_numpy(seed: int) -> None:
