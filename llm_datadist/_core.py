@@ -44,7 +44,7 @@ from llm_datadist._protocol.messages import (
 from llm_datadist._shm.copyplan import BlockPlan, Run, StridedCopy, plan_tensor_copy
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.generations import read_generation
-from llm_datadist._shm.index import Index
+from llm_datadist._shm.index import CACHE_REMOTE, CACHE_WITHDRAWN, STATE_OPEN, Index
 from llm_datadist._shm.names import parse_segment_name
 from llm_datadist._shm.pool import Pool
 from llm_datadist._shm.reaper import reap
@@ -52,9 +52,9 @@ from llm_datadist._shm.segment import Segment
 
 from ._comm import Comms
 from ._copy import Copier, address_view, vm_columns
-from ._dataplane import Pin, PinRequest, peer_index, unpin
+from ._dataplane import Pin, PinRequest, peer_index, raise_index_error, unpin
 from ._dataplane import pin as dataplane_pin
-from ._engine import KEY_BLOCKS, KEY_CACHE_ID, CacheRecord, CacheTable
+from ._engine import FLAG_CACHES_UNPUBLISHED, KEY_BLOCKS, KEY_CACHE_ID, CacheRecord, CacheTable
 from ._errors import PeerGone, StatusError
 from ._runtime import (
     ensure_runtime_dir,
@@ -718,8 +718,9 @@ class Core(ServerHooks):
         return link if link is not None else self.push_link(remote_cluster_id, deadline)
 
     def remote_table(self, remote_cluster_id: int, *, refresh: bool = False) -> RemoteTable:
-        """The peer's table of remote-accessible caches, fetched (page by page) on first use and kept on
-        the link: a new link, to a restarted peer, starts with no table."""
+        """The peer's table of remote-accessible caches, read from its index (or, when the peer could not
+        publish every cache there, fetched page by page) on first use and kept on the link: a new link, to
+        a restarted peer, starts with no table."""
         deadline = time.monotonic() + self.sync_kv_timeout_s
         link = self.link_to(remote_cluster_id, deadline)
         table = None if refresh else link.remote_table
@@ -731,6 +732,10 @@ class Core(ServerHooks):
         versions: set[int] = set()
         generations = ""
         with link.exclusive(deadline):
+            table = self._index_table(link, deadline)
+            if table is not None:
+                link.remote_table = table
+                return table
             for _ in range(_MAX_TABLE_PAGES):
                 seq = link.next_seq()
                 reply = link.request(TableRequest(seq, start_cache_id), seq, deadline)
@@ -755,6 +760,66 @@ class Core(ServerHooks):
             table = RemoteTable(caches, blocks, generations, version)
             link.remote_table = table
         return table
+
+    def _index_table(self, link: ClientLink, deadline: float) -> RemoteTable | None:
+        """The peer's one-sided table as its index holds it, with no message; None when the peer has no
+        index or could not publish every cache in it."""
+        link.check_usable()
+        link.check_peer_alive()
+        index = peer_index(link, self.incarnation, deadline, self.settings.timeout_code)
+        if index is None:
+            return None
+        try:
+            generations = index.generations
+            if not generations:
+                return None
+            # The version word before the entries: a change in between makes the reader refetch once more.
+            words = self._peer_segment(link, generations, 8, writable=False)
+            version = read_generation(words, 0)
+            _order_loads()
+            index.lock(max(deadline - time.monotonic(), 0.0))
+            try:
+                state, flags = index.header()
+                if state != STATE_OPEN:
+                    raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "the peer closed its cache table")
+                if flags & FLAG_CACHES_UNPUBLISHED:
+                    return None
+                entries = index.live_caches()
+                names = index.blocks_names()
+            finally:
+                index.unlock()
+        except ShmError as exc:
+            raise_index_error(link, exc, self.settings.timeout_code)
+        pid = link.peer.pid
+        caches: dict[int, RemoteCache] = {}
+        by_slot: dict[tuple[int, int], int] = {}
+        for entry in entries:
+            if entry.flags & CACHE_WITHDRAWN or not entry.flags & CACHE_REMOTE:
+                continue
+            if entry.registered:
+                bases = entry.addrs
+            else:
+                bases = tuple(entry.offset + t * entry.pitch_nbytes for t in range(entry.num_tensors))
+            caches[entry.cache_id] = RemoteCache(
+                entry.cache_id,
+                entry.is_blocks,
+                pid,
+                entry.segment,
+                entry.segment_nbytes,
+                bases,
+                entry.slot_nbytes,
+                entry.batch_size,
+                generations,
+                entry.slot,
+                entry.generation,
+            )
+            by_slot[(entry.slot, entry.generation)] = entry.cache_id
+        blocks: dict[int, int] = {}
+        for name in names:
+            cache_id = by_slot.get((name.cache_slot, name.generation))
+            if cache_id is not None:
+                blocks[name.model_id] = cache_id
+        return RemoteTable(caches, blocks, generations, version)
 
     def remote_table_current(self, remote_cluster_id: int, table: RemoteTable) -> bool:
         """Whether what `table`'s model ids name is still what the peer's keys name (its version word)."""
@@ -937,10 +1002,11 @@ class Core(ServerHooks):
             )
             if index is not None and pinned is not None:
                 cache = pinned.cache
-                bases = tuple(
-                    cache.offset + t * cache.pitch_nbytes
-                    for t in range(request.tensor_start, request.tensor_start + request.tensor_count)
-                )
+                tensors = range(request.tensor_start, request.tensor_start + request.tensor_count)
+                if cache.registered:  # addresses in the owner's process, reached by cross-memory attach
+                    bases = tuple(cache.addrs[t] for t in tensors)
+                else:
+                    bases = tuple(cache.offset + t * cache.pitch_nbytes for t in tensors)
                 location = Location(
                     0,
                     0,

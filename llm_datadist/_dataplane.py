@@ -61,7 +61,7 @@ def peer_index(
         with link.index.locked(max(deadline - time.monotonic(), 0.0)):
             row_incarnation = link.index.row(link.index_row)[0]
     except ShmError as exc:
-        _raise_index_error(link, exc, timeout_code)
+        raise_index_error(link, exc, timeout_code)
     if row_incarnation != incarnation:
         link.index.close()
         link.index = None
@@ -103,10 +103,10 @@ def pin(
         finally:
             index.unlock()
     except ShmError as exc:
-        _raise_index_error(link, exc, timeout_code)
+        raise_index_error(link, exc, timeout_code)
 
 
-def _raise_index_error(link: ClientLink, exc: ShmError, timeout_code: LLMStatusCode) -> NoReturn:
+def raise_index_error(link: ClientLink, exc: ShmError, timeout_code: LLMStatusCode) -> NoReturn:
     if isinstance(exc, IndexLockTimeout):
         raise StatusError(timeout_code, str(exc)) from exc
     if isinstance(exc, IndexCorrupt):
@@ -188,8 +188,13 @@ def _pin_locked(
             LLMStatusCode.LLM_PARAM_INVALID,
             f"src_cache_offset {src_offset} + size {nbytes} > source slot {cache.slot_nbytes}",
         )
+    if cache.registered and not v2:
+        raise StatusError(
+            LLMStatusCode.LLM_PARAM_INVALID,
+            f"cache {cache.cache_id} is registered memory: only cache-manager mode transfers reach it",
+        )
     taken = 0
-    if consume and consume_name >= 0:
+    if consume and consume_name >= 0 and not cache.registered:  # keys on registered memory stay
         target = index.name_entry(consume_name)
         if (target.cache_slot, target.generation) == (cache.slot, cache.generation):
             bits = ((1 << tensor_count) - 1) << tensor_start

@@ -31,6 +31,8 @@ from llm_datadist._shm.generations import GenerationTable
 from llm_datadist._shm.index import (
     CACHE_BLOCKS,
     CACHE_PENDING,
+    CACHE_REGISTERED,
+    CACHE_REMOTE,
     CACHE_WITHDRAWN,
     KIND_BLOCKS,
     KIND_CACHE,
@@ -66,9 +68,11 @@ MAX_LEASES_PER_OWNER = 1024
 INDEX_LOCK_TIMEOUT_S = 5.0
 # The server thread never waits that long: what it cannot do at once it retries at its next housekeeping.
 SERVER_LOCK_TIMEOUT_S = 0.05
-# Index header flag: some key or cache is not in the index (registered memory, more tensors than a mask
-# holds, a full index): a puller that does not find a name asks the owner instead.
+# Index header flags: some key or cache is not in the index (more tensors than a mask holds, a full index):
+# a puller that does not find a name asks the owner instead; with caches missing, the one-sided table
+# comes from the owner too.
 FLAG_UNPUBLISHED = 1
+FLAG_CACHES_UNPUBLISHED = 2
 
 
 def _align_up(value: int, alignment: int) -> int:
@@ -111,6 +115,7 @@ class CacheRecord:
     published: bool = False
     cache_name: int = -1
     pending: bool = False
+    addr_words: int = -1  # registered: its first word in the index's address region
 
     @property
     def slot_nbytes(self) -> int:
@@ -259,7 +264,8 @@ class CacheTable:
         self._leases_by_owner: dict[int, int] = {}  # id(owner) -> leases held
         # Signalled whenever a lease ends (unregister waits for the leases on memory its caller will reuse).
         self._lease_ended = threading.Condition(self._lock)
-        self.index = Index.create(os.getpid(), incarnation)
+        self.index = Index.create(os.getpid(), incarnation, generations=self._generations.name)
+        self._addr_free: list[tuple[int, int]] = [(0, self.index.addr_words)]  # (first word, count)
         self._free_names = list(range(self.index.names - 1, -1, -1))
         self._key_by_name: dict[int, KeyId] = {}
         self._blocks_names: dict[int, int] = {}  # model_id -> KIND_BLOCKS name
@@ -281,9 +287,9 @@ class CacheTable:
         except IndexLockTimeout as exc:
             raise StatusError(LLMStatusCode.LLM_TIMEOUT, str(exc)) from exc
 
-    def _unpublished(self) -> None:
-        if not self._flags & FLAG_UNPUBLISHED:
-            self._flags |= FLAG_UNPUBLISHED
+    def _unpublished(self, flags: int = FLAG_UNPUBLISHED) -> None:
+        if self._flags & flags != flags:
+            self._flags |= flags
             with self._indexed() as index:
                 index.set_flags(self._flags)
 
@@ -316,28 +322,76 @@ class CacheTable:
         self._free_names.append(name)
 
     def _publish_cache(self, record: CacheRecord) -> None:
-        if record.block is None or record.gen_slot >= self.index.caches:
-            self._unpublished()
+        if record.gen_slot >= self.index.caches:
+            self._unpublished(FLAG_UNPUBLISHED | FLAG_CACHES_UNPUBLISHED)
             return
-        segment = record.block.segment
+        if record.block is None:
+            first_word = self._take_words(record.num_tensors)
+            if first_word < 0:
+                self._unpublished(FLAG_UNPUBLISHED | FLAG_CACHES_UNPUBLISHED)
+                return
+            record.addr_words = first_word
+            where, segment_name, segment_nbytes = first_word, "", 0
+        else:
+            where, segment_name, segment_nbytes = (
+                record.block.offset,
+                record.block.segment.name,
+                record.block.segment.nbytes,
+            )
         with self._indexed() as index:
+            if record.block is None:
+                index.put_addresses(record.addr_words, record.addrs)
             index.put_cache(
                 CacheEntry(
                     record.gen_slot,
                     record.generation,
                     record.cache_id,
-                    CACHE_BLOCKS if record.is_blocks else 0,
+                    _flags_of(record),
                     record.batch_size,
-                    record.block.offset,
+                    where,
                     record.pitch_nbytes,
                     record.tensor_nbytes,
                     record.num_tensors,
-                    segment.name,
-                    segment.nbytes,
+                    segment_name,
+                    segment_nbytes,
                 )
             )
             record.cache_name = self._new_name(KIND_CACHE, record.cache_id, 0, record, 0)
             record.published = True
+
+    def _take_words(self, count: int) -> int:
+        """First fit in the index's address words: the first of `count` free words, or -1."""
+        for i, (first, free) in enumerate(self._addr_free):
+            if free >= count:
+                if free == count:
+                    del self._addr_free[i]
+                else:
+                    self._addr_free[i] = (first + count, free - count)
+                return first
+        return -1
+
+    def _give_words(self, first: int, count: int) -> None:
+        spans = sorted([*self._addr_free, (first, count)])
+        merged: list[tuple[int, int]] = []
+        for start, length in spans:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._addr_free = merged
+
+    def _withdraw(self, record: CacheRecord) -> None:
+        """The cache left the table for good (freed, unregistered): its entry and words go."""
+        if not record.published:
+            return
+        self._drop_name(record.cache_name)
+        record.cache_name = -1
+        with self._indexed() as index:
+            index.clear_cache(record.gen_slot)
+        if record.addr_words >= 0:
+            self._give_words(record.addr_words, record.num_tensors)
+            record.addr_words = -1
+        record.published = False
 
     def _publish_key(self, key_record: KeyRecord, record: CacheRecord) -> None:
         if not record.published or record.num_tensors > MAX_MASK_TENSORS:
@@ -584,25 +638,45 @@ class CacheTable:
             record = self._caches.get(cache_id)
             if record is None or not record.registered:
                 return False
+            self._sync()
             for key in list(record.keys):
                 self._unbind(key)
             self._drop_blocks_keys(cache_id)
-            # Refuse new leases by id while waiting (resolve checks `external`), then wait out the old ones.
+            # Refuse new leases and pins by id while waiting (resolve checks `external`; the index's name
+            # by id goes), then wait out the old ones.
             record.external = False
+            if record.published:
+                self._drop_name(record.cache_name)
+                record.cache_name = -1
+                with self._indexed() as index:
+                    index.set_cache_flags(record.gen_slot, _flags_of(record))
             deadline = time.monotonic() + timeout_s
-            while record.leases > 0:
+            while record.leases > 0 or self._pinned_in_index(record):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     record.external = True
+                    if record.published:
+                        record.cache_name = self._new_name(KIND_CACHE, record.cache_id, 0, record, 0)
+                        with self._indexed() as index:
+                            index.set_cache_flags(record.gen_slot, _flags_of(record))
                     raise StatusError(
                         LLMStatusCode.LLM_TIMEOUT,
                         f"cache {cache_id} is still pinned by a peer's transfer; its keys were removed",
                     )
-                self._lease_ended.wait(remaining)
+                # A lease's end is signalled; a pin's end is not (the puller writes only the index): look
+                # again every few milliseconds.
+                self._lease_ended.wait(min(remaining, 0.005) if record.published else remaining)
             if self._caches.get(cache_id) is record:
+                self._withdraw(record)
                 del self._caches[cache_id]
                 self._generations.retire(record.gen_slot)
             return True
+
+    def _pinned_in_index(self, record: CacheRecord) -> bool:
+        if not record.published:
+            return False
+        with self._indexed() as index:
+            return (record.gen_slot, record.generation) in set(index.pinned(self._rows.values()).values())
 
     @staticmethod
     def _bindings(
@@ -1112,8 +1186,8 @@ class CacheTable:
                         index.set_cache_flags(record.gen_slot, _flags_of(record))
                         self._pending[record.cache_id] = record
                     return
-                index.clear_cache(record.gen_slot)
             self._pending.pop(record.cache_id, None)
+            self._withdraw(record)
         del self._caches[record.cache_id]
         # Retire the generation before the memory can be handed out again: readers check it after copying.
         self._generations.retire(record.gen_slot)
@@ -1127,6 +1201,8 @@ def _flags_of(record: CacheRecord) -> int:
         (CACHE_BLOCKS if record.is_blocks else 0)
         | (CACHE_PENDING if record.pending else 0)
         | (0 if record.external else CACHE_WITHDRAWN)
+        | (CACHE_REGISTERED if record.registered else 0)
+        | (CACHE_REMOTE if record.remote_accessible else 0)
     )
 
 

@@ -61,6 +61,8 @@ NAME_CONSUMED = 2  # a puller pulled the last tensor of the key; the owner recla
 CACHE_BLOCKS = 1
 CACHE_PENDING = 2  # the owner wants to free the cache: a puller that unpins it bumps the epoch
 CACHE_WITHDRAWN = 4  # its user deallocated it: it is still read (keys remain), never written
+CACHE_REGISTERED = 8  # memory the owner registered: tensors at addresses in the address region, no segment
+CACHE_REMOTE = 16  # remote_accessible (v2): listed in the one-sided table
 
 MAX_MASK_TENSORS = 512  # a key's unpulled tensors are a bitmask of this many bits
 _MASK_NBYTES = MAX_MASK_TENSORS // 8
@@ -72,12 +74,15 @@ BUSY_CAPACITY = 64  # clusters an owner pushes into at once (transfer_cache_asyn
 #   offset  size                   what
 #   0       _HEADER.size (60)      magic, layout version, state, pid, incarnation, capacities, epoch, flags
 #   60      4                      busy entries in use
+#   128     64                     the name of the owner's generation segment (shm.generations)
 #   1024    BUSY_CAPACITY * 16     (cluster_id u64, count u64): clusters the owner is pushing into
 #   4096    rows * 128             pin rows, one per accepted connection (see _ROW)
 #   ...     caches * 128           cache entries, indexed by the cache's generation slot (see _CACHE)
 #   ...     names * 128            name entries (see _NAME), stable indices
 #   ...     buckets * 4            open-addressing hash of names: entry index + 1, 0 = empty; linear probing,
 #                                  deletion by backward shift (no tombstones), so entries never move
+#   ...     names * 4 * 8          address words: a registered cache's tensor addresses (in the owner's
+#                                  process), num_tensors consecutive words from its entry's `offset`
 #
 # All integers are little-endian. The header's capacities say where each region starts; a reader checks
 # that they fit the file before it trusts any of them.
@@ -86,6 +91,8 @@ _BUSY_OFFSET = 1024
 _BUSY = struct.Struct("<QQ")
 _BUSY_ALL = struct.Struct(f"<{2 * BUSY_CAPACITY}Q")
 _BUSY_COUNT_OFFSET = 60  # u32 after the header: how many busy entries are in use
+_GENERATIONS_OFFSET = 128  # the owner's generation segment's name (see shm.generations), NUL-padded
+_ADDR_WORDS_PER_NAME = 4  # the address region holds 4 words per name of capacity
 _ROWS_OFFSET = 4096
 _ROW_NBYTES = 128
 # incarnation of the puller (owner writes at assignment), state, cache slot, generation, name index + 1
@@ -133,6 +140,11 @@ class CacheEntry:
     num_tensors: int
     segment: str
     segment_nbytes: int
+    addrs: tuple[int, ...] = ()  # registered memory: tensor addresses in the owner's process
+
+    @property
+    def registered(self) -> bool:
+        return bool(self.flags & CACHE_REGISTERED)
 
     @property
     def is_blocks(self) -> bool:
@@ -169,7 +181,14 @@ def _hash(kind: int, key_id: int, model_id: int) -> int:
 
 
 def _layout_nbytes(rows: int, caches: int, names: int, buckets: int) -> int:
-    return _ROWS_OFFSET + rows * _ROW_NBYTES + caches * _CACHE_NBYTES + names * _NAME_NBYTES + buckets * 4
+    return (
+        _ROWS_OFFSET
+        + rows * _ROW_NBYTES
+        + caches * _CACHE_NBYTES
+        + names * _NAME_NBYTES
+        + buckets * 4
+        + names * _ADDR_WORDS_PER_NAME * 8
+    )
 
 
 class Index:
@@ -189,6 +208,8 @@ class Index:
         self._caches_offset = _ROWS_OFFSET + self.rows * _ROW_NBYTES
         self._names_offset = self._caches_offset + self.caches * _CACHE_NBYTES
         self._buckets_offset = self._names_offset + self.names * _NAME_NBYTES
+        self._addrs_offset = self._buckets_offset + self.buckets * 4
+        self.addr_words = self.names * _ADDR_WORDS_PER_NAME
         self._owned = owned
         self._depth = 0
         self._segment_names: dict[bytes, str] = {}  # raw name field -> decoded (a pull decodes none)
@@ -204,6 +225,7 @@ class Index:
         rows: int = 512,
         caches: int = 16384,
         names: int = 16384,
+        generations: str = "",
     ) -> Index:
         buckets = 2 * names
         nbytes = _layout_nbytes(rows, caches, names, buckets)
@@ -239,6 +261,13 @@ class Index:
             0,
             0,
         )
+        raw = generations.encode()
+        if len(raw) >= _SEGMENT_NAME_NBYTES:
+            mapping.close()
+            os.close(fd)
+            os.unlink(os.path.join(SHM_DIR, name[1:]))
+            raise ShmError(f"generation segment name {generations!r} is too long for the index")
+        mapping[_GENERATIONS_OFFSET : _GENERATIONS_OFFSET + len(raw)] = raw
         return cls(name, fd, mapping, (rows, caches, names, buckets), owned=True)
 
     @classmethod
@@ -464,6 +493,7 @@ class Index:
             if len(self._segment_names) >= 4096:
                 self._segment_names.clear()
             self._segment_names[raw] = segment
+        registered = flags & CACHE_REGISTERED
         if (
             not gen
             or batch <= 0
@@ -471,12 +501,53 @@ class Index:
             or tensor_nbytes <= 0
             or tensor_nbytes % batch
             or pitch < tensor_nbytes
-            or base + pitch * (count - 1) + tensor_nbytes > seg_nbytes
+            or (registered and base + count > self.addr_words)
+            or (not registered and base + pitch * (count - 1) + tensor_nbytes > seg_nbytes)
         ):
             raise IndexCorrupt(f"cache entry {slot} of index {self.name} is not a valid cache")
+        addrs: tuple[int, ...] = ()
+        if registered:
+            addrs = struct.unpack_from(f"<{count}Q", mm, self._addrs_offset + 8 * base)
+            if any(addr + tensor_nbytes > 1 << 64 for addr in addrs):
+                raise IndexCorrupt(f"cache entry {slot} of index {self.name} passes the address space")
         return CacheEntry(
-            slot, gen, cache_id, flags, batch, base, pitch, tensor_nbytes, count, segment, seg_nbytes
+            slot, gen, cache_id, flags, batch, base, pitch, tensor_nbytes, count, segment, seg_nbytes, addrs
         )
+
+    def put_addresses(self, first_word: int, addrs: tuple[int, ...]) -> None:
+        """Owner: a registered cache's tensor addresses, at words [first_word, + len(addrs))."""
+        if not 0 <= first_word <= self.addr_words - len(addrs):
+            raise ShmError(
+                f"address words [{first_word}, +{len(addrs)}) outside the index's {self.addr_words}"
+            )
+        struct.pack_into(f"<{len(addrs)}Q", self._check_locked(), self._addrs_offset + 8 * first_word, *addrs)
+
+    @property
+    def generations(self) -> str:
+        """The owner's generation segment's name ("" if none)."""
+        raw = self._map[_GENERATIONS_OFFSET : _GENERATIONS_OFFSET + _SEGMENT_NAME_NBYTES]
+        return raw.split(b"\0", 1)[0].decode("ascii", "replace")
+
+    def live_caches(self) -> list[CacheEntry]:
+        """Every live cache entry, checked (one numpy pass finds them)."""
+        mm = self._check_locked()
+        words = np.frombuffer(
+            mm, dtype="<u8", count=self.caches * _CACHE_NBYTES // 8, offset=self._caches_offset
+        )
+        slots = np.flatnonzero(words[:: _CACHE_NBYTES // 8]).tolist()
+        del words  # no export of the mapping may outlive this call
+        return [self.cache(slot) for slot in slots]
+
+    def blocks_names(self) -> list[NameEntry]:
+        """Every live KIND_BLOCKS name (one numpy pass finds them)."""
+        mm = self._check_locked()
+        words = np.frombuffer(
+            mm, dtype="<u4", count=self.names * _NAME_NBYTES // 4, offset=self._names_offset
+        )
+        stride = _NAME_NBYTES // 4
+        found = np.flatnonzero((words[::stride] == NAME_LIVE) & (words[1::stride] == KIND_BLOCKS)).tolist()
+        del words
+        return [self.name_entry(index) for index in found]
 
     def _cache_offset(self, slot: int) -> int:
         if not 0 <= slot < self.caches:

@@ -427,8 +427,9 @@ def _index_holder_main(
     pipe: Connection, socket_file: str, remote_cluster_id: int, mode: str, key: tuple[int, int, int]
 ) -> None:
     """A Decoder process that links to a Prompt and then, through the Prompt's published index, either
-    pins `key` (mode "pin": it unpins when told "unpin") or takes the index lock and stops itself (mode
-    "lock", SIGSTOP while holding it). It waits to be killed."""
+    pins `key` (mode "pin", or "pin-v2" under the cache-manager rules: it unpins when told "unpin") or
+    takes the index lock and stops itself (mode "lock", SIGSTOP while holding it). It waits to be
+    killed."""
     import time
     from pathlib import Path
 
@@ -461,6 +462,7 @@ def _index_holder_main(
         cluster_id=77,
         deadline=time.monotonic() + 10,
         timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
+        v2=mode == "pin-v2",
     )
     pipe.send(("ok", "pinned" if pinned is not None else "not published"))
     if pipe.poll(600) and pipe.recv() == "unpin":

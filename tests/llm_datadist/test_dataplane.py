@@ -180,3 +180,31 @@ def test_a_corrupt_index_fails_the_pull_not_the_puller(linked) -> None:  # type:
     with pytest.raises(LLMException) as exc_info:
         dd.kv_cache_manager.pull_cache(CacheKey(P, 2**64 - 1, 0, 3), dst)
     assert _status(exc_info) == LLMStatusCode.LLM_FAILED
+
+
+def test_unregister_waits_for_a_pin_on_registered_memory(seed: int, _runtime_dir: Path) -> None:
+    """Registered memory is in the index too: a v2 puller pins it with no message, and the owner's
+    unregister_cache waits for that pin (LLM_TIMEOUT past sync_kv_timeout, the cache still registered),
+    then goes through once the pin ended."""
+    import json
+
+    extra = {
+        "llm.EnableCacheManager": "1",
+        "llm.EnableRemoteCacheAccessible": "1",
+        "llm.MemPoolConfig": json.dumps({"memory_size": 16 << 20, "page_shift": 16}),
+        "llm.SyncKvCacheWaitTime": "300",
+    }
+    with PromptPeer(P, _port(), seed, extra=extra) as peer:
+        cache_id = peer.call("v2_register_blocks", (2, [8, 64], 5, True))
+        holder, pipe = start_index_holder(_socket_file(_runtime_dir, peer), P, "pin-v2", (4, 0, 5))
+        try:
+            assert peer.call("stats")["pins"] == 1
+            with pytest.raises(RuntimeError, match="LLM_TIMEOUT"):
+                peer.call("v2_unregister", cache_id)
+            pipe.send("unpin")
+            assert pipe.poll(10) and pipe.recv() == ("ok", "unpinned")
+            peer.call("v2_unregister", cache_id)
+            assert peer.call("stats")["caches"] == 0
+        finally:
+            _reap(holder)
+            pipe.close()

@@ -42,6 +42,8 @@ from llm_datadist._protocol.messages import (
     Pong,
     Release,
     ResolveRequest,
+    Table,
+    TableRequest,
 )
 from llm_datadist._shm.pool import Pool
 from llm_datadist._transport import ClientLink, Server, ServerHooks
@@ -316,7 +318,9 @@ def test_a_puller_unmaps_the_segments_its_owner_retired(seed: int) -> None:
 # ---------------------------------------------------------------------------- bounds
 
 
-def test_a_table_of_thousands_of_caches_comes_in_pages(seed: int) -> None:
+def test_a_table_of_thousands_of_caches_comes_in_pages(seed: int, _runtime_dir: Path) -> None:
+    """The one-sided table of 4,201 caches: read from the owner's index by a puller, and asked for over the
+    socket (what a puller does when the index could not hold every cache) in pages that each fit a frame."""
     port = next(_ports)
     with PromptPeer(P, port, seed, extra=_v2_extra(page_shift=12)) as peer, _V2() as dd:
         count = 4200  # more than one Table frame may carry (4096 entries)
@@ -325,8 +329,27 @@ def test_a_table_of_thousands_of_caches_comes_in_pages(seed: int) -> None:
         assert cache_id == count + 1
         local, cache = _blocks(dd, 8, 96)
         assert dd.link_clusters([_cluster(port)], 5000)[0] == LLMStatusCode.LLM_SUCCESS
+        handled = peer.call("handled")
         dd.cache_manager.pull_blocks(BlocksCacheKey(P, 0), cache, [7], [0])
         np.testing.assert_array_equal(local[1][0], peer.expected(cache_id, 1, 8 * 192).reshape(8, 192)[7])
+        assert peer.call("handled") == handled  # no message: the table came from the owner's index
+        link = _raw_link(_runtime_dir, port)
+        try:
+            ids: list[int] = []
+            start = 1
+            pages = 0
+            while True:
+                seq = link.next_seq()
+                page = link.request(TableRequest(seq, start), seq, time.monotonic() + 5)
+                assert isinstance(page, Table) and page.entries
+                ids.extend(entry[0] for entry in page.entries)
+                pages += 1
+                if not page.next_cache_id:
+                    break
+                start = page.next_cache_id
+            assert pages >= 2 and ids == list(range(1, count + 2))
+        finally:
+            link.close(say_bye=True)
 
 
 def test_a_peer_that_never_reads_its_replies_is_dropped(
