@@ -11,8 +11,7 @@ transfer's timeout. A name the index does not hold while the owner flags keys it
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.index import (
@@ -37,8 +36,7 @@ from .status import LLMStatusCode
 _UNPIN_TIMEOUT_S = 5.0
 
 
-@dataclass(frozen=True)
-class Pin:
+class Pin(NamedTuple):
     """A cache pinned through the link's row: where its tensors are in which segment of the owner."""
 
     cache: CacheEntry
@@ -149,14 +147,14 @@ def _pin_locked(
     else:
         name = index.lookup(key_kind, key_id, model_id)
         if name is not None and key_kind == KEY_REQ:
-            consume_name = name.index
+            consume_name = name.number
     if name is None:
         if flags & FLAG_UNPUBLISHED:
             return None
         raise StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, _missing(key_kind, key_id, model_id))
     cache = index.cache(name.cache_slot)
     if cache.generation != name.generation:
-        raise IndexCorrupt(f"name {name.index} names a cache that is not in its slot")
+        raise IndexCorrupt(f"name {name.number} names a cache that is not in its slot")
     batch_slot = name.batch_slot
     if key_kind == KEY_CACHE_ID:
         if batch_index >= cache.batch_size:
@@ -171,7 +169,7 @@ def _pin_locked(
         if alias is not None:
             consume_name = alias.target
     if batch_slot >= cache.batch_size:
-        raise IndexCorrupt(f"name {name.index} names slot {batch_slot} of a batch of {cache.batch_size}")
+        raise IndexCorrupt(f"name {name.number} names slot {batch_slot} of a batch of {cache.batch_size}")
     if whole and tensor_count != cache.num_tensors:
         raise StatusError(
             LLMStatusCode.LLM_PARAM_INVALID,

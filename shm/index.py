@@ -19,7 +19,7 @@ import os
 import struct
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -127,8 +127,9 @@ class IndexLockTimeout(ShmError):
     """The index lock could not be had in time (its holder is stopped, or very slow)."""
 
 
-@dataclass(frozen=True)
-class CacheEntry:
+class CacheEntry(NamedTuple):
+    """A cache entry as read (a tuple: a pull builds one, and a tuple is the cheapest thing to build)."""
+
     slot: int
     generation: int
     cache_id: int
@@ -155,9 +156,10 @@ class CacheEntry:
         return self.tensor_nbytes // self.batch_size
 
 
-@dataclass(frozen=True)
-class NameEntry:
-    index: int
+class NameEntry(NamedTuple):
+    """A name entry as read."""
+
+    number: int  # its index in the name region
     state: int
     kind: int
     key_id: int

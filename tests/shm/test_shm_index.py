@@ -185,7 +185,7 @@ class NameTable(RuleBasedStateMachine):
                     for model_id in range(3):
                         found = self.index.lookup(kind, key_id, model_id)
                         expected = self.model.get((kind, key_id, model_id))
-                        assert (found.index if found else None) == expected
+                        assert (found.number if found else None) == expected
 
     def teardown(self) -> None:
         self.index.close()
