@@ -63,8 +63,15 @@ def peer_index(
     if row_incarnation != incarnation:
         link.index.close()
         link.index = None
-        raise StatusError(LLMStatusCode.LLM_FAILED, "peer's index gave our row to another process")
+        raise _row_taken_back(link)
     return link.index
+
+
+def _row_taken_back(link: ClientLink) -> StatusError:
+    """The owner cleared our row: it ended our connection (it is finalizing, or it dropped us) between
+    our look at the socket and the lock. The link is over, as if its socket had said so first."""
+    link.fail("the peer ended the link (it took back our row of its index)")
+    return StatusError(LLMStatusCode.LLM_LINK_FAILED, f"cluster {link.peer.cluster_id} ended the link")
 
 
 # What a pull asks for, in the owner's terms: key kind, key id, model id, batch index, first tensor, tensor
@@ -136,9 +143,11 @@ def _pin_locked(
         raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "the peer closed its cache table")
     if not v2 and index.busy(cluster_id):
         raise StatusError(LLMStatusCode.LLM_LINK_BUSY, "a layer-wise transfer into this cluster is running")
-    row = index.row_state(link.index_row)
-    if row != (incarnation, 0):
-        raise IndexCorrupt(f"row {link.index_row} is not ours or still pins a cache")
+    row_incarnation, row_state = index.row_state(link.index_row)
+    if row_incarnation != incarnation:
+        raise _row_taken_back(link)
+    if row_state:
+        raise IndexCorrupt(f"row {link.index_row} still pins a cache")
     consume_name = -1
     if key_kind == KEY_BLOCKS:
         name = index.lookup(KIND_BLOCKS, 0, model_id)

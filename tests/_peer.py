@@ -247,6 +247,9 @@ def _prompt_main(
                 result = None
             elif command == "stats":
                 result = datadist._require_core().table.stats()
+            elif command == "drop":
+                # The serving side ends every connection from cluster `args` (clears their index rows).
+                result = datadist._require_core().server.drop_cluster(args)
             elif command == "handled":
                 result = datadist._require_core().server.handled
             elif command == "index_name":

@@ -14,7 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_datadist import CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMException, LLMStatusCode
+from llm_datadist import (
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMException,
+    LLMStatusCode,
+)
 from llm_datadist.ext import tensor_views
 from tests._peer import PROMPT_IP, PromptPeer, decoder, start_index_holder
 
@@ -208,3 +215,35 @@ def test_unregister_waits_for_a_pin_on_registered_memory(seed: int, _runtime_dir
         finally:
             _reap(holder)
             pipe.close()
+
+
+def test_a_row_the_owner_took_back_ends_the_link(linked) -> None:  # type: ignore[no-untyped-def]
+    """The owner ends a connection (finalizing, or dropping it) between the puller's look at the socket
+    and its lock on the index: the row it finds is no longer its own, and the pull reports the link gone
+    (LLM_LINK_FAILED), not a corrupt index. The race is made deterministic by pinning without the look."""
+    from llm_datadist._dataplane import peer_index, pin
+
+    peer, dd = linked
+    peer.alloc(2, [1, 32], [(P, 1)])
+    dst = dd.kv_cache_manager.allocate_cache(_desc(2, [1, 32]))
+    core = dd._require_core()
+    link = core.get_link(P)
+    index = peer_index(link, core.incarnation, time.monotonic() + 5, core.settings.timeout_code)
+    assert index is not None
+    assert peer.call("drop", 2)  # clears our row, closes our connection
+    with pytest.raises(Exception) as exc_info:
+        pin(
+            link,
+            index,
+            (REQ, 1, 0, 0, 0, 2, True, 64, 0, True),
+            incarnation=core.incarnation,
+            cluster_id=2,
+            deadline=time.monotonic() + 5,
+            timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
+        )
+    assert getattr(exc_info.value, "code", None) == LLMStatusCode.LLM_LINK_FAILED
+    assert link.broken is not None
+    with pytest.raises(LLMException) as api_exc:
+        dd.kv_cache_manager.pull_cache(CacheKey(P, 1), dst)
+    assert _status(api_exc) == LLMStatusCode.LLM_LINK_FAILED
+    assert peer.stats()["keys"] == 1  # nothing was consumed
