@@ -378,7 +378,7 @@ class Core(ServerHooks):
                     self._copy_pull(link, spec, dst, cache.segment, cache.segment_nbytes, offsets, marks)
                     ok = True
                 finally:
-                    unpin(link, index, incarnation=self.incarnation, ok=ok)
+                    unpin(link, index, ok=ok)
             else:
 
                 def copy(grant: PullGrant) -> None:
@@ -463,7 +463,6 @@ class Core(ServerHooks):
             link,
             index,
             request,
-            incarnation=self.incarnation,
             cluster_id=self.settings.cluster_id,
             deadline=deadline,
             timeout_code=self.settings.timeout_code,
@@ -479,7 +478,7 @@ class Core(ServerHooks):
             yield
             ok = True
         finally:
-            unpin(link, index, incarnation=self.incarnation, ok=ok)
+            unpin(link, index, ok=ok)
 
     def pull_blocks(self, spec: BlocksSpec, dst: CacheRecord) -> None:
         """Pin the owner's paged cache, copy block src_blocks[k] to dst_blocks[k] of every tensor, unpin."""
@@ -1023,7 +1022,7 @@ class Core(ServerHooks):
                     copy(location)
                     ok = True
                 finally:
-                    unpin(link, index, incarnation=self.incarnation, ok=ok)
+                    unpin(link, index, ok=ok)
                 return
             seq = link.next_seq()
             self._leased(link, replace(request, seq=seq), seq, Location, deadline, copy)

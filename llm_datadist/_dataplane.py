@@ -57,10 +57,11 @@ def peer_index(
         raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
     try:
         with link.index.locked(max(deadline - time.monotonic(), 0.0)):
-            row_incarnation = link.index.row(link.index_row)[0]
+            holder = link.index.row_state(link.index_row)[0]
+            row_incarnation = link.index.row_incarnation(link.index_row)
     except ShmError as exc:
         raise_index_error(link, exc, timeout_code)
-    if row_incarnation != incarnation:
+    if (holder, row_incarnation) != (link.index_ticket, incarnation):
         link.index.close()
         link.index = None
         raise _row_taken_back(link)
@@ -84,7 +85,6 @@ def pin(
     index: Index,
     request: PinRequest,
     *,
-    incarnation: int,
     cluster_id: int,
     deadline: float,
     timeout_code: LLMStatusCode,
@@ -98,9 +98,9 @@ def pin(
     try:
         index.lock(max(deadline - time.monotonic(), 0.0))
         try:
-            pinned = _pin_locked(link, index, incarnation, cluster_id, v2, *request)
+            pinned = _pin_locked(link, index, cluster_id, v2, *request)
             if pinned is not None and for_write and pinned.cache.flags & CACHE_WITHDRAWN:
-                index.clear_row(link.index_row, incarnation)
+                index.clear_row(link.index_row, link.index_ticket)
                 raise StatusError(
                     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {pinned.cache.cache_id} was deallocated"
                 )
@@ -124,7 +124,6 @@ def raise_index_error(link: ClientLink, exc: ShmError, timeout_code: LLMStatusCo
 def _pin_locked(
     link: ClientLink,
     index: Index,
-    incarnation: int,
     cluster_id: int,
     v2: bool,
     key_kind: int,
@@ -143,8 +142,8 @@ def _pin_locked(
         raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "the peer closed its cache table")
     if not v2 and index.busy(cluster_id):
         raise StatusError(LLMStatusCode.LLM_LINK_BUSY, "a layer-wise transfer into this cluster is running")
-    row_incarnation, row_state = index.row_state(link.index_row)
-    if row_incarnation != incarnation:
+    holder, row_state = index.row_state(link.index_row)
+    if holder != link.index_ticket:
         raise _row_taken_back(link)
     if row_state:
         raise IndexCorrupt(f"row {link.index_row} still pins a cache")
@@ -206,7 +205,7 @@ def _pin_locked(
         if (target.cache_slot, target.generation) == (cache.slot, cache.generation):
             bits = ((1 << tensor_count) - 1) << tensor_start
             taken = index.consume(consume_name, bits)
-    index.set_row(link.index_row, incarnation, cache.slot, cache.generation, consume_name, taken)
+    index.set_row(link.index_row, link.index_ticket, cache.slot, cache.generation, consume_name, taken)
     return Pin(cache, batch_slot)
 
 
@@ -219,22 +218,22 @@ def _missing(key_kind: int, key_id: int, model_id: int) -> str:
     return f"cache key ({label}={key_id}, model_id={model_id}) does not exist"
 
 
-def unpin(link: ClientLink, index: Index, *, incarnation: int, ok: bool) -> None:
+def unpin(link: ClientLink, index: Index, *, ok: bool) -> None:
     """End the row's pin; after a failed copy, give back what the pin consumed. A lock that cannot be had
     even now leaves the pin to the owner, who clears it when the link closes: the link is broken."""
     try:
         index.lock(_UNPIN_TIMEOUT_S)
         try:
-            _, state, cache_slot, generation, name, taken = index.row(link.index_row)
-            if not state:
-                return
+            holder, state, cache_slot, generation, name, taken = index.row(link.index_row)
+            if holder != link.index_ticket or not state:
+                return  # the owner took the row back (our connection ended): nothing of ours is there
             if not ok and name >= 0 and taken:
                 index.restore(name, taken, cache_slot, generation)
             elif taken or index.cache_flags(cache_slot) & CACHE_PENDING:
                 # The owner unbinds what this pin consumed, and frees what only the pin kept, at its next
                 # look (its next call, or its server thread within half a second).
                 index.bump_epoch()
-            index.clear_row(link.index_row, incarnation)
+            index.clear_row(link.index_row, link.index_ticket)
         finally:
             index.unlock()
     except ShmError as exc:

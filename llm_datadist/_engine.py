@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -459,21 +460,24 @@ class CacheTable:
 
     # ----------------------------------------------------------------- rows (server thread)
 
-    def assign_row(self, owner: object, incarnation: int) -> int:
-        """A row of the index for a new connection to pin through; -1 if none is free or the lock is busy
-        (the connection then asks for what it pulls)."""
+    def assign_row(self, owner: object, incarnation: int) -> tuple[int, int]:
+        """A row of the index for a new connection of a puller of `incarnation` to pin through, and the
+        ticket that names the connection in it; (-1, 0) if none is free or the lock is busy (the connection
+        then asks for what it pulls). The ticket is drawn per connection: a puller's earlier connection
+        that got the same row never touches it again."""
         with self._lock, self._impatient():
             if not self._free_rows:
-                return -1
+                return -1, 0
             row = self._free_rows[-1]
+            ticket = secrets.randbits(64) or 1
             try:
                 with self._indexed() as index:
-                    index.assign_row(row, incarnation)
+                    index.assign_row(row, ticket, incarnation)
             except StatusError:
-                return -1
+                return -1, 0
             self._free_rows.pop()
             self._rows[id(owner)] = row
-            return row
+            return row, ticket
 
     def release_row(self, owner: object) -> bool:
         """The connection ended: give back what its pin consumed (as `drop_owner` does for leases), clear
@@ -498,7 +502,7 @@ class CacheTable:
                 # The row is the puller's to write: a name it made up gives nothing back.
                 with contextlib.suppress(IndexCorrupt):
                     index.restore(name, mask, cache_slot, generation)
-            index.clear_row(row, 0)
+            index.assign_row(row, 0, 0)
             index.bump_epoch()
         self._free_rows.append(row)
         return bool(state)

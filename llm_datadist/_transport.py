@@ -613,10 +613,17 @@ class Server:
             return
         sconn.peer = PeerInfo(hello.cluster_id, hello.role, hello.pid, hello.incarnation)
         # A row of the published index to pin through; with none free the peer asks us instead.
-        row = self._table.assign_row(sconn, hello.incarnation)
+        row, ticket = self._table.assign_row(sconn, hello.incarnation)
         index = self._table.index.name if row >= 0 else ""
         welcome = Welcome(
-            PROTOCOL_VERSION, self.cluster_id, self.role, os.getpid(), self.incarnation, index, max(row, 0)
+            PROTOCOL_VERSION,
+            self.cluster_id,
+            self.role,
+            os.getpid(),
+            self.incarnation,
+            index,
+            max(row, 0),
+            ticket,
         )
         self._send(sconn, welcome)
         self._hooks.peer_linked(sconn.peer)
@@ -700,6 +707,7 @@ class ClientLink:
         self.remote_table: object | None = None
         self.index_name = ""
         self.index_row = 0
+        self.index_ticket = 0  # names this connection in its row of the peer's index
         self.index: Index | None = None  # mapped on first use (see llm_datadist._dataplane)
         self._poller: select.poll | None = None  # check_peer_alive's, registered once
         self._lock = threading.Lock()
@@ -755,7 +763,11 @@ class ClientLink:
                     LLMStatusCode.LLM_LINK_FAILED, f"peer claims pid {reply.pid}, socket says {pid}"
                 )
             link = cls(sock, conn, PeerInfo(reply.cluster_id, reply.role, pid, reply.incarnation), path)
-            link.index_name, link.index_row = reply.index, reply.index_row
+            link.index_name, link.index_row, link.index_ticket = (
+                reply.index,
+                reply.index_row,
+                reply.index_ticket,
+            )
             seq = link.next_seq()
             sock.sendall(conn.send(Announce(seq, callback)))
             ack = _receive(sock, conn, deadline)

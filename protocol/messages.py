@@ -349,8 +349,9 @@ class Hello(Message):
 class Welcome(Message):
     """Server -> client: handshake accepted; `incarnation` as in Hello, of the serving instance.
 
-    `index` names the server's published index (a shared-memory file, "" if none) and `index_row` the row
-    of it this connection pins through (see `llm_datadist._shm.index`).
+    `index` names the server's published index (a shared-memory file, "" if none), `index_row` the row
+    of it this connection pins through and `index_ticket` the value that names this connection in that row
+    (see `llm_datadist._shm.index`).
     """
 
     TYPE: ClassVar[int] = 2
@@ -361,6 +362,7 @@ class Welcome(Message):
     incarnation: Annotated[int, U64]
     index: Annotated[str, _OPT_SEGMENT] = ""
     index_row: Annotated[int, U32] = 0
+    index_ticket: Annotated[int, U64] = 0
 
 
 @_register

@@ -95,8 +95,10 @@ _GENERATIONS_OFFSET = 128  # the owner's generation segment's name (see shm.gene
 _ADDR_WORDS_PER_NAME = 4  # the address region holds 4 words per name of capacity
 _ROWS_OFFSET = 4096
 _ROW_NBYTES = 128
-# incarnation of the puller (owner writes at assignment), state, cache slot, generation, name index + 1
+# holder (a ticket the owner draws per connection and sends in the handshake: only that connection pins
+# through the row), state, cache slot, generation, name index + 1; the puller's incarnation at +32
 _ROW = struct.Struct("<QIIQI")
+_ROW_INCARNATION_OFFSET = 32
 _ROW_MASK_OFFSET = 64
 _CACHE_NBYTES = 128
 # generation (0 = free), cache_id, flags, batch_size, offset, pitch, tensor_nbytes, num_tensors, seg nbytes
@@ -693,20 +695,27 @@ class Index:
 
     # ------------------------------------------------------------------------------------ rows
 
-    def assign_row(self, row: int, incarnation: int) -> None:
-        """Owner: hand row `row` (idle) to a puller of that incarnation."""
+    def assign_row(self, row: int, holder: int, incarnation: int) -> None:
+        """Owner: hand row `row` (idle) to the connection that got ticket `holder` in its handshake, from a
+        puller of that incarnation (0, 0: the row is nobody's)."""
         mm = self._check_locked()
         offset = self._row_offset(row)
         mm[offset : offset + _ROW_NBYTES] = bytes(_ROW_NBYTES)
-        _ROW.pack_into(mm, offset, incarnation, 0, 0, 0, 0)
+        _ROW.pack_into(mm, offset, holder, 0, 0, 0, 0)
+        struct.pack_into("<Q", mm, offset + _ROW_INCARNATION_OFFSET, incarnation)
 
     def row_state(self, row: int) -> tuple[int, int]:
-        """(incarnation, state) of a row."""
-        incarnation, state, _, _, _ = _ROW.unpack_from(self._check_locked(), self._row_offset(row))
-        return incarnation, state
+        """(holder, state) of a row."""
+        holder, state, _, _, _ = _ROW.unpack_from(self._check_locked(), self._row_offset(row))
+        return holder, state
+
+    def row_incarnation(self, row: int) -> int:
+        """The incarnation of the puller a row was handed to."""
+        offset = self._row_offset(row) + _ROW_INCARNATION_OFFSET
+        return int(struct.unpack_from("<Q", self._check_locked(), offset)[0])
 
     def row(self, row: int) -> tuple[int, int, int, int, int, int]:
-        """(incarnation, state, cache slot, generation, name index or -1, consumed mask)."""
+        """(holder, state, cache slot, generation, name index or -1, consumed mask)."""
         mm = self._check_locked()
         offset = self._row_offset(row)
         incarnation, state, cache_slot, generation, name = _ROW.unpack_from(mm, offset)
@@ -715,20 +724,18 @@ class Index:
         )
         return incarnation, state, cache_slot, generation, name - 1, mask
 
-    def set_row(
-        self, row: int, incarnation: int, cache_slot: int, generation: int, name: int, mask: int
-    ) -> None:
+    def set_row(self, row: int, holder: int, cache_slot: int, generation: int, name: int, mask: int) -> None:
         """A puller pins (cache_slot, generation) through its row, noting what it consumed of `name`."""
         mm = self._check_locked()
         offset = self._row_offset(row)
-        _ROW.pack_into(mm, offset, incarnation, 1, cache_slot, generation, name + 1)
+        _ROW.pack_into(mm, offset, holder, 1, cache_slot, generation, name + 1)
         mm[offset + _ROW_MASK_OFFSET : offset + _ROW_MASK_OFFSET + _MASK_NBYTES] = mask.to_bytes(
             _MASK_NBYTES, "little"
         )
 
-    def clear_row(self, row: int, incarnation: int) -> None:
+    def clear_row(self, row: int, holder: int) -> None:
         """End the row's pin (its other fields mean nothing while its state is 0)."""
-        _ROW.pack_into(self._check_locked(), self._row_offset(row), incarnation, 0, 0, 0, 0)
+        _ROW.pack_into(self._check_locked(), self._row_offset(row), holder, 0, 0, 0, 0)
 
     def pinned(self, rows: Iterable[int]) -> dict[int, tuple[int, int]]:
         """Owner: row -> (cache slot, generation) for each of `rows` that pins a cache."""

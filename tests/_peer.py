@@ -461,7 +461,6 @@ def _index_holder_main(
         link,
         index,
         (kind, key_id, model_id, 0, 0, 2, True, 64, 0, True),
-        incarnation=incarnation,
         cluster_id=77,
         deadline=time.monotonic() + 10,
         timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
@@ -469,7 +468,7 @@ def _index_holder_main(
     )
     pipe.send(("ok", "pinned" if pinned is not None else "not published"))
     if pipe.poll(600) and pipe.recv() == "unpin":
-        unpin(link, index, incarnation=incarnation, ok=True)
+        unpin(link, index, ok=True)
         pipe.send(("ok", "unpinned"))
     time.sleep(600)
 

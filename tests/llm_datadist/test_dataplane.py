@@ -236,7 +236,6 @@ def test_a_row_the_owner_took_back_ends_the_link(linked) -> None:  # type: ignor
             link,
             index,
             (REQ, 1, 0, 0, 0, 2, True, 64, 0, True),
-            incarnation=core.incarnation,
             cluster_id=2,
             deadline=time.monotonic() + 5,
             timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,

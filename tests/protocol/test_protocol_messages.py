@@ -121,7 +121,7 @@ def write_grants(draw: st.DrawFn) -> WriteGrant:
 
 MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     Hello: st.builds(Hello, u32, u64, u64, roles, u32, u64),
-    Welcome: st.builds(Welcome, u32, u64, roles, u32, u64, st.just("") | segment_names, u32),
+    Welcome: st.builds(Welcome, u32, u64, roles, u32, u64, st.just("") | segment_names, u32, u64),
     PullRequest: st.builds(
         PullRequest,
         u32,
@@ -319,6 +319,7 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
         "incarnation": BAD_U64,
         "index": [s for s in BAD_SEGMENT if s != ""],
         "index_row": BAD_U32,
+        "index_ticket": BAD_U64,
     },
     PullRequest: {
         "seq": BAD_U32,

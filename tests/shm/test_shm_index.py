@@ -131,13 +131,14 @@ def test_busy_clusters_are_counted(owner: Index) -> None:
 
 def test_rows_pin_and_clear(owner: Index) -> None:
     with owner.locked(1.0):
-        owner.assign_row(3, 1234)
-        assert owner.row_state(3) == (1234, 0)
+        owner.assign_row(3, 1234, 99)
+        assert owner.row_state(3) == (1234, 0) and owner.row_incarnation(3) == 99
         owner.set_row(3, 1234, 1, 5, 0, 0b11)
         assert owner.pinned(range(8)) == {3: (1, 5)}
         assert owner.row(3) == (1234, 1, 1, 5, 0, 0b11)
         owner.clear_row(3, 1234)
         assert owner.pinned(range(8)) == {}
+        assert owner.row_incarnation(3) == 99  # a pin and its end leave the puller's incarnation
         with pytest.raises(IndexCorrupt):
             owner.row(8)
 
