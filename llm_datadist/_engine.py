@@ -39,6 +39,7 @@ from llm_datadist._shm.index import (
     KIND_CACHE,
     KIND_SLOT,
     MAX_MASK_TENSORS,
+    NAME_CONSUMED,
     NAME_LIVE,
     CacheEntry,
     Index,
@@ -1051,6 +1052,11 @@ class CacheTable:
             return record, batch_index, self._slot_req_key.get((record.cache_id, batch_index))
         key = (key_kind, key_id, model_id)
         key_record = self._keys.get(key)
+        if key_record is not None and key_record.name >= 0:
+            # A puller consumed it in the index and still pins it: gone, though not unbound here yet.
+            with self._indexed() as index:
+                if index.name_entry(key_record.name).state == NAME_CONSUMED:
+                    key_record = None
         if key_record is None:
             raise StatusError(
                 LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache key {_key_text(key)} does not exist"
@@ -1082,7 +1088,8 @@ class CacheTable:
                         before = index.name_entry(key_record.name).mask
                         taken = index.consume(key_record.name, _mask(wanted))
                     consumed = frozenset(_tensors(taken))
-                    emptied = not before & ~taken
+                    # Emptied by this lease; one a puller's pin emptied is unbound when that pin ends.
+                    emptied = bool(taken) and not before & ~taken
                 else:
                     consumed = frozenset(key_record.unpulled & wanted)
                     key_record.unpulled -= consumed

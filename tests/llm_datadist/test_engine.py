@@ -175,3 +175,39 @@ def test_pool_exhaustion_uses_the_modes_code(table: CacheTable) -> None:
         table.allocate(num_tensors=2, tensor_nbytes=1 << 20, batch_size=1, keys=[])
     assert exc_info.value.code == LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
     assert table.stats()["caches"] == 0
+
+
+def test_a_key_a_pin_consumed_is_gone_for_a_request_too(table: CacheTable) -> None:
+    """Pulls by key pin in the index; a request for the same key over the socket (the older path, still
+    served) sees a key a pin emptied as gone, by key and by cache id and slot, and the key is unbound once
+    the pin ends. The pin is made through a second open file description of the index, as a puller's."""
+    import os
+
+    from llm_datadist._shm.index import KIND_REQ, Index
+
+    record = table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 9, 0)])
+    puller = Index.attach(table.index.name, pid=os.getpid(), incarnation=0)
+    try:
+        owner = object()
+        row, ticket = table.assign_row(owner, 5)
+        with puller.locked(1.0):
+            name = puller.lookup(KIND_REQ, 9, 0)
+            assert name is not None
+            assert puller.consume(name.number, 0b1111) == 0b1111
+            puller.set_row(row, ticket, record.gen_slot, record.generation, name.number, 0b1111)
+        for kind, ident in ((KEY_REQ, 9), (KEY_CACHE_ID, record.cache_id)):
+            if kind == KEY_CACHE_ID:
+                grant = _resolve(table, kind, ident, owner="b")  # the slot's key is gone: nothing consumed
+                table.release(grant.lease_id, ok=True, owner="b")
+                continue
+            with pytest.raises(StatusError) as exc_info:
+                _resolve(table, kind, ident, owner="b")
+            assert exc_info.value.code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        assert table.stats()["keys"] == 1  # the pin still refers to it
+        with puller.locked(1.0):
+            puller.clear_row(row, ticket)
+            puller.bump_epoch()
+        assert table.stats()["keys"] == 0 and not table.has_key((KEY_REQ, 9, 0))
+        table.release_row(owner)
+    finally:
+        puller.close()
