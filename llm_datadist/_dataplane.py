@@ -11,7 +11,7 @@ transfer's timeout. A name the index does not hold while the owner flags keys it
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, NoReturn
+from typing import NamedTuple, NoReturn, Protocol
 
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.index import (
@@ -29,7 +29,7 @@ from llm_datadist._shm.index import (
 
 from ._engine import FLAG_UNPUBLISHED, KEY_BLOCKS, KEY_CACHE_ID, KEY_REQ
 from ._errors import StatusError
-from ._transport import ClientLink
+from ._transport import ClientLink, PeerInfo
 from .status import LLMStatusCode
 
 # An unpin after the copy gets at least this long for the lock, whatever the transfer's deadline left.
@@ -68,7 +68,20 @@ def peer_index(
     return link.index
 
 
-def _row_taken_back(link: ClientLink) -> StatusError:
+class RowHolder(Protocol):
+    """What pinning needs of a link: its row of the owner's index, the ticket naming it there, the peer,
+    and a way to break the link (a `ClientLink` is one)."""
+
+    index_row: int
+    index_ticket: int
+    peer: PeerInfo
+
+    def fail(self, reason: str) -> None: ...
+
+    def check_peer_alive(self) -> None: ...
+
+
+def _row_taken_back(link: RowHolder) -> StatusError:
     """The owner cleared our row: it ended our connection (it is finalizing, or it dropped us) between
     our look at the socket and the lock. The link is over, as if its socket had said so first."""
     link.fail("the peer ended the link (it took back our row of its index)")
@@ -81,7 +94,7 @@ PinRequest = tuple[int, int, int, int, int, int, bool, int, int, bool]
 
 
 def pin(
-    link: ClientLink,
+    link: RowHolder,
     index: Index,
     request: PinRequest,
     *,
@@ -111,7 +124,7 @@ def pin(
         raise_index_error(link, exc, timeout_code)
 
 
-def raise_index_error(link: ClientLink, exc: ShmError, timeout_code: LLMStatusCode) -> NoReturn:
+def raise_index_error(link: RowHolder, exc: ShmError, timeout_code: LLMStatusCode) -> NoReturn:
     if isinstance(exc, IndexLockTimeout):
         raise StatusError(timeout_code, str(exc)) from exc
     if isinstance(exc, IndexCorrupt):
@@ -122,7 +135,7 @@ def raise_index_error(link: ClientLink, exc: ShmError, timeout_code: LLMStatusCo
 
 
 def _pin_locked(
-    link: ClientLink,
+    link: RowHolder,
     index: Index,
     cluster_id: int,
     v2: bool,
@@ -205,7 +218,10 @@ def _pin_locked(
         if (target.cache_slot, target.generation) == (cache.slot, cache.generation):
             bits = ((1 << tensor_count) - 1) << tensor_start
             taken = index.consume(consume_name, bits)
-    index.set_row(link.index_row, link.index_ticket, cache.slot, cache.generation, consume_name, taken)
+    # The row names the key only when it took something of it (what a failed pull gives back): a row that
+    # names a key keeps the owner from unbinding it.
+    consumed_name = consume_name if taken else -1
+    index.set_row(link.index_row, link.index_ticket, cache.slot, cache.generation, consumed_name, taken)
     return Pin(cache, batch_slot)
 
 
@@ -218,7 +234,7 @@ def _missing(key_kind: int, key_id: int, model_id: int) -> str:
     return f"cache key ({label}={key_id}, model_id={model_id}) does not exist"
 
 
-def unpin(link: ClientLink, index: Index, *, ok: bool) -> None:
+def unpin(link: RowHolder, index: Index, *, ok: bool) -> None:
     """End the row's pin; after a failed copy, give back what the pin consumed. A lock that cannot be had
     even now leaves the pin to the owner, who clears it when the link closes: the link is broken."""
     try:
@@ -229,7 +245,7 @@ def unpin(link: ClientLink, index: Index, *, ok: bool) -> None:
                 return  # the owner took the row back (our connection ended): nothing of ours is there
             if not ok and name >= 0 and taken:
                 index.restore(name, taken, cache_slot, generation)
-            elif taken or index.cache_flags(cache_slot) & CACHE_PENDING:
+            if taken or index.cache_flags(cache_slot) & CACHE_PENDING:
                 # The owner unbinds what this pin consumed, and frees what only the pin kept, at its next
                 # look (its next call, or its server thread within half a second).
                 index.bump_epoch()

@@ -455,9 +455,10 @@ class CacheTable:
                 self._rows_to_release.pop()
             self._sync()
 
-    def _row_pins(self) -> set[tuple[int, int]]:
+    def _pin_count(self) -> int:
+        """How many rows pin a cache now (two pullers pinning one cache are two pins)."""
         with self._indexed() as index:
-            return set(index.pinned(self._rows.values()).values())
+            return len(index.pinned(self._rows.values()))
 
     # ----------------------------------------------------------------- rows (server thread)
 
@@ -1005,7 +1006,7 @@ class CacheTable:
                 "caches": len(self._caches),
                 "keys": len(self._keys),
                 "leases": len(self._leases),
-                "pins": len(self._row_pins()),
+                "pins": self._pin_count(),
                 "pool_used_nbytes": sum(pool.used_nbytes for pool in self._pools.values()),
             }
 

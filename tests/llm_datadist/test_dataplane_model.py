@@ -1,0 +1,290 @@
+"""A model-based test of the published index's protocol: an owner's cache table and two pullers that pin,
+check, unpin and disconnect through their own open file descriptions of the owner's index, in any order
+hypothesis finds, against a model of what the reference semantics promise.
+
+Everything here is the shipped code (the cache table, the index, `_dataplane.pin` / `unpin`) in one
+process: the pullers' links are stood in for by their rows and tickets, which is all pinning uses of a
+link. What the model checks after every step: a pinned cache's bytes are still the ones it was filled
+with (its memory was neither freed nor reused), a key is consumed once, a failed or abandoned pull gives
+back what it consumed, and the owner's counters (caches, keys, pins, pool bytes) match.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import hypothesis.strategies as st
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from llm_datadist._dataplane import pin, unpin
+from llm_datadist._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheTable
+from llm_datadist._errors import StatusError
+from llm_datadist._shm.index import Index
+from llm_datadist._shm.pool import Pool
+from llm_datadist._transport import PeerInfo
+from llm_datadist.status import LLMStatusCode
+
+NUM_TENSORS = 2
+BATCH = 2
+TENSOR_NBYTES = 2 * 96  # two slots of 96 bytes
+SLOT_NBYTES = TENSOR_NBYTES // BATCH
+KEYS = [(KEY_REQ, 1), (KEY_REQ, 2), (KEY_PREFIX, 3)]
+
+
+@dataclass
+class _Row:
+    """A puller's link as pinning sees it (see `_dataplane.RowHolder`)."""
+
+    index_row: int
+    index_ticket: int
+    peer: PeerInfo = field(default_factory=lambda: PeerInfo(9, 2, os.getpid(), 1))
+    broken: str | None = None
+
+    def fail(self, reason: str) -> None:
+        self.broken = reason
+
+    def check_peer_alive(self) -> None:
+        return None
+
+
+@dataclass
+class _Puller:
+    conn: object
+    link: _Row
+    index: Index
+    pinned: tuple[int, int, tuple[int, ...]] | None = None  # cache id, slot, tensors it pinned
+    consumed: tuple[tuple[int, int], frozenset[int]] | None = None  # the key and what the pin took
+
+
+@dataclass
+class _MCache:
+    cache_id: int
+    fill: int
+    external: bool = True
+    keys: set[tuple[int, int]] = field(default_factory=set)
+
+
+class IndexMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = CacheTable(
+            {1: Pool(capacity_nbytes=1 << 20)}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
+        )
+        self.pullers: list[_Puller] = []
+        for i in range(2):
+            self.pullers.append(self._connect(i))
+        self.caches: dict[int, _MCache] = {}
+        self.keys: dict[tuple[int, int], tuple[int, int, set[int]]] = {}  # key -> cache, slot, unpulled
+        self.fills = 0
+
+    def _connect(self, i: int) -> _Puller:
+        conn = object()
+        row, ticket = self.table.assign_row(conn, 100 + i)
+        assert row >= 0
+        index = Index.attach(self.table.index.name, pid=os.getpid(), incarnation=0)
+        return _Puller(conn, _Row(row, ticket), index)
+
+    # ------------------------------------------------------------------ owner
+
+    @rule(slot_keys=st.lists(st.sampled_from([None, *KEYS]), min_size=0, max_size=BATCH))
+    def alloc(self, slot_keys: list[tuple[int, int] | None]) -> None:
+        wire = [None if k is None else (k[0], k[1], 0) for k in slot_keys]
+        bound = [k for k in slot_keys if k is not None and k in self.keys]
+        duplicate = len([k for k in slot_keys if k is not None]) != len(
+            {k for k in slot_keys if k is not None}
+        )
+        try:
+            record = self.table.allocate(
+                num_tensors=NUM_TENSORS, tensor_nbytes=TENSOR_NBYTES, batch_size=BATCH, keys=wire
+            )
+        except StatusError as exc:
+            assert bound, f"allocate refused: {exc}"
+            assert exc.code == LLMStatusCode.LLM_PARAM_INVALID
+            return
+        assert not bound, f"allocate bound {bound} twice"
+        self.fills += 1
+        fill = self.fills
+        block = record.pool_block
+        block.segment.array[block.offset : block.offset + record.pitch_nbytes * NUM_TENSORS] = fill % 251
+        cache = _MCache(record.cache_id, fill % 251)
+        self.caches[record.cache_id] = cache
+        for slot, key in enumerate(slot_keys):
+            if key is None:
+                continue
+            if duplicate:  # v1: the last slot wins
+                slot = max(i for i, k in enumerate(slot_keys) if k == key)
+            self.keys[key] = (record.cache_id, slot, set(range(NUM_TENSORS)))
+            cache.keys.add(key)
+
+    @precondition(lambda self: self.caches)
+    @rule(pick=st.integers(0, 2**16))
+    def dealloc(self, pick: int) -> None:
+        cache = self.caches[sorted(self.caches)[pick % len(self.caches)]]
+        self.table.deallocate(cache.cache_id)
+        cache.external = False
+        self._maybe_gone(cache)
+
+    @precondition(lambda self: self.keys)
+    @rule(pick=st.integers(0, 2**16))
+    def remove_key(self, pick: int) -> None:
+        key = sorted(self.keys)[pick % len(self.keys)]
+        self.table.remove_key((key[0], key[1], 0))
+        self._unbind(key)
+
+    # ------------------------------------------------------------------ pullers
+
+    @rule(
+        p=st.integers(0, 1),
+        pick=st.integers(0, 2**16),
+        by_id=st.booleans(),
+        layer=st.sampled_from([None, 0, 1]),
+        consume=st.booleans(),
+    )
+    def pull_pin(self, p: int, pick: int, by_id: bool, layer: int | None, consume: bool) -> None:
+        puller = self.pullers[p]
+        if puller.pinned is not None:
+            return
+        tensors = tuple(range(NUM_TENSORS)) if layer is None else (layer,)
+        if by_id:
+            cache_ids = [*sorted(self.caches), 99]
+            cache_id = cache_ids[pick % len(cache_ids)]
+            slot = pick % BATCH
+            request = (
+                KEY_CACHE_ID,
+                cache_id,
+                0,
+                slot,
+                tensors[0],
+                len(tensors),
+                layer is None,
+                1,
+                0,
+                consume,
+            )
+            key = next(
+                (k for k, (c, s, _) in self.keys.items() if c == cache_id and s == slot and k[0] == KEY_REQ),
+                None,
+            )
+            # By id, a cache is found while its user holds it or a key names it (not once only a pin does).
+            live = cache_id in self.caches and (
+                self.caches[cache_id].external or bool(self.caches[cache_id].keys)
+            )
+        else:
+            key = [*KEYS, (KEY_REQ, 77)][pick % (len(KEYS) + 1)]
+            request = (key[0], key[1], 0, 0, tensors[0], len(tensors), layer is None, 1, 0, consume)
+            live = key in self.keys and not (key[0] == KEY_REQ and not self.keys[key][2])
+            if live:
+                cache_id, slot, _ = self.keys[key]
+        try:
+            pinned = pin(
+                puller.link,
+                puller.index,
+                request,
+                cluster_id=9,
+                deadline=1e18,
+                timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
+            )
+        except StatusError as exc:
+            assert not live, f"pin of a live {'cache' if by_id else 'key'} refused: {exc}"
+            assert exc.code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, exc
+            return
+        assert live, "pinned what is gone"
+        assert pinned is not None
+        assert pinned.cache.cache_id == cache_id and pinned.batch_slot == slot
+        puller.pinned = (cache_id, slot, tensors)
+        if consume and key is not None and key[0] == KEY_REQ and key in self.keys:
+            bound_cache, bound_slot, unpulled = self.keys[key]
+            if (bound_cache, bound_slot) == (cache_id, slot):
+                taken = frozenset(unpulled & set(tensors))
+                unpulled -= taken
+                puller.consumed = (key, taken)
+
+    @precondition(lambda self: any(p.pinned for p in self.pullers))
+    @rule(p=st.integers(0, 1))
+    def pinned_bytes_are_intact(self, p: int) -> None:
+        puller = self.pullers[p]
+        if puller.pinned is None:
+            return
+        cache_id, slot, tensors = puller.pinned
+        record = self.table.get(cache_id)
+        assert record is not None, f"cache {cache_id} left the table under a pin"
+        block = record.pool_block
+        for t in tensors:
+            start = record.tensor_offset(t) + slot * SLOT_NBYTES
+            got = block.segment.array[start : start + SLOT_NBYTES]
+            assert np.all(got == self.caches[cache_id].fill), f"cache {cache_id} was reused under a pin"
+
+    @rule(p=st.integers(0, 1), ok=st.booleans())
+    def pull_unpin(self, p: int, ok: bool) -> None:
+        puller = self.pullers[p]
+        if puller.pinned is None:
+            return
+        unpin(puller.link, puller.index, ok=ok)
+        self._ended(puller, ok)
+
+    @rule(p=st.integers(0, 1))
+    def puller_disconnects(self, p: int) -> None:
+        """The connection ends (the puller died or unlinked): the owner clears its row, consuming nothing."""
+        puller = self.pullers[p]
+        self.table.release_row(puller.conn)
+        puller.index.close()
+        self._ended(puller, False)
+        self.pullers[p] = self._connect(p)
+
+    def _ended(self, puller: _Puller, ok: bool) -> None:
+        if puller.consumed is not None:
+            key, taken = puller.consumed
+            if not ok and key in self.keys:
+                self.keys[key][2].update(taken)
+            elif ok and key in self.keys and not self.keys[key][2]:
+                self._unbind(key)
+        cache_id = puller.pinned[0] if puller.pinned else None
+        puller.pinned = None
+        puller.consumed = None
+        if cache_id in self.caches:
+            self._maybe_gone(self.caches[cache_id])
+
+    # ------------------------------------------------------------------ the model's bookkeeping
+
+    def _unbind(self, key: tuple[int, int]) -> None:
+        binding = self.keys.pop(key, None)
+        if binding is None:
+            return
+        cache = self.caches[binding[0]]
+        cache.keys.discard(key)
+        self._maybe_gone(cache)
+
+    def _pinned(self, cache_id: int) -> bool:
+        return any(p.pinned is not None and p.pinned[0] == cache_id for p in self.pullers)
+
+    def _consumed_and_pinned(self, key: tuple[int, int]) -> bool:
+        return any(p.consumed is not None and p.consumed[0] == key for p in self.pullers)
+
+    def _maybe_gone(self, cache: _MCache) -> None:
+        if not cache.external and not cache.keys and not self._pinned(cache.cache_id):
+            del self.caches[cache.cache_id]
+
+    @invariant()
+    def owner_counters_match_the_model(self) -> None:
+        stats = self.table.stats()
+        pins = sum(p.pinned is not None for p in self.pullers)
+        # A key a pin emptied stays bound at the owner until that pin ends.
+        keys = len(self.keys)
+        assert stats["keys"] == keys, (stats, self.keys)
+        assert stats["caches"] == len(self.caches), (stats, sorted(self.caches))
+        assert stats["pins"] == pins and stats["leases"] == 0
+        assert (stats["pool_used_nbytes"] == 0) == (not self.caches)
+
+    def teardown(self) -> None:
+        for puller in self.pullers:
+            puller.index.close()
+        self.table.close()
+
+
+IndexMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_index_protocol = IndexMachine.TestCase
