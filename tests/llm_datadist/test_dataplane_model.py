@@ -77,6 +77,7 @@ class IndexMachine(RuleBasedStateMachine):
         for i in range(2):
             self.pullers.append(self._connect(i))
         self.caches: dict[int, _MCache] = {}
+        self.pushing = 0  # transfer_cache_async jobs into the pullers' cluster (9) running
         self.keys: dict[tuple[int, int], tuple[int, int, set[int]]] = {}  # key -> cache, slot, unpulled
         self.fills = 0
 
@@ -134,6 +135,52 @@ class IndexMachine(RuleBasedStateMachine):
         self.table.remove_key((key[0], key[1], 0))
         self._unbind(key)
 
+    @rule()
+    def push_starts(self) -> None:
+        """transfer_cache_async into the pullers' cluster: refused while one of them pins (a pull is in
+        flight); once started, their pulls get LLM_LINK_BUSY until it ends."""
+        busy = self.table.start_push({9}, lambda cluster_id: [p.conn for p in self.pullers])
+        if any(p.pinned is not None for p in self.pullers):
+            assert busy == 9
+        else:
+            assert busy is None
+            self.pushing += 1
+
+    @precondition(lambda self: self.pushing)
+    @rule()
+    def push_ends(self) -> None:
+        self.table.end_push({9})
+        self.pushing -= 1
+
+    @rule(p=st.integers(0, 1), pick=st.integers(0, 2**16))
+    def write_pin(self, p: int, pick: int) -> None:
+        """A v2 push into a cache by id pins it for writing: only a cache its user still holds."""
+        puller = self.pullers[p]
+        if puller.pinned is not None:
+            return
+        cache_ids = [*sorted(self.caches), 99]
+        cache_id = cache_ids[pick % len(cache_ids)]
+        cache = self.caches.get(cache_id)
+        request = (KEY_CACHE_ID, cache_id, 0, 0, 0, NUM_TENSORS, True, 0, 0, False)
+        try:
+            pinned = pin(
+                puller.link,
+                puller.index,
+                request,
+                cluster_id=9,
+                deadline=1e18,
+                timeout_code=LLMStatusCode.LLM_TIMEOUT,
+                v2=True,
+                for_write=True,
+            )
+        except StatusError as exc:
+            assert cache is None or not cache.external, f"write pin of a held cache refused: {exc}"
+            assert exc.code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, exc
+            return
+        assert cache is not None and cache.external, "pinned for writing what its user let go"
+        assert pinned is not None and pinned.cache.cache_id == cache_id
+        puller.pinned = (cache_id, 0, tuple(range(NUM_TENSORS)))
+
     # ------------------------------------------------------------------ pullers
 
     @rule(
@@ -188,9 +235,13 @@ class IndexMachine(RuleBasedStateMachine):
                 timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
             )
         except StatusError as exc:
+            if self.pushing:
+                assert exc.code == LLMStatusCode.LLM_LINK_BUSY, exc
+                return
             assert not live, f"pin of a live {'cache' if by_id else 'key'} refused: {exc}"
             assert exc.code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, exc
             return
+        assert not self.pushing, "a pull pinned during a push into its cluster"
         assert live, "pinned what is gone"
         assert pinned is not None
         assert pinned.cache.cache_id == cache_id and pinned.batch_slot == slot
@@ -279,6 +330,8 @@ class IndexMachine(RuleBasedStateMachine):
         assert (stats["pool_used_nbytes"] == 0) == (not self.caches)
 
     def teardown(self) -> None:
+        for _ in range(self.pushing):
+            self.table.end_push({9})
         for puller in self.pullers:
             puller.index.close()
         self.table.close()
