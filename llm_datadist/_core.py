@@ -3,11 +3,12 @@
 Rules: `Core` owns every resource of an initialised instance and releases all of them in `close` (links
 said goodbye to, server stopped and its socket unlinked, segments unlinked). The public classes validate
 arguments and translate errors; `Core` does the work. A pull holds its link exclusively, pins its local
-destination, and copies straight from the peer's mapped segment into it: one copy, no staging.
-Everything learnt from a peer (its one-sided table, its mapped segments, checked segment names) belongs to
-the link, so to that peer's incarnation: a peer restarted at the same address is a new link with nothing
-reused. Writes into a peer's memory always pin it there first (a lease), so the owner cannot free or
-reuse that memory under the write.
+destination, pins the source in the owner's published index (`_dataplane`; or, for what the owner could
+not publish there, asks it for a lease), and copies straight from the peer's mapped segment into it: one
+copy, no staging, no message. Everything learnt from a peer (its index, its one-sided table, its mapped
+segments, checked segment names) belongs to the link, so to that peer's incarnation: a peer restarted at
+the same address is a new link with nothing reused. Writes into a peer's memory always pin it there first,
+so the owner cannot free or reuse that memory under the write.
 """
 
 from __future__ import annotations
@@ -943,8 +944,9 @@ class Core(ServerHooks):
         tensor_count: int,
         runs: list[UnitRun],
     ) -> None:
-        """Write `runs` of our tensors into a peer's cache found in its table, with the cache pinned by the
-        peer for the duration (one round trip): memory its owner frees or unregisters is never written."""
+        """Write `runs` of our tensors into a peer's cache found in its table, with the cache pinned for the
+        duration (in the peer's index, or by asking the peer): memory its owner frees or unregisters is
+        never written."""
         request = ResolveRequest(
             0, KEY_CACHE_ID, remote.cache_id, 0, 0, remote_tensor_start, tensor_count, False, True, False
         )

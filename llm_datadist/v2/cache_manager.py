@@ -3,8 +3,9 @@
 Rules: no role checks (the role is only a label in v2). Memory comes from the configured pools
 (`mem_pool_cfg` for DEVICE, `host_mem_pool_cfg` for HOST) or is the user's own, registered by address;
 registered memory is reached by peers through cross-memory attach, checked when it is registered. With
-`enable_remote_cache_accessible` transfers are one-sided: the peer's table of caches is fetched once per
-link and then read or written with no round trip to the peer. Transfer timeouts raise `LLM_TIMEOUT`.
+`enable_remote_cache_accessible` transfers are one-sided: the peer's table of caches is read from its index
+once per link, then read with no message to the peer (writes pin the destination in its index first).
+Transfer timeouts raise `LLM_TIMEOUT`.
 """
 
 from __future__ import annotations
