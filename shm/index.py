@@ -18,6 +18,7 @@ import mmap
 import os
 import struct
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
@@ -184,6 +185,14 @@ def _hash(kind: int, key_id: int, model_id: int) -> int:
     return h
 
 
+def _unlink_if_creator(name: str, creator_pid: int) -> None:
+    # A weakref finalizer (GC or interpreter exit) of an owner that never closed; a forked child that exits
+    # normally must not unlink its parent's index.
+    if os.getpid() == creator_pid:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name[1:]))
+
+
 def _layout_nbytes(rows: int, caches: int, names: int, buckets: int) -> int:
     return (
         _ROWS_OFFSET
@@ -217,6 +226,8 @@ class Index:
         self._owned = owned
         self._depth = 0
         self._segment_names: dict[bytes, str] = {}  # raw name field -> decoded (a pull decodes none)
+        # An owner that never closes (its process exits without finalizing) still unlinks the file.
+        self._finalizer = weakref.finalize(self, _unlink_if_creator, name, os.getpid()) if owned else None
 
     # ------------------------------------------------------------------------------------ lifetime
 
@@ -317,6 +328,8 @@ class Index:
             return
         if self._owned:
             struct.pack_into("<I", self._mm, 12, STATE_CLOSED)
+            if self._finalizer is not None:
+                self._finalizer.detach()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, self.name[1:]))
         # A view still alive somewhere keeps the mapping until its last reference goes.

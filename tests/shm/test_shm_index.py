@@ -194,3 +194,15 @@ class NameTable(RuleBasedStateMachine):
 
 NameTable.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 test_name_table = NameTable.TestCase
+
+
+def test_an_owner_that_never_closes_still_unlinks_its_index_at_exit() -> None:
+    import subprocess
+    import sys
+
+    code = "import os; from llm_datadist._shm.index import Index; print(Index.create(os.getpid(), 1).name)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    name = done.stdout.strip()
+    assert name.startswith("/llmdd.") and not os.path.exists(f"/dev/shm/{name[1:]}")
