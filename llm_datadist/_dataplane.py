@@ -53,8 +53,8 @@ def peer_index(
         return None
     try:
         link.index = Index.attach(link.index_name, pid=link.peer.pid, incarnation=link.peer.incarnation)
-    except IndexCorrupt as exc:
-        raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
+    except ShmError as exc:  # not that owner's, or gone (the owner ended: the socket says which)
+        raise_index_error(link, exc, timeout_code)
     try:
         with link.index.locked(max(deadline - time.monotonic(), 0.0)):
             holder = link.index.row_state(link.index_row)[0]
