@@ -654,7 +654,7 @@ class Index:
         mm = self._map
         size = self.buckets
         probe = hole
-        while True:
+        for _ in range(size):  # a full table (which only a peer scribbling on it can make) ends it too
             probe = (probe + 1) % size
             (stored,) = struct.unpack_from("<I", mm, self._buckets_offset + 4 * probe)
             if not stored:
