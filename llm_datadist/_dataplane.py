@@ -27,7 +27,18 @@ from llm_datadist._shm.index import (
     IndexLockTimeout,
 )
 
-from ._engine import FLAG_UNPUBLISHED, KEY_BLOCKS, KEY_CACHE_ID, KEY_REQ
+from ._engine import (
+    FLAG_UNPUBLISHED,
+    KEY_BLOCKS,
+    KEY_CACHE_ID,
+    KEY_REQ,
+    blocks_by_id,
+    check_batch_index,
+    check_source_bytes,
+    check_tensors,
+    not_found,
+    registered_for_v1,
+)
 from ._errors import StatusError
 from ._transport import ClientLink, PeerInfo
 from .status import LLMStatusCode
@@ -172,46 +183,26 @@ def _pin_locked(
     if name is None:
         if flags & FLAG_UNPUBLISHED:
             return None
-        raise StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, _missing(key_kind, key_id, model_id))
+        raise not_found(key_kind, key_id, model_id)
     cache = index.cache(name.cache_slot)
     if cache.generation != name.generation:
         raise IndexCorrupt(f"name {name.number} names a cache that is not in its slot")
     batch_slot = name.batch_slot
     if key_kind == KEY_CACHE_ID:
-        if batch_index >= cache.batch_size:
-            raise StatusError(
-                LLMStatusCode.LLM_PARAM_INVALID,
-                f"batch index {batch_index} out of range for batch size {cache.batch_size}",
-            )
+        check_batch_index(cache.batch_size, batch_index)
         if cache.is_blocks and not v2:
-            raise StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key_id} is a blocks cache")
+            raise blocks_by_id(key_id)
         batch_slot = batch_index
         alias = index.lookup(KIND_SLOT, key_id, batch_index)
         if alias is not None:
             consume_name = alias.target
     if batch_slot >= cache.batch_size:
         raise IndexCorrupt(f"name {name.number} names slot {batch_slot} of a batch of {cache.batch_size}")
-    if whole and tensor_count != cache.num_tensors:
-        raise StatusError(
-            LLMStatusCode.LLM_PARAM_INVALID,
-            f"source cache has {cache.num_tensors} tensors, destination selects {tensor_count}",
-        )
-    if tensor_start + tensor_count > cache.num_tensors:
-        raise StatusError(
-            LLMStatusCode.LLM_PARAM_INVALID,
-            f"source tensors [{tensor_start}, {tensor_start + tensor_count}) exceed "
-            f"the cache's {cache.num_tensors}",
-        )
-    if key_kind != KEY_BLOCKS and src_offset + nbytes > cache.slot_nbytes:
-        raise StatusError(
-            LLMStatusCode.LLM_PARAM_INVALID,
-            f"src_cache_offset {src_offset} + size {nbytes} > source slot {cache.slot_nbytes}",
-        )
+    check_tensors(cache.num_tensors, tensor_start, tensor_count, whole)
+    if key_kind != KEY_BLOCKS:
+        check_source_bytes(cache.slot_nbytes, src_offset, nbytes)
     if cache.registered and not v2:
-        raise StatusError(
-            LLMStatusCode.LLM_PARAM_INVALID,
-            f"cache {cache.cache_id} is registered memory: only cache-manager mode transfers reach it",
-        )
+        raise registered_for_v1(cache.cache_id)
     taken = 0
     if consume and consume_name >= 0 and not cache.registered:  # keys on registered memory stay
         target = index.name_entry(consume_name)
@@ -223,15 +214,6 @@ def _pin_locked(
     consumed_name = consume_name if taken else -1
     index.set_row(link.index_row, link.index_ticket, cache.slot, cache.generation, consumed_name, taken)
     return Pin(cache, batch_slot)
-
-
-def _missing(key_kind: int, key_id: int, model_id: int) -> str:
-    if key_kind == KEY_BLOCKS:
-        return f"no blocks cache with model_id {model_id}"
-    if key_kind == KEY_CACHE_ID:
-        return f"cache id {key_id} does not exist"
-    label = "req_id" if key_kind == KEY_REQ else "prefix_id"
-    return f"cache key ({label}={key_id}, model_id={model_id}) does not exist"
 
 
 def unpin(link: RowHolder, index: Index, *, ok: bool) -> None:

@@ -830,15 +830,9 @@ class CacheTable:
             record, slot, consume_key = self._find(key_kind, key_id, model_id, batch_index)
             if key_kind == KEY_CACHE_ID and record.is_blocks:
                 # v1 pulls a continuous slot by cache id; a paged cache is pulled by its blocks key.
-                raise StatusError(
-                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key_id} is a blocks cache"
-                )
-            self._check_tensors(record, tensor_start, tensor_count, whole)
-            if src_offset + nbytes > record.slot_nbytes:
-                raise StatusError(
-                    LLMStatusCode.LLM_PARAM_INVALID,
-                    f"src_cache_offset {src_offset} + size {nbytes} > source slot {record.slot_nbytes}",
-                )
+                raise blocks_by_id(key_id)
+            check_tensors(record.num_tensors, tensor_start, tensor_count, whole)
+            check_source_bytes(record.slot_nbytes, src_offset, nbytes)
             # Everything that can refuse comes before the lease: a refused request pins nothing.
             segment = _segment_of(record)
             base = slot * record.slot_nbytes + src_offset
@@ -863,7 +857,7 @@ class CacheTable:
         with self._lock:
             self._sync()
             record, _, _ = self._find(KEY_BLOCKS, 0, model_id, 0)
-            self._check_tensors(record, tensor_start, tensor_count, whole)
+            check_tensors(record.num_tensors, tensor_start, tensor_count, whole)
             segment = _segment_of(record)  # before the lease: a refused request pins nothing
             offsets = tuple(record.tensor_offset(t) for t in range(tensor_start, tensor_start + tensor_count))
             lease = self._lease((record,), None, tensor_start, tensor_count, owner)
@@ -936,7 +930,7 @@ class CacheTable:
                 raise StatusError(
                     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {record.cache_id} was deallocated"
                 )
-            self._check_tensors(record, tensor_start, tensor_count, whole)
+            check_tensors(record.num_tensors, tensor_start, tensor_count, whole)
             if record.registered:
                 consume_key = None
             lease = self._lease(
@@ -1037,19 +1031,13 @@ class CacheTable:
             cache_id = self._blocks_keys.get(model_id)
             record = self._caches.get(cache_id) if cache_id is not None else None
             if record is None:
-                raise StatusError(
-                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no blocks cache with model_id {model_id}"
-                )
+                raise not_found(KEY_BLOCKS, 0, model_id)
             return record, 0, None
         if key_kind == KEY_CACHE_ID:
             record = self._caches.get(key_id)
             if record is None or record.pending or (record.registered and not record.external):
-                raise StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key_id} does not exist")
-            if batch_index >= record.batch_size:
-                raise StatusError(
-                    LLMStatusCode.LLM_PARAM_INVALID,
-                    f"batch index {batch_index} out of range for batch size {record.batch_size}",
-                )
+                raise not_found(KEY_CACHE_ID, key_id, 0)
+            check_batch_index(record.batch_size, batch_index)
             return record, batch_index, self._slot_req_key.get((record.cache_id, batch_index))
         key = (key_kind, key_id, model_id)
         key_record = self._keys.get(key)
@@ -1059,9 +1047,7 @@ class CacheTable:
                 if index.name_entry(key_record.name).state == NAME_CONSUMED:
                     key_record = None
         if key_record is None:
-            raise StatusError(
-                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache key {_key_text(key)} does not exist"
-            )
+            raise not_found(key_kind, key_id, model_id)
         return self._caches[key_record.cache_id], key_record.slot, key if key_kind == KEY_REQ else None
 
     def _lease(
@@ -1159,20 +1145,6 @@ class CacheTable:
             self._maybe_free(record)
         self._lease_ended.notify_all()
 
-    @staticmethod
-    def _check_tensors(record: CacheRecord, tensor_start: int, tensor_count: int, whole: bool) -> None:
-        if whole and tensor_count != record.num_tensors:
-            raise StatusError(
-                LLMStatusCode.LLM_PARAM_INVALID,
-                f"source cache has {record.num_tensors} tensors, destination selects {tensor_count}",
-            )
-        if tensor_start + tensor_count > record.num_tensors:
-            raise StatusError(
-                LLMStatusCode.LLM_PARAM_INVALID,
-                f"source tensors [{tensor_start}, {tensor_start + tensor_count}) exceed "
-                f"the cache's {record.num_tensors}",
-            )
-
     def _unbind(self, key: KeyId) -> None:
         key_record = self._keys.pop(key, None)
         if key_record is None:
@@ -1237,11 +1209,62 @@ def _key_text(key: KeyId) -> str:
 
 def _segment_of(record: CacheRecord) -> Segment:
     if record.block is None:
+        raise registered_for_v1(record.cache_id)
+    return record.block.segment
+
+
+# The checks a pull's source gets, shared by the owner (a request over the socket) and the puller (a pin in
+# the owner's index, `_dataplane`): the same refusals with the same codes and words, whoever makes them.
+
+
+def check_tensors(num_tensors: int, tensor_start: int, tensor_count: int, whole: bool) -> None:
+    if whole and tensor_count != num_tensors:
         raise StatusError(
             LLMStatusCode.LLM_PARAM_INVALID,
-            f"cache {record.cache_id} is registered memory: only cache-manager mode transfers reach it",
+            f"source cache has {num_tensors} tensors, destination selects {tensor_count}",
         )
-    return record.block.segment
+    if tensor_start + tensor_count > num_tensors:
+        raise StatusError(
+            LLMStatusCode.LLM_PARAM_INVALID,
+            f"source tensors [{tensor_start}, {tensor_start + tensor_count}) exceed "
+            f"the cache's {num_tensors}",
+        )
+
+
+def check_source_bytes(slot_nbytes: int, src_offset: int, nbytes: int) -> None:
+    if src_offset + nbytes > slot_nbytes:
+        raise StatusError(
+            LLMStatusCode.LLM_PARAM_INVALID,
+            f"src_cache_offset {src_offset} + size {nbytes} > source slot {slot_nbytes}",
+        )
+
+
+def check_batch_index(batch_size: int, batch_index: int) -> None:
+    if batch_index >= batch_size:
+        raise StatusError(
+            LLMStatusCode.LLM_PARAM_INVALID,
+            f"batch index {batch_index} out of range for batch size {batch_size}",
+        )
+
+
+def not_found(key_kind: int, key_id: int, model_id: int) -> StatusError:
+    if key_kind == KEY_BLOCKS:
+        return StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no blocks cache with model_id {model_id}")
+    if key_kind == KEY_CACHE_ID:
+        return StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key_id} does not exist")
+    key = (key_kind, key_id, model_id)
+    return StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache key {_key_text(key)} does not exist")
+
+
+def blocks_by_id(cache_id: int) -> StatusError:
+    return StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {cache_id} is a blocks cache")
+
+
+def registered_for_v1(cache_id: int) -> StatusError:
+    return StatusError(
+        LLMStatusCode.LLM_PARAM_INVALID,
+        f"cache {cache_id} is registered memory: only cache-manager mode transfers reach it",
+    )
 
 
 def _record_holding(records: list[CacheRecord], addr: int, nbytes: int) -> CacheRecord | None:
