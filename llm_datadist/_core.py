@@ -348,34 +348,30 @@ class Core(ServerHooks):
         deadline = time.monotonic() + self.sync_kv_timeout_s
         link = self.get_link(spec.remote_cluster_id)
         marks = [time.perf_counter()]
+        # The same fields name the source in the owner's index and in a request to the owner.
+        fields: PinRequest = (
+            spec.key_kind,
+            spec.key_id,
+            spec.model_id,
+            spec.batch_index,
+            spec.src_tensor_start,
+            spec.tensor_count,
+            spec.whole,
+            spec.nbytes,
+            spec.src_offset,
+            spec.consume,
+        )
         with link.exclusive(deadline):
-            index, pinned = self._pin(
-                link,
-                deadline,
-                (
-                    spec.key_kind,
-                    spec.key_id,
-                    spec.model_id,
-                    spec.batch_index,
-                    spec.src_tensor_start,
-                    spec.tensor_count,
-                    spec.whole,
-                    spec.nbytes,
-                    spec.src_offset,
-                    spec.consume,
-                ),
-            )
+            index, pinned = self._pin(link, deadline, fields)
             if index is not None and pinned is not None:
                 cache = pinned.cache
-                base = cache.offset + pinned.batch_slot * cache.slot_nbytes + spec.src_offset
-                pitch = cache.pitch_nbytes
+                shift = pinned.batch_slot * cache.slot_nbytes + spec.src_offset
                 offsets = tuple(
-                    base + t * pitch
-                    for t in range(spec.src_tensor_start, spec.src_tensor_start + spec.tensor_count)
+                    base + shift for base in cache.tensor_bases(spec.src_tensor_start, spec.tensor_count)
                 )
                 marks.append(time.perf_counter())
                 ok = False
-                try:
+                try:  # `_pinned_in` written out: a generator context manager costs a microsecond a pull
                     self._copy_pull(link, spec, dst, cache.segment, cache.segment_nbytes, offsets, marks)
                     ok = True
                 finally:
@@ -393,20 +389,7 @@ class Core(ServerHooks):
                     )
 
                 seq = link.next_seq()
-                request = PullRequest(
-                    seq,
-                    spec.key_kind,
-                    spec.key_id,
-                    spec.model_id,
-                    spec.batch_index,
-                    spec.src_tensor_start,
-                    spec.tensor_count,
-                    spec.whole,
-                    spec.nbytes,
-                    spec.src_offset,
-                    spec.consume,
-                )
-                self._leased(link, request, seq, PullGrant, deadline, copy)
+                self._leased(link, PullRequest(seq, *fields), seq, PullGrant, deadline, copy)
         marks.append(time.perf_counter())
         # Where the last pull's time went (bench reads it): resolve and pin, planning, copy, unpin.
         if len(marks) == 5:
@@ -490,10 +473,7 @@ class Core(ServerHooks):
             index, pinned = self._pin(link, deadline, (*fields, 1, 0, False))
             if index is not None and pinned is not None:
                 cache = pinned.cache
-                offsets = tuple(
-                    cache.offset + t * cache.pitch_nbytes
-                    for t in range(spec.src_tensor_start, spec.src_tensor_start + spec.tensor_count)
-                )
+                offsets = cache.tensor_bases(spec.src_tensor_start, spec.tensor_count)
                 with self._pinned_in(link, index):
                     self._copy_blocks(
                         link,
@@ -796,17 +776,13 @@ class Core(ServerHooks):
         for entry in entries:
             if entry.flags & CACHE_WITHDRAWN or not entry.flags & CACHE_REMOTE:
                 continue
-            if entry.registered:
-                bases = entry.addrs
-            else:
-                bases = tuple(entry.offset + t * entry.pitch_nbytes for t in range(entry.num_tensors))
             caches[entry.cache_id] = RemoteCache(
                 entry.cache_id,
                 entry.is_blocks,
                 pid,
                 entry.segment,
                 entry.segment_nbytes,
-                bases,
+                entry.tensor_bases(0, entry.num_tensors),
                 entry.slot_nbytes,
                 entry.batch_size,
                 generations,
@@ -1003,28 +979,19 @@ class Core(ServerHooks):
             )
             if index is not None and pinned is not None:
                 cache = pinned.cache
-                tensors = range(request.tensor_start, request.tensor_start + request.tensor_count)
-                if cache.registered:  # addresses in the owner's process, reached by cross-memory attach
-                    bases = tuple(cache.addrs[t] for t in tensors)
-                else:
-                    bases = tuple(cache.offset + t * cache.pitch_nbytes for t in tensors)
                 location = Location(
                     0,
                     0,
                     link.peer.pid,
                     cache.segment,
                     cache.segment_nbytes,
-                    bases,
+                    cache.tensor_bases(request.tensor_start, request.tensor_count),
                     cache.slot_nbytes,
                     cache.batch_size,
                     pinned.batch_slot,
                 )
-                ok = False
-                try:
+                with self._pinned_in(link, index):
                     copy(location)
-                    ok = True
-                finally:
-                    unpin(link, index, ok=ok)
                 return
             seq = link.next_seq()
             self._leased(link, replace(request, seq=seq), seq, Location, deadline, copy)

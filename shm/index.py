@@ -158,6 +158,14 @@ class CacheEntry(NamedTuple):
     def slot_nbytes(self) -> int:
         return self.tensor_nbytes // self.batch_size
 
+    def tensor_bases(self, tensor_start: int, tensor_count: int) -> tuple[int, ...]:
+        """Where tensors [tensor_start, +tensor_count) start: offsets in the segment, or, for registered
+        memory, addresses in the owner's process."""
+        tensors = range(tensor_start, tensor_start + tensor_count)
+        if self.flags & CACHE_REGISTERED:
+            return tuple(self.addrs[t] for t in tensors)
+        return tuple(self.offset + t * self.pitch_nbytes for t in tensors)
+
 
 class NameEntry(NamedTuple):
     """A name entry as read."""
