@@ -407,22 +407,33 @@ def _lease_holder_main(pipe: Connection, socket_file: str, remote_cluster_id: in
     time.sleep(600)
 
 
-def start_lease_holder(socket_file: str, remote_cluster_id: int, req_id: int) -> mp.process.BaseProcess:
-    """Start `_lease_holder_main` and wait until it holds its lease."""
+def _start_holder(
+    main: Any, args: tuple[Any, ...], what: str
+) -> tuple[mp.process.BaseProcess, Connection, Any]:
+    """Spawn `main(pipe, *args)` and wait for its first report: (process, our end of the pipe, the value
+    it reported). A child that does not report in time is killed and reaped."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(
-        target=_lease_holder_main, args=(child, socket_file, remote_cluster_id, req_id), daemon=True
-    )
+    process = ctx.Process(target=main, args=(child, *args), daemon=True)
     process.start()
     child.close()
     if not parent.poll(CALL_TIMEOUT_S):
         process.kill()
         process.join(10)
-        raise TimeoutError("lease holder did not report")
+        parent.close()
+        raise TimeoutError(f"{what} did not report")
     status, value = parent.recv()
-    parent.close()
-    assert status == "ok" and value == "PullGrant", value
+    assert status == "ok", value
+    return process, parent, value
+
+
+def start_lease_holder(socket_file: str, remote_cluster_id: int, req_id: int) -> mp.process.BaseProcess:
+    """Start `_lease_holder_main` and wait until it holds its lease."""
+    process, pipe, value = _start_holder(
+        _lease_holder_main, (socket_file, remote_cluster_id, req_id), "lease holder"
+    )
+    pipe.close()
+    assert value == "PullGrant", value
     return process
 
 
@@ -477,17 +488,8 @@ def start_index_holder(
     socket_file: str, remote_cluster_id: int, mode: str, key: tuple[int, int, int] = (0, 0, 0)
 ) -> tuple[mp.process.BaseProcess, Connection]:
     """Start `_index_holder_main`; returns once it holds its pin or the lock (the pipe stays open)."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(
-        target=_index_holder_main, args=(child, socket_file, remote_cluster_id, mode, key), daemon=True
+    process, pipe, value = _start_holder(
+        _index_holder_main, (socket_file, remote_cluster_id, mode, key), "index holder"
     )
-    process.start()
-    child.close()
-    if not parent.poll(CALL_TIMEOUT_S):
-        process.kill()
-        process.join(10)
-        raise TimeoutError("index holder did not report")
-    status, value = parent.recv()
-    assert status == "ok" and value in ("pinned", "locked"), value
-    return process, parent
+    assert value in ("pinned", "locked"), value
+    return process, pipe
