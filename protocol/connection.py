@@ -1,9 +1,9 @@
 """Sans-IO connection state machine (h11-style): bytes in -> events out, messages in -> bytes out.
 
-Owns the message order of one connection: handshake (client Hello, server Welcome or Error), then the
-messages each side may send when READY, then an orderly close (Bye, handshake Error, or EOF at a frame
-boundary). Who may send what is data (`SENDABLE`), so new message types only add entries. A connection that
-saw an invalid or out-of-order frame is FAILED for good: every later call raises again.
+Owns the message order of one connection: handshake (a TCP one opens with the server's Challenge; then
+client Hello, server Welcome or Error), then the messages each side may send when READY, then an orderly
+close (Bye, handshake Error, or EOF at a frame boundary). Who may send what is data (`SENDABLE`), so new
+message types only add entries. A connection that saw an invalid or out-of-order frame is FAILED for good.
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from .frames import DEFAULT_MAX_FRAME_NBYTES, FrameDecoder, encode_frame
 from .messages import (
     Ack,
+    Addresses,
+    AddressRequest,
     Announce,
     BlocksGrant,
     BlocksRequest,
     Bye,
+    Challenge,
     Error,
     Hello,
     Location,
@@ -59,6 +62,7 @@ class ConnState(enum.Enum):
 class ConnPhase(enum.Enum):
     """How far the handshake has got; both sides agree on it, so one table serves sending and receiving."""
 
+    AWAIT_CHALLENGE = "await_challenge"  # TCP only: the server's Challenge comes first
     AWAIT_HELLO = "await_hello"
     AWAIT_WELCOME = "await_welcome"
     READY = "ready"
@@ -77,6 +81,7 @@ _CLIENT, _SERVER = ConnRole.CLIENT, ConnRole.SERVER
 # Which messages a side may send in each phase. The receiver checks the peer's frames against the peer's
 # row for the same phase (the mirror image), so this is the whole ordering policy.
 SENDABLE: dict[tuple[ConnRole, ConnPhase], frozenset[type[Message]]] = {
+    (_CLIENT, ConnPhase.AWAIT_CHALLENGE): frozenset({Bye}),
     (_CLIENT, ConnPhase.AWAIT_HELLO): frozenset({Hello}),
     (_CLIENT, ConnPhase.AWAIT_WELCOME): frozenset({Bye}),
     (_CLIENT, ConnPhase.READY): frozenset(
@@ -90,23 +95,29 @@ SENDABLE: dict[tuple[ConnRole, ConnPhase], frozenset[type[Message]]] = {
             PullDone,
             Release,
             Ping,
+            AddressRequest,
             Bye,
         }
     ),
+    (_SERVER, ConnPhase.AWAIT_CHALLENGE): frozenset({Challenge, Error}),
     (_SERVER, ConnPhase.AWAIT_HELLO): frozenset(),
     (_SERVER, ConnPhase.AWAIT_WELCOME): frozenset({Welcome, Error}),
     (_SERVER, ConnPhase.READY): frozenset(
-        {PullGrant, BlocksGrant, WriteGrant, Location, Table, Ack, Error, Pong, Bye}
+        {PullGrant, BlocksGrant, WriteGrant, Location, Table, Addresses, Ack, Error, Pong, Bye}
     ),
 }
 
 # Messages that move the phase forward.
-_ADVANCES: dict[type[Message], ConnPhase] = {Hello: ConnPhase.AWAIT_WELCOME, Welcome: ConnPhase.READY}
+_ADVANCES: dict[type[Message], ConnPhase] = {
+    Challenge: ConnPhase.AWAIT_HELLO,
+    Hello: ConnPhase.AWAIT_WELCOME,
+    Welcome: ConnPhase.READY,
+}
 
 
 def _closes(msg: Message, phase: ConnPhase) -> bool:
     # An Error before READY refuses the handshake; once READY it only answers one request.
-    return isinstance(msg, Bye) or (isinstance(msg, Error) and phase is ConnPhase.AWAIT_WELCOME)
+    return isinstance(msg, Bye) or (isinstance(msg, Error) and phase is not ConnPhase.READY)
 
 
 def _close_reason(msg: Message) -> str:
@@ -126,7 +137,15 @@ class Connection:
     and changes nothing (no bytes were produced, so the stream is still intact).
     """
 
-    def __init__(self, role: ConnRole, *, max_frame_nbytes: int = DEFAULT_MAX_FRAME_NBYTES) -> None:
+    def __init__(
+        self,
+        role: ConnRole,
+        *,
+        max_frame_nbytes: int = DEFAULT_MAX_FRAME_NBYTES,
+        challenge: bool = False,
+    ) -> None:
+        """`challenge`: the handshake starts with the server's Challenge (TCP links, which authenticate
+        with a shared secret); without it the client's Hello comes first (Unix sockets)."""
         if not isinstance(role, ConnRole):
             raise TypeError(f"role must be a ConnRole, got {type(role).__name__}")
         self._role = role
@@ -134,7 +153,7 @@ class Connection:
         self._max_frame_nbytes = max_frame_nbytes
         self._decoder = FrameDecoder(max_frame_nbytes)
         self._packer = msgpack.Packer(use_bin_type=True)
-        self._phase = ConnPhase.AWAIT_HELLO
+        self._phase = ConnPhase.AWAIT_CHALLENGE if challenge else ConnPhase.AWAIT_HELLO
         # SENDABLE's rows for this phase, ours and the peer's (looked up on every message otherwise).
         self._may_send = SENDABLE[(role, self._phase)]
         self._peer_may_send = SENDABLE[(self._peer_role, self._phase)]
@@ -162,6 +181,17 @@ class Connection:
     @property
     def phase(self) -> ConnPhase:
         return self._phase
+
+    @property
+    def max_frame_nbytes(self) -> int:
+        return self._max_frame_nbytes
+
+    def raise_frame_limit(self, max_frame_nbytes: int) -> None:
+        """Accept frames up to `max_frame_nbytes` from now on (a server keeps an unauthenticated peer to
+        small frames and lifts the limit once the peer proved itself). Never lowers it."""
+        if max_frame_nbytes > self._max_frame_nbytes:
+            self._max_frame_nbytes = max_frame_nbytes
+            self._decoder.max_frame_nbytes = max_frame_nbytes
 
     @property
     def peer_hello(self) -> Hello | None:

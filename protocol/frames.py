@@ -73,6 +73,12 @@ class FrameDecoder:
     def max_frame_nbytes(self) -> int:
         return self._max_frame_nbytes
 
+    @max_frame_nbytes.setter
+    def max_frame_nbytes(self, max_frame_nbytes: int) -> None:
+        """Change the limit for frames not yet started (a connection lifts it once its peer proved itself)."""
+        _check_max_frame_nbytes(max_frame_nbytes)
+        self._max_frame_nbytes = max_frame_nbytes
+
     @property
     def buffered_nbytes(self) -> int:
         """Bytes fed but not yet returned as part of a frame."""

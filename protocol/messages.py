@@ -31,10 +31,13 @@ __all__ = [
     "U32",
     "U64",
     "Ack",
+    "AddressRequest",
+    "Addresses",
     "Announce",
     "BlocksGrant",
     "BlocksRequest",
     "Bye",
+    "Challenge",
     "Error",
     "FieldCheck",
     "Hello",
@@ -56,7 +59,7 @@ __all__ = [
     "encode_message",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # PullRequest.key_kind: what key_id names at the owner.
 KEY_REQ = 1  # key_id is a req_id
@@ -244,6 +247,37 @@ _SOCKET_NAME = FieldCheck(
     "socket file name matching [A-Za-z0-9_-][A-Za-z0-9._-]* or empty", _check_socket_name
 )
 
+# Link authentication over TCP (`Challenge`, Hello/Welcome `nonce` and `proof`): a nonce is 16..64 random
+# bytes, a proof an HMAC-SHA256 (32 bytes); both are empty on a Unix socket, where the kernel says who the
+# peer is.
+NONCE_MIN_NBYTES, NONCE_MAX_NBYTES = 16, 64
+PROOF_NBYTES = 32
+
+
+def _check_nonce(value: object) -> object | None:
+    if isinstance(value, bytes) and NONCE_MIN_NBYTES <= len(value) <= NONCE_MAX_NBYTES:
+        return value
+    return None
+
+
+def _check_opt_nonce(value: object) -> object | None:
+    return value if value == b"" else _check_nonce(value)
+
+
+def _check_opt_proof(value: object) -> object | None:
+    return value if isinstance(value, bytes) and len(value) in (0, PROOF_NBYTES) else None
+
+
+_NONCE = FieldCheck(f"bytes of {NONCE_MIN_NBYTES}..{NONCE_MAX_NBYTES}", _check_nonce)
+_OPT_NONCE = FieldCheck(f"empty or bytes of {NONCE_MIN_NBYTES}..{NONCE_MAX_NBYTES}", _check_opt_nonce)
+_OPT_PROOF = FieldCheck(f"empty or bytes of {PROOF_NBYTES}", _check_opt_proof)
+# A transfer engine's address ("ip:port", a Mooncake session id), "" when the side runs none.
+_ENGINE_RE = re.compile(r"[0-9A-Za-z.:_\[\]-]{0,128}")
+_ENGINE = FieldCheck(
+    "engine address of at most 128 chars of [0-9A-Za-z.:_[]-]",
+    lambda v: v if isinstance(v, str) and _ENGINE_RE.fullmatch(v) else None,
+)
+
 
 @dataclass(frozen=True, slots=True)
 class Message:
@@ -342,6 +376,23 @@ class Hello(Message):
     role: Annotated[int, _ROLE]
     pid: Annotated[int, U32]
     incarnation: Annotated[int, U64]
+    # Over TCP: the client's nonce and its proof that it knows the shared secret (see `Challenge`), and
+    # the address of its transfer engine; all empty on a Unix socket.
+    nonce: Annotated[bytes, _OPT_NONCE] = b""
+    proof: Annotated[bytes, _OPT_PROOF] = b""
+    engine: Annotated[str, _ENGINE] = ""
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Challenge(Message):
+    """Server -> client, first message on a TCP connection (before Hello): a fresh random nonce. The
+    client's Hello answers with its own nonce and a proof over both; the server's Welcome proves the server
+    knows the secret too. `version` lets a client name a version mismatch before it proves anything."""
+
+    TYPE: ClassVar[int] = 21
+    version: Annotated[int, U32]
+    nonce: Annotated[bytes, _NONCE]
 
 
 @_register
@@ -363,6 +414,9 @@ class Welcome(Message):
     index: Annotated[str, _OPT_SEGMENT] = ""
     index_row: Annotated[int, U32] = 0
     index_ticket: Annotated[int, U64] = 0
+    # Over TCP: the server's proof (see `Challenge`) and its transfer engine's address; empty otherwise.
+    proof: Annotated[bytes, _OPT_PROOF] = b""
+    engine: Annotated[str, _ENGINE] = ""
 
 
 @_register
@@ -477,6 +531,9 @@ class Announce(Message):
     TYPE: ClassVar[int] = 11
     seq: Annotated[int, U32]
     callback: Annotated[str, _SOCKET_NAME]
+    # Over TCP: the port where the client serves TCP on the address it connected from (0: none), the way
+    # back for pushes into its memory; `callback` is then "".
+    tcp_port: Annotated[int, U32] = 0
 
 
 @_register
@@ -658,6 +715,46 @@ class Release(Message):
     TYPE: ClassVar[int] = 20
     lease_id: Annotated[int, U64]
     ok: Annotated[bool, _BOOL]
+
+
+MAX_ADDRESS_NAMES = 64
+
+
+def _check_address_names(value: object) -> object | None:
+    if not isinstance(value, list | tuple) or not 1 <= len(value) <= MAX_ADDRESS_NAMES:
+        return None
+    return tuple(value) if all(_check_segment_name(v) is not None for v in value) else None
+
+
+def _check_addresses(value: object) -> object | None:
+    if not isinstance(value, list | tuple) or not 1 <= len(value) <= MAX_ADDRESS_NAMES:
+        return None
+    return tuple(value) if all(_is_int(v) and 0 <= v <= _U64_MAX for v in value) else None
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class AddressRequest(Message):
+    """Client -> server, over TCP only: where the server has its segments `names` mapped, so that the
+    client's transfer engine can address bytes a grant named by segment and offset. Answered with
+    Addresses, or Error for a name that is not one of the server's live segments."""
+
+    TYPE: ClassVar[int] = 22
+    seq: Annotated[int, U32]
+    names: Annotated[
+        tuple[str, ...],
+        FieldCheck(f"array of 1..{MAX_ADDRESS_NAMES} segment names", _check_address_names),
+    ]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Addresses(Message):
+    """Server -> client: the virtual address of each requested segment in the server, in request order."""
+
+    TYPE: ClassVar[int] = 23
+    seq: Annotated[int, U32]
+    addrs: Annotated[tuple[int, ...], FieldCheck(f"array of 1..{MAX_ADDRESS_NAMES} U64", _check_addresses)]
 
 
 def decode_message(obj: object) -> Message:

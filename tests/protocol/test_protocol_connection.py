@@ -23,10 +23,13 @@ from llm_datadist._protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Ack,
+    Addresses,
+    AddressRequest,
     Announce,
     BlocksGrant,
     BlocksRequest,
     Bye,
+    Challenge,
     Error,
     Hello,
     Location,
@@ -63,6 +66,9 @@ ONE_OF_EACH: dict[type[Message], Message] = {
     Bye: Bye("bye"),
     Ping: Ping(5),
     Pong: Pong(5),
+    Challenge: Challenge(PROTOCOL_VERSION, bytes(range(32))),
+    AddressRequest: AddressRequest(2, ("/llmdd_seg",)),
+    Addresses: Addresses(2, (1 << 40,)),
 }
 
 
@@ -247,9 +253,12 @@ def _allowed_from(peer: ConnRole, phase: ConnPhase) -> set[type[Message]]:
 
 
 def _at_phase(role: ConnRole, phase: ConnPhase) -> Connection:
-    """A connection of `role` that has reached `phase` through a real exchange."""
-    client, server = Connection(ConnRole.CLIENT), Connection(ConnRole.SERVER)
-    if phase is not ConnPhase.AWAIT_HELLO:
+    """A connection of `role` that has reached `phase` through a real exchange (a TCP one for
+    AWAIT_CHALLENGE, which only TCP connections start in)."""
+    challenge = phase is ConnPhase.AWAIT_CHALLENGE
+    client = Connection(ConnRole.CLIENT, challenge=challenge)
+    server = Connection(ConnRole.SERVER, challenge=challenge)
+    if phase not in (ConnPhase.AWAIT_HELLO, ConnPhase.AWAIT_CHALLENGE):
         deliver(client.send(HELLO), server)
     if phase is ConnPhase.READY:
         deliver(server.send(WELCOME), client)
@@ -298,6 +307,7 @@ def test_sendable_tables_as_specified() -> None:
         PullDone,
         Release,
         Ping,
+        AddressRequest,
         Bye,
     }
     assert SENDABLE[(s, ConnPhase.READY)] == {
@@ -306,6 +316,7 @@ def test_sendable_tables_as_specified() -> None:
         WriteGrant,
         Location,
         Table,
+        Addresses,
         Ack,
         Error,
         Pong,
@@ -314,8 +325,55 @@ def test_sendable_tables_as_specified() -> None:
     assert SENDABLE[(c, ConnPhase.AWAIT_HELLO)] == {Hello}
     assert SENDABLE[(s, ConnPhase.AWAIT_WELCOME)] == {Welcome, Error}
     assert SENDABLE[(s, ConnPhase.AWAIT_HELLO)] == set()
+    assert SENDABLE[(s, ConnPhase.AWAIT_CHALLENGE)] == {Challenge, Error}
+    assert SENDABLE[(c, ConnPhase.AWAIT_CHALLENGE)] == {Bye}
     every_type = set().union(*SENDABLE.values())
     assert every_type == set(MESSAGE_TYPES.values())
+
+
+def test_tcp_handshake_starts_with_the_challenge() -> None:
+    client = Connection(ConnRole.CLIENT, challenge=True)
+    server = Connection(ConnRole.SERVER, challenge=True, max_frame_nbytes=4096)
+    with pytest.raises(LocalProtocolError):
+        client.send(HELLO)  # not before the challenge
+    challenge = Challenge(PROTOCOL_VERSION, b"n" * 16)
+    assert deliver(server.send(challenge), client) == [challenge]
+    hello = Hello(PROTOCOL_VERSION, 11, 22, 2, 4242, 1, b"c" * 16, b"p" * 32, "10.0.0.1:17000")
+    assert deliver(client.send(hello), server) == [hello]
+    welcome = Welcome(PROTOCOL_VERSION, 22, 1, 3333, 2, "", 0, 0, b"q" * 32, "10.0.0.2:17001")
+    assert deliver(server.send(welcome), client) == [welcome]
+    assert state(client) is state(server) is ConnState.READY
+
+
+def test_hello_before_the_challenge_fails_a_tcp_server() -> None:
+    server = Connection(ConnRole.SERVER, challenge=True)
+    server.receive_data(raw(HELLO.to_wire()))
+    with pytest.raises(RemoteProtocolError, match="Hello"):
+        server.next_event()
+
+
+def test_a_refused_challenge_closes_the_client() -> None:
+    client = Connection(ConnRole.CLIENT, challenge=True)
+    error = Error(0, LINK_FAILED, "too many unauthenticated connections")
+    assert deliver(raw(error.to_wire()), client) == [error, Closed(error.message)]
+
+
+def test_frame_limit_is_lifted_once_not_lowered() -> None:
+    server = Connection(ConnRole.SERVER, challenge=True, max_frame_nbytes=4096)
+    big = Hello(PROTOCOL_VERSION, 11, 22, 2, 4242, 1, b"c" * 16, b"p" * 32, "x" * 128)
+    server.raise_frame_limit(100)
+    assert server.max_frame_nbytes == 4096
+    server.send(Challenge(PROTOCOL_VERSION, b"n" * 16))
+    frame = raw(big.to_wire())
+    small = Connection(ConnRole.SERVER, challenge=True, max_frame_nbytes=64)
+    small.send(Challenge(PROTOCOL_VERSION, b"n" * 16))
+    small.receive_data(frame)
+    with pytest.raises(RemoteProtocolError, match="limit"):
+        small.next_event()
+    lifted = Connection(ConnRole.SERVER, challenge=True, max_frame_nbytes=64)
+    lifted.send(Challenge(PROTOCOL_VERSION, b"n" * 16))
+    lifted.raise_frame_limit(1 << 20)
+    assert deliver(frame, lifted) == [big]
 
 
 def test_second_hello_fails_the_server() -> None:

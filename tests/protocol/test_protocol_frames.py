@@ -33,15 +33,18 @@ def _decode_all(decoder: FrameDecoder) -> list[object]:
 def test_golden_hello() -> None:
     hello = Hello(PROTOCOL_VERSION, 0x0102030405060708, 2**64 - 1, 2, 4242, 7)
     expected = bytes.fromhex(
-        "0000001a"  # payload length 26
-        "97"  # array of 7
+        "0000001f"  # payload length 31
+        "9a"  # array of 10
         "01"  # TYPE 1 (Hello)
-        "03"  # version 3
+        "04"  # version 4
         "cf0102030405060708"  # cluster_id as uint64
         "cfffffffffffffffff"  # remote_cluster_id 2**64-1
         "02"  # role DECODER
         "cd1092"  # pid 4242 as uint16
         "07"  # incarnation 7
+        "c400"  # nonce b"" (bin 8)
+        "c400"  # proof b""
+        "a0"  # engine ""
     )
     assert encode_frame(hello.to_wire()) == expected
     decoder = FrameDecoder()

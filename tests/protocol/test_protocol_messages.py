@@ -19,10 +19,13 @@ from llm_datadist._protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Ack,
+    Addresses,
+    AddressRequest,
     Announce,
     BlocksGrant,
     BlocksRequest,
     Bye,
+    Challenge,
     Error,
     Hello,
     Location,
@@ -51,6 +54,9 @@ u32 = st.integers(0, U32_MAX)
 u64 = st.integers(0, U64_MAX)
 roles = st.sampled_from([1, 2, 3])
 texts = st.text(max_size=64) | st.text(min_size=4090, max_size=4096, alphabet="aé€😀")
+nonces = st.just(b"") | st.binary(min_size=16, max_size=64)
+proofs = st.just(b"") | st.binary(min_size=32, max_size=32)
+engines = st.just("") | st.from_regex(r"[0-9A-Za-z.:_\[\]-]{1,128}", fullmatch=True)
 segment_names = st.builds(
     lambda slash, body: slash + body,
     st.sampled_from(["", "/"]),
@@ -120,8 +126,13 @@ def write_grants(draw: st.DrawFn) -> WriteGrant:
 
 
 MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
-    Hello: st.builds(Hello, u32, u64, u64, roles, u32, u64),
-    Welcome: st.builds(Welcome, u32, u64, roles, u32, u64, st.just("") | segment_names, u32, u64),
+    Hello: st.builds(Hello, u32, u64, u64, roles, u32, u64, nonces, proofs, engines),
+    Welcome: st.builds(
+        Welcome, u32, u64, roles, u32, u64, st.just("") | segment_names, u32, u64, proofs, engines
+    ),
+    Challenge: st.builds(Challenge, u32, st.binary(min_size=16, max_size=64)),
+    AddressRequest: st.builds(AddressRequest, u32, st.lists(segment_names, min_size=1, max_size=64)),
+    Addresses: st.builds(Addresses, u32, st.lists(u64, min_size=1, max_size=64)),
     PullRequest: st.builds(
         PullRequest,
         u32,
@@ -143,7 +154,9 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     Bye: st.builds(Bye, texts),
     Ping: st.builds(Ping, u32),
     Pong: st.builds(Pong, u32),
-    Announce: st.builds(Announce, u32, st.sampled_from(["", "llmdd-2-4242.sock", "a", "_x.y-z"])),
+    Announce: st.builds(
+        Announce, u32, st.sampled_from(["", "llmdd-2-4242.sock", "a", "_x.y-z"]), st.integers(0, 65535)
+    ),
     BlocksRequest: st.builds(BlocksRequest, u32, u64, u32, st.integers(1, U32_MAX), st.booleans()),
     BlocksGrant: blocks_grants(),
     WriteRequest: write_requests(),
@@ -178,8 +191,11 @@ any_message = st.one_of(*MESSAGES.values())
 
 # One valid instance per type, with fields at odd, non-trivial values.
 VALID: list[Message] = [
-    Hello(PROTOCOL_VERSION, 3333, 4097, 1, 4242, 2**64 - 1),
-    Welcome(PROTOCOL_VERSION, 4097, 3, 1, 3333),
+    Hello(PROTOCOL_VERSION, 3333, 4097, 1, 4242, 2**64 - 1, b"\x00" * 33, b"\xff" * 32, "10.0.0.1:4097"),
+    Welcome(PROTOCOL_VERSION, 4097, 3, 1, 3333, "", 0, 0, b"\x01" * 32, "[::1]:3333"),
+    Challenge(PROTOCOL_VERSION, b"\x7f" * 64),
+    AddressRequest(3333, ("/a", "llmdd_0_3333.x")),
+    Addresses(4097, (0, U64_MAX)),
     PullRequest(3333, KEY_CACHE_ID, 7, 0, 4097, 1, 3333, True, 4097, 3333, False),
     PullGrant(1, 2, "llmdd_0_3333.x", 3333 * 4097, tuple(range(0, 3333 * 4097, 4097)), 4097),
     PullDone(3333, U64_MAX, True),
@@ -188,7 +204,7 @@ VALID: list[Message] = [
     Bye("x" * 3333),
     Ping(0),
     Pong(4097),
-    Announce(3333, "llmdd-2-4097.sock"),
+    Announce(3333, "llmdd-2-4097.sock", 4097),
     BlocksRequest(4097, 3333, 1, 4097, False),
     BlocksGrant(1, 2, "/llmdd.0.1.2.x", 4097 * 3333 * 2, (0, 4097 * 3333), 4097, 3333),
     WriteRequest(3333, (4097, 2**47 + 3333), (3333, 4097)),
@@ -228,7 +244,7 @@ def test_registry_is_complete() -> None:
         15,
     ]
     assert {type(msg) for msg in VALID} == set(MESSAGE_TYPES.values())
-    assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 3)
+    assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 4)
 
 
 @pytest.mark.parametrize("msg", VALID, ids=lambda m: type(m).__name__)
@@ -302,6 +318,9 @@ BAD_SEGMENT = [
 ]
 BAD_OFFSETS = [[], [-1], [True], [1.0], [None], "abc", None, 3, [0] * 65537, {"0": 0}]
 
+BAD_NONCE: list[Any] = [b"x" * 15, b"x" * 65, "x" * 32, None, 16, [0] * 16]
+BAD_PROOF: list[Any] = [b"x", b"x" * 31, b"x" * 33, "x" * 32, None, 0]
+BAD_ENGINE: list[Any] = ["a b", "a/b", "x" * 129, "é", None, 3, b"1.2.3.4:5"]
 BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
     Hello: {
         "version": BAD_U32,
@@ -310,7 +329,13 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
         "role": BAD_ROLE,
         "pid": BAD_U32,
         "incarnation": BAD_U64,
+        "nonce": BAD_NONCE,
+        "proof": BAD_PROOF,
+        "engine": BAD_ENGINE,
     },
+    Challenge: {"version": BAD_U32, "nonce": [b"", *BAD_NONCE]},
+    AddressRequest: {"seq": BAD_U32, "names": [None, [], ["/a"] * 65, ["a/b"], [3], "/a"]},
+    Addresses: {"seq": BAD_U32, "addrs": [None, [], [0] * 65, [-1], [True], ["1"], 7]},
     Welcome: {
         "version": BAD_U32,
         "cluster_id": BAD_U64,
@@ -320,6 +345,8 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
         "index": [s for s in BAD_SEGMENT if s != ""],
         "index_row": BAD_U32,
         "index_ticket": BAD_U64,
+        "proof": BAD_PROOF,
+        "engine": BAD_ENGINE,
     },
     PullRequest: {
         "seq": BAD_U32,
@@ -348,7 +375,11 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
     Bye: {"reason": BAD_TEXT},
     Ping: {"seq": BAD_U32},
     Pong: {"seq": BAD_U32},
-    Announce: {"seq": BAD_U32, "callback": ["/abs", "a/b", ".hidden", "..", "a b", "x" * 256, None, 3, b"x"]},
+    Announce: {
+        "seq": BAD_U32,
+        "callback": ["/abs", "a/b", ".hidden", "..", "a b", "x" * 256, None, 3, b"x"],
+        "tcp_port": BAD_U32,
+    },
     BlocksRequest: {
         "seq": BAD_U32,
         "model_id": BAD_U64,
