@@ -14,6 +14,7 @@ so the owner cannot free or reuse that memory under the write.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import platform
 import secrets
@@ -24,9 +25,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar, cast
 
+import numpy as np
 import psutil
 
 from llm_datadist._protocol.messages import (
+    MAX_ADDRESS_NAMES,
+    Addresses,
+    AddressRequest,
     BlocksGrant,
     BlocksRequest,
     Location,
@@ -42,7 +47,7 @@ from llm_datadist._protocol.messages import (
     WriteGrant,
     WriteRequest,
 )
-from llm_datadist._shm.copyplan import BlockPlan, Run, StridedCopy, plan_tensor_copy
+from llm_datadist._shm.copyplan import BlockPlan, Run, StridedCopy, block_runs, plan_tensor_copy
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.generations import read_generation
 from llm_datadist._shm.index import CACHE_REMOTE, CACHE_WITHDRAWN, STATE_OPEN, Index
@@ -51,14 +56,17 @@ from llm_datadist._shm.pool import Pool
 from llm_datadist._shm.reaper import reap
 from llm_datadist._shm.segment import Segment
 
+from . import _auth
 from ._comm import Comms
 from ._copy import Copier, address_view, vm_columns
 from ._dataplane import Pin, PinRequest, peer_index, raise_index_error, unpin
 from ._dataplane import pin as dataplane_pin
 from ._engine import FLAG_CACHES_UNPUBLISHED, KEY_BLOCKS, KEY_CACHE_ID, CacheRecord, CacheTable
 from ._errors import PeerGone, StatusError
+from ._remote import MissingExtra, RemoteEngine, engine_available, shared_engine
 from ._runtime import (
     ensure_runtime_dir,
+    is_local_ip,
     remove_stale_sockets,
     socket_path,
     socket_path_in_runtime,
@@ -164,6 +172,25 @@ class Core(ServerHooks):
         # Drawn once per instance: peers tell a restarted process at the same address from the old one.
         self.incarnation = secrets.randbits(64) or 1
         self.table = CacheTable(pools, oom_code=oom_code, incarnation=self.incarnation)
+        # Across hosts: the shared secret (or why there is none), the transfer engine once started, the
+        # memory this instance registered with it (address -> nbytes), our TCP listeners.
+        self._secret: bytes | None = None
+        self._secret_problem = (
+            f"no shared secret: set {_auth.ENV_SECRET} (or {_auth.ENV_SECRET_FILE}, a file of mode 0600) "
+            "to the same value on both hosts"
+        )
+        try:
+            self._secret = _auth.load_secret()
+        except _auth.SecretError as exc:
+            self._secret_problem = str(exc)
+        self._engine: RemoteEngine | None = None
+        self._exposed: dict[int, int] = {}
+        self._remote_lock = threading.Lock()
+        self._tcp_callbacks: dict[str, int] = {}  # our ip -> the port we serve TCP callbacks on
+        self.public_tcp: tuple[str, int] | None = None
+        for pool in pools.values():
+            pool.on_release = self._segment_released
+        self.table.on_unregistered = self._registered_released
         self.copier = Copier()
         self.copier.start()
         self._closed = False
@@ -182,6 +209,7 @@ class Core(ServerHooks):
             table=self.table,
             hooks=self,
             incarnation=self.incarnation,
+            secret=self._secret,
         )
         self.public_path: Path | None = None
         try:
@@ -206,12 +234,32 @@ class Core(ServerHooks):
     # ------------------------------------------------------------------ server
 
     def listen_public(self, listen: tuple[str, int]) -> None:
+        """Serve on the Unix socket derived from `ip:port`, and, for peers on other hosts, on TCP at
+        `ip:port` itself when `ip` is not a loopback address and a shared secret is configured."""
         path = socket_path(*listen)
         try:
             self.server.listen(path)
         except FileExistsError as exc:
             raise StatusError(LLMStatusCode.LLM_FAILED, f"{listen[0]}:{listen[1]} is taken: {exc}") from exc
         self.public_path = path
+        ip, port = listen
+        if ip.startswith("127."):
+            return
+        if self._secret is None:
+            log.info("not serving other hosts at %s:%d: %s", ip, port, self._secret_problem)
+            return
+        try:
+            self.server.listen_tcp(ip, port)
+        except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                # An address of no interface here (a device ip copied from an Ascend config): one host only.
+                log.info("not serving other hosts at %s:%d: no interface has that address", ip, port)
+                return
+            self.server.unlisten(path)
+            self.public_path = None
+            raise StatusError(LLMStatusCode.LLM_FAILED, f"TCP {ip}:{port} cannot be served: {exc}") from exc
+        self.public_tcp = (ip, port)
+        log.info("serving other hosts at %s:%d", ip, port)
 
     def set_role(self, role: LLMRole) -> None:
         self.role = role
@@ -221,9 +269,13 @@ class Core(ServerHooks):
         if self.public_path is not None:
             self.server.unlisten(self.public_path)
             self.public_path = None
+        if self.public_tcp is not None:
+            self.server.unlisten(self.public_tcp)
+            self.public_tcp = None
 
     def _link_broken(self, link: ClientLink) -> None:
-        self._clean_up_after(link.peer.pid)
+        if not link.peer.remote:  # a pid on another host says nothing about this one
+            self._clean_up_after(link.peer.pid)
 
     @staticmethod
     def _clean_up_after(pid: int) -> None:
@@ -253,7 +305,8 @@ class Core(ServerHooks):
         self.table.sync()
 
     def peer_gone(self, peer: PeerInfo) -> None:
-        self._clean_up_after(peer.pid)
+        if not peer.remote:
+            self._clean_up_after(peer.pid)
         if any(other.cluster_id == peer.cluster_id for other in self.server.peers()):
             return
         with self._links_lock:
@@ -263,7 +316,12 @@ class Core(ServerHooks):
 
     # ------------------------------------------------------------------ links
 
-    def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> LLMStatusCode:
+    def link(
+        self, remote_cluster_id: int, ip: str, port: int, deadline: float, local_ip: str = ""
+    ) -> LLMStatusCode:
+        """Link to the side listening at `ip:port`: through its Unix socket when `ip` is this host's, over
+        TCP otherwise (from `local_ip` when that is one of ours). MissingExtra (raised) when the link
+        needs the transfer engine and it is not installed; every other failure is a returned code."""
         self.server.check_alive()
         with self._links_lock:
             if remote_cluster_id in self._links:
@@ -272,16 +330,20 @@ class Core(ServerHooks):
                 log.error("link to cluster %d refused: %d links is the limit", remote_cluster_id, MAX_LINKS)
                 return LLMStatusCode.LLM_LINK_FAILED
         try:
-            path = socket_path(ip, port)
-            link = ClientLink.connect(
-                path,
-                cluster_id=self.settings.cluster_id,
-                remote_cluster_id=remote_cluster_id,
-                role=int(self.role),
-                deadline=deadline,
-                callback=self.callback_name,
-                incarnation=self.incarnation,
-            )
+            if is_local_ip(ip):
+                link = ClientLink.connect(
+                    socket_path(ip, port),
+                    cluster_id=self.settings.cluster_id,
+                    remote_cluster_id=remote_cluster_id,
+                    role=int(self.role),
+                    deadline=deadline,
+                    callback=self.callback_name,
+                    incarnation=self.incarnation,
+                )
+            else:
+                link = self._connect_tcp(remote_cluster_id, ip, port, deadline, local_ip)
+        except MissingExtra:
+            raise
         except StatusError as exc:
             log.error("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc.detail)
             return exc.code
@@ -303,6 +365,156 @@ class Core(ServerHooks):
             link.close(say_bye=True)
             return refused
         return LLMStatusCode.LLM_SUCCESS
+
+    # ------------------------------------------------------------------ across hosts
+
+    def _connect_tcp(
+        self, remote_cluster_id: int, ip: str, port: int, deadline: float, local_ip: str
+    ) -> ClientLink:
+        """A link over TCP to a peer on another host (see `ClientLink.connect_tcp`)."""
+        problem = engine_available()
+        if problem is not None:
+            raise MissingExtra(LLMStatusCode.LLM_LINK_FAILED, problem)
+        if self._secret is None:
+            raise StatusError(
+                LLMStatusCode.LLM_LINK_FAILED, f"{ip} is on another host and {self._secret_problem}"
+            )
+        return ClientLink.connect_tcp(
+            ip,
+            port,
+            secret=self._secret,
+            local_ip=local_ip if local_ip and is_local_ip(local_ip) and local_ip != "0.0.0.0" else "",
+            engine=lambda our_ip: self.engine(our_ip).address,
+            callback_port=self._tcp_callback_port,
+            cluster_id=self.settings.cluster_id,
+            remote_cluster_id=remote_cluster_id,
+            role=int(self.role),
+            deadline=deadline,
+            incarnation=self.incarnation,
+        )
+
+    def engine(self, local_ip: str) -> RemoteEngine:
+        """This process's transfer engine (started on `local_ip` on first use)."""
+        with self._remote_lock:
+            if self._engine is None:
+                self._engine = shared_engine(local_ip)
+            return self._engine
+
+    def _tcp_callback_port(self, local_ip: str) -> int:
+        """The port where we serve TCP on `local_ip` for peers on other hosts we linked to (their way back
+        to push into our memory); started on first use."""
+        with self._remote_lock:
+            port = self._tcp_callbacks.get(local_ip)
+            if port is None:
+                port = self.server.listen_tcp(local_ip, 0)
+                self._tcp_callbacks[local_ip] = port
+            return port
+
+    def serve_remote(self, local_ip: str) -> str:
+        """Server thread: a peer on another host linked to us at `local_ip`; our engine's address."""
+        problem = engine_available()
+        if problem is not None:
+            raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"the serving side cannot: {problem}")
+        return self.engine(local_ip).address
+
+    def segment_addresses(self, names: tuple[str, ...]) -> tuple[int, ...]:
+        """Server thread: where our segments `names` are, registered with our engine for a remote peer."""
+        engine = self._engine
+        if engine is None:
+            raise StatusError(LLMStatusCode.LLM_FAILED, "no transfer engine runs here")
+        addrs = []
+        for name in names:
+            found = self.table.segment_address(name)
+            if found is None:
+                raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"no segment {name} here")
+            self._expose(engine, *found)
+            addrs.append(found[0])
+        return tuple(addrs)
+
+    def expose_ranges(self, addrs: tuple[int, ...], nbytes: int) -> None:
+        """Server thread: registered memory a remote peer was granted, made transferable."""
+        engine = self._engine
+        if engine is None:
+            raise StatusError(LLMStatusCode.LLM_FAILED, "no transfer engine runs here")
+        for addr in addrs:
+            self._expose(engine, addr, nbytes)
+
+    def _expose(self, engine: RemoteEngine, addr: int, nbytes: int) -> None:
+        with self._remote_lock:
+            if self._exposed.get(addr, 0) >= nbytes:
+                return
+            engine.register(addr, nbytes)
+            self._exposed[addr] = nbytes
+
+    def _withdraw(self, addr: int) -> None:
+        with self._remote_lock:
+            exposed = self._exposed.pop(addr, None)
+            engine = self._engine
+        if exposed is not None and engine is not None:
+            engine.unregister(addr)
+
+    def _segment_released(self, segment: Segment) -> None:
+        """A pool segment is about to be unmapped: no engine may reach it afterwards."""
+        if self._exposed:
+            self._withdraw(segment.address)
+
+    def _registered_released(self, record: CacheRecord) -> None:
+        """A registered cache is forgotten: its memory goes back to the user, out of every engine's reach."""
+        if self._exposed:
+            for addr in record.addrs:
+                self._withdraw(addr)
+
+    def _segment_bases(self, link: ClientLink, names: list[str], deadline: float) -> list[int]:
+        """Where the remote peer has its segments `names` (asked once per segment and link)."""
+        missing = list(dict.fromkeys(name for name in names if name not in link.segment_addrs))
+        for start in range(0, len(missing), MAX_ADDRESS_NAMES):
+            chunk = tuple(missing[start : start + MAX_ADDRESS_NAMES])
+            seq = link.next_seq()
+            reply = link.request(AddressRequest(seq, chunk), seq, deadline)
+            if not isinstance(reply, Addresses) or len(reply.addrs) != len(chunk):
+                raise PeerGone(f"expected {len(chunk)} Addresses, got {type(reply).__name__}")
+            if len(link.segment_addrs) > 4096:
+                link.segment_addrs.clear()  # a long-lived peer's pools come and go: forget old names
+            link.segment_addrs.update(zip(chunk, reply.addrs, strict=True))
+        return [link.segment_addrs[name] for name in names]
+
+    def _remote_copy(
+        self,
+        link: ClientLink,
+        local: CacheRecord,
+        local_addrs: list[int],
+        remote_addrs: list[int],
+        lengths: list[int],
+        *,
+        write: bool,
+        deadline: float,
+    ) -> None:
+        """Move runs between `local` and the remote peer's memory through the transfer engines. A failure
+        or a timeout breaks the link (whatever the engine still does, the local memory stays pinned)."""
+        engine = self.engine(link.local_ip)
+        if local.block is not None:
+            segment = local.block.segment
+            self._expose(engine, segment.address, segment.nbytes)
+        else:
+            for addr in local.addrs:
+                self._expose(engine, addr, local.tensor_nbytes)
+        try:
+            engine.transfer(
+                link.peer.engine,
+                local_addrs,
+                remote_addrs,
+                lengths,
+                write=write,
+                deadline=deadline,
+                timeout_code=self.settings.timeout_code,
+                check_peer=link.check_peer_alive,
+                hold=lambda: self.table.hold(local),
+            )
+        except PeerGone:
+            raise
+        except StatusError as exc:
+            link.fail(exc.detail)
+            raise
 
     def unlink(self, remote_cluster_id: int, *, force: bool) -> LLMStatusCode:
         with self._links_lock:
@@ -372,7 +584,9 @@ class Core(ServerHooks):
                 marks.append(time.perf_counter())
                 ok = False
                 try:  # `_pinned_in` written out: a generator context manager costs a microsecond a pull
-                    self._copy_pull(link, spec, dst, cache.segment, cache.segment_nbytes, offsets, marks)
+                    self._copy_pull(
+                        link, spec, dst, cache.segment, cache.segment_nbytes, offsets, marks, deadline
+                    )
                     ok = True
                 finally:
                     unpin(link, index, ok=ok)
@@ -385,7 +599,14 @@ class Core(ServerHooks):
                             LLMStatusCode.LLM_FAILED, "peer granted a different range than requested"
                         )
                     self._copy_pull(
-                        link, spec, dst, grant.segment, grant.segment_nbytes, grant.tensor_offsets, marks
+                        link,
+                        spec,
+                        dst,
+                        grant.segment,
+                        grant.segment_nbytes,
+                        grant.tensor_offsets,
+                        marks,
+                        deadline,
                     )
 
                 seq = link.next_seq()
@@ -410,12 +631,29 @@ class Core(ServerHooks):
         segment_nbytes: int,
         src_offsets: tuple[int, ...],
         marks: list[float],
+        deadline: float,
     ) -> None:
-        src = self._peer_segment(link, segment, segment_nbytes, writable=False)
         dst_offsets = [
             dst.tensor_offset(spec.dst_tensor_start + i) + spec.dst_base_offset
             for i in range(spec.tensor_count)
         ]
+        if link.peer.remote:
+            runs = plan_tensor_copy(src_offsets, dst_offsets, spec.nbytes)
+            marks.append(time.perf_counter())
+            (src_base,) = self._segment_bases(link, [segment], deadline)
+            dst_base = dst.pool_block.segment.address
+            self._remote_copy(
+                link,
+                dst,
+                [dst_base + run.dst_offset for run in runs],
+                [src_base + run.src_offset for run in runs],
+                [run.nbytes for run in runs],
+                write=False,
+                deadline=deadline,
+            )
+            marks.append(time.perf_counter())
+            return
+        src = self._peer_segment(link, segment, segment_nbytes, writable=False)
         # Tensors are a constant pitch apart on each side: one strided copy, else a list of runs.
         strided = StridedCopy.from_offsets(src_offsets, dst_offsets, spec.nbytes)
         marks.append(time.perf_counter())
@@ -484,6 +722,7 @@ class Core(ServerHooks):
                         offsets,
                         cache.slot_nbytes,
                         cache.batch_size,
+                        deadline,
                     )
                 return
 
@@ -501,6 +740,7 @@ class Core(ServerHooks):
                     grant.tensor_offsets,
                     grant.block_nbytes,
                     grant.num_blocks,
+                    deadline,
                 )
 
             seq = link.next_seq()
@@ -517,6 +757,7 @@ class Core(ServerHooks):
         src_offsets: tuple[int, ...],
         block_nbytes: int,
         num_blocks: int,
+        deadline: float,
     ) -> None:
         if block_nbytes != dst.slot_nbytes:
             raise StatusError(
@@ -528,7 +769,6 @@ class Core(ServerHooks):
                 LLMStatusCode.LLM_PARAM_INVALID,
                 f"prompt block {max(spec.src_blocks)} >= the remote block count {num_blocks}",
             )
-        src = self._peer_segment(link, segment, segment_nbytes, writable=False)
         dst_offsets = [dst.tensor_offset(spec.dst_tensor_start + i) for i in range(spec.tensor_count)]
         plan = BlockPlan.make(
             src_offsets,
@@ -539,6 +779,25 @@ class Core(ServerHooks):
             dst.slot_nbytes,
             dst.slot_nbytes,
         )
+        if link.peer.remote:
+            (src_base,) = self._segment_bases(link, [segment], deadline)
+            dst_base = dst.pool_block.segment.address
+            src_starts, dst_starts, lengths = block_runs(plan)
+            count = len(plan.src_tensor_offsets)
+            # Every tensor's runs at once: (tensor, run) grids of addresses, flattened in tensor order.
+            remote = src_base + np.add.outer(np.array(plan.src_tensor_offsets, dtype=np.int64), src_starts)
+            local = dst_base + np.add.outer(np.array(plan.dst_tensor_offsets, dtype=np.int64), dst_starts)
+            self._remote_copy(
+                link,
+                dst,
+                local.ravel().tolist(),
+                remote.ravel().tolist(),
+                np.tile(lengths, count).tolist(),
+                write=False,
+                deadline=deadline,
+            )
+            return
+        src = self._peer_segment(link, segment, segment_nbytes, writable=False)
         self.copier.run_blocks(plan, src.array, dst.pool_block.segment.array)
 
     def push(self, remote_cluster_id: int, src: CacheRecord, spans: list[PushSpan]) -> None:
@@ -552,6 +811,9 @@ class Core(ServerHooks):
         def copy(grant: WriteGrant) -> None:
             if len(grant.range_offsets) != len(spans):
                 raise StatusError(LLMStatusCode.LLM_FAILED, "peer granted a different range than requested")
+            if link.peer.remote:
+                self._push_remote(link, src, spans, grant, deadline)
+                return
             targets = [
                 self._peer_segment(link, name, nbytes, writable=True)
                 for name, nbytes in zip(grant.segments, grant.segment_nbytes, strict=True)
@@ -572,6 +834,24 @@ class Core(ServerHooks):
                 seq, tuple(span.dst_addr for span in spans), tuple(span.nbytes for span in spans)
             )
             self._leased(link, request, seq, WriteGrant, deadline, copy)
+
+    def _push_remote(
+        self, link: ClientLink, src: CacheRecord, spans: list[PushSpan], grant: WriteGrant, deadline: float
+    ) -> None:
+        """`push`'s copy to a peer on another host: every run in one batch write."""
+        bases = self._segment_bases(link, list(grant.segments), deadline)
+        src_base = src.pool_block.segment.address
+        local: list[int] = []
+        remote: list[int] = []
+        lengths: list[int] = []
+        for span, index, offset in zip(spans, grant.range_segments, grant.range_offsets, strict=True):
+            if offset + span.nbytes > grant.segment_nbytes[index]:
+                raise StatusError(LLMStatusCode.LLM_FAILED, "peer granted memory outside its segment")
+            for run in span.runs:
+                local.append(src_base + run.src_offset)
+                remote.append(bases[index] + offset + run.dst_offset)
+                lengths.append(run.nbytes)
+        self._remote_copy(link, src, local, remote, lengths, write=True, deadline=deadline)
 
     def push_link(self, remote_cluster_id: int, deadline: float) -> ClientLink:
         """The link back to `remote_cluster_id` (a peer linked to us), connected on first use."""
@@ -597,17 +877,36 @@ class Core(ServerHooks):
             raise StatusError(
                 LLMStatusCode.LLM_NOT_YET_LINK, f"cluster {remote_cluster_id} is not linked to us"
             )
-        if not peer.callback:
+        if peer.remote:
+            if not peer.callback_port or self._secret is None:
+                raise StatusError(
+                    LLMStatusCode.LLM_LINK_FAILED, f"cluster {remote_cluster_id} accepts no pushes"
+                )
+            link = ClientLink.connect_tcp(
+                peer.host,
+                peer.callback_port,
+                secret=self._secret,
+                local_ip="",
+                engine=lambda our_ip: self.engine(our_ip).address,
+                callback_port=lambda our_ip: 0,
+                cluster_id=self.settings.cluster_id,
+                remote_cluster_id=remote_cluster_id,
+                role=int(self.role),
+                deadline=deadline,
+                incarnation=self.incarnation,
+            )
+        elif not peer.callback:
             raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"cluster {remote_cluster_id} accepts no pushes")
-        link = ClientLink.connect(
-            socket_path_in_runtime(peer.callback),
-            cluster_id=self.settings.cluster_id,
-            remote_cluster_id=remote_cluster_id,
-            role=int(self.role),
-            deadline=deadline,
-            incarnation=self.incarnation,
-        )
-        if link.peer.pid != peer.pid or link.peer.incarnation != peer.incarnation:
+        else:
+            link = ClientLink.connect(
+                socket_path_in_runtime(peer.callback),
+                cluster_id=self.settings.cluster_id,
+                remote_cluster_id=remote_cluster_id,
+                role=int(self.role),
+                deadline=deadline,
+                incarnation=self.incarnation,
+            )
+        if link.peer.incarnation != peer.incarnation or (not peer.remote and link.peer.pid != peer.pid):
             link.close(say_bye=True)
             raise StatusError(
                 LLMStatusCode.LLM_LINK_FAILED, "the callback socket is served by another process"
@@ -801,7 +1100,7 @@ class Core(ServerHooks):
         """Whether what `table`'s model ids name is still what the peer's keys name (its version word)."""
         deadline = time.monotonic() + self.sync_kv_timeout_s
         link = self.link_to(remote_cluster_id, deadline)
-        if not table.version or not table.generations:
+        if link.peer.remote or not table.version or not table.generations:
             return False
         words = self._peer_segment(link, table.generations, 8, writable=False)
         _order_loads()
@@ -830,7 +1129,7 @@ class Core(ServerHooks):
         link: ClientLink | None = None,
         prepared: PreparedRuns | None = None,
         words: Segment | None = None,
-    ) -> tuple[PreparedRuns | None, Segment]:
+    ) -> tuple[PreparedRuns | None, Segment | None]:
         """Read from a peer's cache (from its table) into ours with no round trip to the peer.
 
         The cache's generation word is checked after the copy: if the owner freed or reused the cache
@@ -847,6 +1146,20 @@ class Core(ServerHooks):
         deadline = time.monotonic() + self.sync_kv_timeout_s
         if link is None:
             link = self.link_to(remote_cluster_id, deadline)
+        if link.peer.remote:
+            # Nothing of a peer on another host is mapped here to check a generation in: it pins the cache
+            # for the read instead (one round trip, then the engine's read).
+            self.transfer_pinned(
+                remote_cluster_id,
+                remote,
+                remote_tensor_start,
+                local,
+                local_tensor_start,
+                tensor_count,
+                runs,
+                write=False,
+            )
+            return None, None
         bases = remote.tensor_bases[remote_tensor_start : remote_tensor_start + tensor_count]
         with link.exclusive(deadline):
             try:
@@ -899,6 +1212,8 @@ class Core(ServerHooks):
         word is unknown or lives in another segment than the entry's. `words`: the entry's generation
         segment as an earlier call on this link mapped it, used while it is open (the link's mapping cache
         closes what it drops)."""
+        if link.peer.remote:
+            return False  # nothing of it is mapped here: the caller looks the cache up again
         if table is not None and (
             not table.version or not table.generations or table.generations != remote.generations
         ):
@@ -923,8 +1238,33 @@ class Core(ServerHooks):
         """Write `runs` of our tensors into a peer's cache found in its table, with the cache pinned for the
         duration (in the peer's index, or by asking the peer): memory its owner frees or unregisters is
         never written."""
+        self.transfer_pinned(
+            remote_cluster_id,
+            remote,
+            remote_tensor_start,
+            local,
+            local_tensor_start,
+            tensor_count,
+            runs,
+            write=True,
+        )
+
+    def transfer_pinned(
+        self,
+        remote_cluster_id: int,
+        remote: RemoteCache,
+        remote_tensor_start: int,
+        local: CacheRecord,
+        local_tensor_start: int,
+        tensor_count: int,
+        runs: list[UnitRun],
+        *,
+        write: bool,
+    ) -> None:
+        """Read (or `write`) `runs` between our tensors and a peer's cache found in its table, pinned by its
+        cache id for the duration: LLM_KV_CACHE_NOT_EXIST from the peer once it freed the cache."""
         request = ResolveRequest(
-            0, KEY_CACHE_ID, remote.cache_id, 0, 0, remote_tensor_start, tensor_count, False, True, False
+            0, KEY_CACHE_ID, remote.cache_id, 0, 0, remote_tensor_start, tensor_count, False, write, False
         )
 
         def plan(location: Location) -> list[UnitRun]:
@@ -936,7 +1276,10 @@ class Core(ServerHooks):
 
     def remote_is_current(self, remote_cluster_id: int, remote: RemoteCache) -> bool:
         deadline = time.monotonic() + self.sync_kv_timeout_s
-        return self.remote_cache_current(self.link_to(remote_cluster_id, deadline), remote)
+        link = self.link_to(remote_cluster_id, deadline)
+        if link.peer.remote:
+            return True  # the transfer pins it by id at the peer, which says if it is gone
+        return self.remote_cache_current(link, remote)
 
     def transfer_resolved(
         self,
@@ -964,6 +1307,7 @@ class Core(ServerHooks):
                 local_tensor_start,
                 runs,
                 to_remote=request.for_write,
+                deadline=deadline,
             )
 
         with link.exclusive(deadline):
@@ -1009,6 +1353,7 @@ class Core(ServerHooks):
         *,
         to_remote: bool,
         prepared: PreparedRuns | None = None,
+        deadline: float | None = None,
     ) -> PreparedRuns | None:
         """Copy `runs` of each remote tensor (segment offsets, or addresses in `pid` for registered memory
         when `segment` is "") from or to the matching local tensor.
@@ -1025,6 +1370,20 @@ class Core(ServerHooks):
                     raise StatusError(
                         LLMStatusCode.LLM_PARAM_INVALID, "the transfer does not fit the local tensors"
                     )
+        if link.peer.remote:
+            # Another host: segment offsets (or registered addresses) become addresses there, for its engine.
+            assert deadline is not None, "a transfer with a remote peer is always resolved, with a deadline"
+            (segment_base,) = self._segment_bases(link, [segment], deadline) if segment else (0,)
+            self._remote_copy(
+                link,
+                local,
+                [addr + run.local_offset for addr in local_addrs for run in runs],
+                [segment_base + base + run.remote_offset for base in remote_bases for run in runs],
+                [run.nbytes for _ in remote_bases for run in runs],
+                write=to_remote,
+                deadline=deadline,
+            )
+            return None
         if not segment:
             # The peer's registered memory: one kernel copy between the two address spaces.
             if pid != link.peer.pid:

@@ -250,6 +250,9 @@ class CacheTable:
     def __init__(self, pools: dict[int, Pool], *, oom_code: LLMStatusCode, incarnation: int = 0) -> None:
         # Pools by placement (Placement.DEVICE = 1, HOST = 0); a placement without a pool cannot allocate.
         self._pools = pools
+        # Called (under the table's lock) with a registered cache once it is forgotten, before `unregister`
+        # returns and the user may reuse its memory: whoever exposed that memory elsewhere withdraws it.
+        self.on_unregistered: Callable[[CacheRecord], None] | None = None
         self._generations = GenerationTable()
         self._oom_code = oom_code
         # Re-entrant: a KvCache finaliser run by the garbage collector may deallocate from inside a call.
@@ -676,6 +679,8 @@ class CacheTable:
                 self._withdraw(record)
                 del self._caches[cache_id]
                 self._generations.retire(record.gen_slot)
+            if self.on_unregistered is not None:
+                self.on_unregistered(record)  # before the user may reuse the memory
             return True
 
     def _pinned_in_index(self, record: CacheRecord) -> bool:
@@ -802,6 +807,30 @@ class CacheTable:
         with self._lock:
             record.pins -= 1
             self._maybe_free(record)
+
+    def hold(self, record: CacheRecord) -> Callable[[], None]:
+        """Pin `record` (which the caller holds pinned already) until the returned release is called: a
+        transfer engine may use its memory after the call that started it gave up."""
+        with self._lock:
+            record.pins += 1
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                self.unpin(record)
+
+        return release
+
+    def segment_address(self, name: str) -> tuple[int, int] | None:
+        """(address, nbytes) of our live pool segment `name` (with or without its leading slash)."""
+        name = name.lstrip("/")
+        with self._lock:
+            for pool in self._pools.values():
+                for segment in pool.segments:
+                    if segment.name.lstrip("/") == name and not segment.closed:
+                        return segment.address, segment.nbytes
+        return None
 
     def pinned(self, cache_id: int) -> _Pinned:
         """`pin` for the duration of a with-block (pinned when the with-block enters)."""

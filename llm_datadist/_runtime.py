@@ -62,6 +62,21 @@ def socket_path(ip: str, port: int) -> Path:
     return socket_path_in_runtime(f"{ip}_{port}.sock")
 
 
+def is_local_ip(ip: str) -> bool:
+    """Whether `ip` is this host's (loopback, the wildcard, or an address of one of its interfaces, in this
+    network namespace): a peer there is reached through the Unix socket derived from its address, any
+    other over TCP."""
+    if ip.startswith("127.") or ip == "0.0.0.0":
+        return True
+    import psutil
+
+    return any(
+        address.family == socket.AF_INET and address.address == ip
+        for addresses in psutil.net_if_addrs().values()
+        for address in addresses
+    )
+
+
 def socket_path_in_runtime(name: str) -> Path:
     """The path of socket file `name` in the runtime directory, checked against the sun_path limit."""
     path = runtime_dir() / name

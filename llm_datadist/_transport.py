@@ -21,20 +21,24 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llm_datadist._protocol.connection import Closed, Connection, ConnRole, ConnState
 from llm_datadist._protocol.errors import ProtocolError
+from llm_datadist._protocol.frames import DEFAULT_MAX_FRAME_NBYTES
 from llm_datadist._protocol.messages import (
     MAX_TABLE_ENTRIES,
     PROTOCOL_VERSION,
     Ack,
+    Addresses,
+    AddressRequest,
     Announce,
     BlocksGrant,
     BlocksRequest,
     Bye,
+    Challenge,
     Error,
     Hello,
     Location,
@@ -56,6 +60,7 @@ from llm_datadist._shm.index import Index
 from llm_datadist._shm.mappings import MappingCache
 from llm_datadist._shm.segment import Segment
 
+from . import _auth
 from ._engine import CacheTable
 from ._errors import PeerGone, StatusError, TransferTimeout
 from ._runtime import TEMP_SOCKET_PREFIX, remove_stale_socket
@@ -70,6 +75,11 @@ MAX_OUTBUF_NBYTES = 16 << 20
 # A page of a Table reply stays well under the frame limit (1 MiB), whatever the caches look like.
 _TABLE_PAGE_NBYTES = 512 << 10
 _PEERCRED = struct.Struct("3i")
+# TCP: a peer that has not proved it knows the secret sends small frames (a Hello is under 400 bytes), at
+# most this many such connections are open at once (more are closed at accept), and each has
+# `_HANDSHAKE_TIMEOUT_S` to prove itself.
+_UNAUTHENTICATED_FRAME_NBYTES = 4096
+MAX_UNAUTHENTICATED = 32
 _HANGUP_EVENTS = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 
 
@@ -78,6 +88,10 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     pid, uid, gid = _PEERCRED.unpack(raw)
     return pid, uid, gid
+
+
+# Where a server listens: a Unix socket's path, or a TCP (ip, port).
+ListenAddr = Path | tuple[str, int]
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,16 @@ class PeerInfo:
     pid: int
     incarnation: int
     callback: str = ""
+    # Over TCP: the peer's ip (its pid is then only what it claims, on another host), the port of its
+    # TCP callback listener (0: none) and its transfer engine's address. "" / 0 on a Unix socket.
+    host: str = ""
+    callback_port: int = 0
+    engine: str = ""
+
+    @property
+    def remote(self) -> bool:
+        """On another host (linked over TCP): no shared memory, no pid to look at, bytes go by engine."""
+        return bool(self.host)
 
 
 # ===================================================================== server side
@@ -98,11 +122,17 @@ class PeerInfo:
 class _ServerConn:
     """One accepted connection: its socket, protocol state and unsent bytes."""
 
-    def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
+    def __init__(self, sock: socket.socket, pid: int, uid: int, *, host: str = "") -> None:
         self.sock = sock
         self.pid = pid
         self.uid = uid
-        self.conn = Connection(ConnRole.SERVER)
+        self.host = host  # the peer's ip over TCP; "" on a Unix socket
+        self.nonce = b""  # the Challenge's nonce (TCP)
+        self.conn = (
+            Connection(ConnRole.SERVER, challenge=True, max_frame_nbytes=_UNAUTHENTICATED_FRAME_NBYTES)
+            if host
+            else Connection(ConnRole.SERVER)
+        )
         self.outbuf = bytearray()
         self.waiting_to_write = False  # registered for EVENT_WRITE (only while outbuf did not fit)
         self.closing = False
@@ -131,6 +161,22 @@ class ServerHooks:
     def peer_linked(self, peer: PeerInfo) -> None:
         """Called on the server thread when a peer completed its handshake."""
 
+    def serve_remote(self, local_ip: str) -> str:
+        """A peer on another host proved itself (it reached us at `local_ip`): our transfer engine's address
+        for its Welcome (started on first use). StatusError when this side cannot move bytes across hosts
+        (the peer is told why)."""
+        raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "this side serves no peers on other hosts")
+
+    def expose_ranges(self, addrs: tuple[int, ...], nbytes: int) -> None:
+        """Make [addr, addr + nbytes) of each of `addrs` (registered memory a remote peer was just granted)
+        reachable by our transfer engine; StatusError if it cannot be."""
+        raise StatusError(LLMStatusCode.LLM_FAILED, "no memory is served across hosts")
+
+    def segment_addresses(self, names: tuple[str, ...]) -> tuple[int, ...]:
+        """Where our segments `names` are mapped, registered with our transfer engine (a remote peer's
+        AddressRequest); StatusError for a name that is not one of our live segments."""
+        raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, "no segments are served across hosts")
+
 
 class Server:
     """Serves this process's caches from one background thread, on any number of Unix sockets."""
@@ -143,8 +189,10 @@ class Server:
         table: CacheTable,
         hooks: ServerHooks | None = None,
         incarnation: int = 0,
+        secret: bytes | None = None,
     ) -> None:
         self.cluster_id = cluster_id
+        self._secret = secret  # TCP links prove they know it; None: no TCP listener is allowed
         self.role = role
         self.incarnation = incarnation
         # Why the server thread stopped serving, if it died (a bug): API calls report it at once.
@@ -153,7 +201,7 @@ class Server:
         self._hooks = hooks or ServerHooks()
         self.handled = 0  # messages handled (read by tests: a pull through the index adds none)
         self._selector = selectors.DefaultSelector()
-        self._listeners: dict[Path, socket.socket] = {}
+        self._listeners: dict[ListenAddr, socket.socket] = {}
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._conns: dict[int, _ServerConn] = {}
@@ -162,7 +210,7 @@ class Server:
         self._lock = threading.Lock()
         # Selector changes requested by other threads, applied by the server thread (selectors are not
         # thread-safe).
-        self._pending: list[tuple[str, Path, socket.socket | None, threading.Event | None]] = []
+        self._pending: list[tuple[str, ListenAddr, socket.socket | None, threading.Event | None]] = []
         self._pending_drops: list[tuple[int, threading.Event]] = []
         self._next_sweep = 0.0
 
@@ -205,7 +253,28 @@ class Server:
             self._pending.append(("add", path, listener, None))
         self._wake()
 
-    def unlisten(self, path: Path, timeout_s: float = 5.0) -> None:
+    def listen_tcp(self, ip: str, port: int) -> int:
+        """Serve TCP at `ip:port` too (port 0: any free port); returns the port. Only with a secret: every
+        TCP peer proves it knows it before anything else. OSError when the address cannot be bound."""
+        if self._secret is None:
+            raise StatusError(LLMStatusCode.LLM_FAILED, "no shared secret: TCP is not served")
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((ip, port))
+            listener.listen(128)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+        bound_port: int = listener.getsockname()[1]
+        with self._lock:
+            self._listeners[(ip, bound_port)] = listener
+            self._pending.append(("add", (ip, bound_port), listener, None))
+        self._wake()
+        return bound_port
+
+    def unlisten(self, path: ListenAddr, timeout_s: float = 5.0) -> None:
         """Stop serving on `path` and remove the socket file; links already made stay up.
 
         Synchronous: when this returns, the listener is closed and the file is gone, so the same address
@@ -238,7 +307,7 @@ class Server:
             )
 
     @property
-    def listening(self) -> list[Path]:
+    def listening(self) -> list[ListenAddr]:
         with self._lock:
             return list(self._listeners)
 
@@ -386,26 +455,40 @@ class Server:
                     listener_done.set()
 
     def _accept(self, listener: socket.socket) -> None:
+        tcp = listener.family == socket.AF_INET
         while True:
             try:
-                sock, _ = listener.accept()
+                sock, address = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 log.warning("server %d: accept failed: %s", self.cluster_id, exc)
                 return
-            pid, uid, _ = peer_credentials(sock)
-            if len(self._conns) >= MAX_CONNECTIONS:
+            if tcp:
+                pid, uid, host = 0, -1, str(address[0])
+                who = f"{host}:{address[1]}"
+                unauthenticated = sum(1 for c in self._conns.values() if c.host and c.peer is None)
+                full = unauthenticated >= MAX_UNAUTHENTICATED
+            else:
+                pid, uid, _ = peer_credentials(sock)
+                host, who, full = "", f"pid {pid}", False
+            if full or len(self._conns) >= MAX_CONNECTIONS:
                 log.warning(
-                    "server %d: refusing pid %d, %d connections open", self.cluster_id, pid, len(self._conns)
+                    "server %d: refusing %s, %d connections open", self.cluster_id, who, len(self._conns)
                 )
                 sock.close()
                 continue
             sock.setblocking(False)
-            sconn = _ServerConn(sock, pid, uid)
+            sconn = _ServerConn(sock, pid, uid, host=host)
+            if tcp:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sconn.nonce = _auth.new_nonce()
+                sconn.outbuf += sconn.conn.send(Challenge(PROTOCOL_VERSION, sconn.nonce))
             with self._lock:
                 self._conns[sock.fileno()] = sconn
             self._selector.register(sock, selectors.EVENT_READ, sconn)
+            if tcp:
+                self._flush(sconn)
 
     def _on_readable(self, sconn: _ServerConn) -> None:
         try:
@@ -538,6 +621,13 @@ class Server:
                 owner=sconn,
                 for_write=msg.for_write,
             )
+            if peer.remote and not loc.segment_name:
+                # Registered memory: its engine reaches it only once it is registered there.
+                try:
+                    self._hooks.expose_ranges(loc.tensor_bases, loc.unit_nbytes * loc.num_units)
+                except StatusError:
+                    self._table.release(loc.lease_id, ok=False, owner=sconn)
+                    raise
             return Location(
                 msg.seq,
                 loc.lease_id,
@@ -555,8 +645,15 @@ class Server:
             self._table.release(msg.lease_id, ok=msg.ok, owner=sconn)
             return Ack(msg.seq)
         if isinstance(msg, Announce):
-            sconn.peer = replace(peer, callback=msg.callback)
+            if peer.remote:
+                sconn.peer = replace(peer, callback_port=msg.tcp_port)
+            else:
+                sconn.peer = replace(peer, callback=msg.callback)
             return Ack(msg.seq)
+        if isinstance(msg, AddressRequest):
+            if not peer.remote:
+                raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, "a peer on this host maps segments itself")
+            return Addresses(msg.seq, self._hooks.segment_addresses(msg.names))
         raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"unexpected {type(msg).__name__}")
 
     def _table_page(self, msg: TableRequest) -> Table:
@@ -595,6 +692,9 @@ class Server:
         )
 
     def _on_hello(self, sconn: _ServerConn, hello: Hello) -> None:
+        if sconn.host:
+            self._on_tcp_hello(sconn, hello)
+            return
         reason = ""
         if hello.version != PROTOCOL_VERSION:
             reason = f"protocol version {hello.version} is not {PROTOCOL_VERSION}"
@@ -604,12 +704,10 @@ class Server:
             reason = f"this side is cluster {self.cluster_id}, not {hello.remote_cluster_id}"
         elif hello.pid != sconn.pid:
             reason = f"hello claims pid {hello.pid}, socket says {sconn.pid}"
+        elif hello.nonce or hello.proof or hello.engine:
+            reason = "a peer on this host sends no proof and no engine"
         if reason:
-            log.warning("server %d: refusing link from pid %d: %s", self.cluster_id, sconn.pid, reason)
-            self._send(sconn, Error(0, int(LLMStatusCode.LLM_LINK_FAILED), reason))
-            sconn.closing = True
-            self._flush(sconn)
-            self._drop(sconn, reason)
+            self._refuse(sconn, reason)
             return
         sconn.peer = PeerInfo(hello.cluster_id, hello.role, hello.pid, hello.incarnation)
         # A row of the published index to pin through; with none free the peer asks us instead.
@@ -627,6 +725,71 @@ class Server:
         )
         self._send(sconn, welcome)
         self._hooks.peer_linked(sconn.peer)
+
+    def _on_tcp_hello(self, sconn: _ServerConn, hello: Hello) -> None:
+        """A peer on another host: it proves it knows the secret before anything else is looked at; then
+        we prove it back in the Welcome. It gets no row of our index (it cannot map it): it asks us."""
+        secret = self._secret
+        client = (hello.cluster_id, hello.incarnation, hello.engine)
+        if secret is None or not hello.nonce or not hello.proof:
+            self._refuse(sconn, "no proof of the shared secret")
+            return
+        expected = _auth.client_proof(secret, sconn.nonce, hello.nonce, client, hello.remote_cluster_id)
+        if not _auth.proofs_match(expected, hello.proof):
+            self._refuse(sconn, "wrong shared secret")
+            return
+        reason = ""
+        if hello.version != PROTOCOL_VERSION:
+            reason = f"protocol version {hello.version} is not {PROTOCOL_VERSION}"
+        elif hello.remote_cluster_id != self.cluster_id:
+            reason = f"this side is cluster {self.cluster_id}, not {hello.remote_cluster_id}"
+        elif not hello.engine:
+            reason = "the peer runs no transfer engine"
+        if reason:
+            self._refuse(sconn, reason)
+            return
+        try:
+            engine = self._hooks.serve_remote(str(sconn.sock.getsockname()[0]))
+        except StatusError as exc:
+            self._refuse(sconn, exc.detail)
+            return
+        sconn.conn.raise_frame_limit(DEFAULT_MAX_FRAME_NBYTES)
+        sconn.pid = hello.pid  # what it claims: a pid on another host, for the log only
+        sconn.peer = PeerInfo(
+            hello.cluster_id, hello.role, hello.pid, hello.incarnation, host=sconn.host, engine=hello.engine
+        )
+        server = (self.cluster_id, self.incarnation, engine)
+        proof = _auth.server_proof(secret, sconn.nonce, hello.nonce, client, server)
+        welcome = Welcome(
+            PROTOCOL_VERSION,
+            self.cluster_id,
+            self.role,
+            os.getpid(),
+            self.incarnation,
+            "",
+            0,
+            0,
+            proof,
+            engine,
+        )
+        self._send(sconn, welcome)
+        log.info(
+            "server %d: cluster %d linked from %s (engine %s)",
+            self.cluster_id,
+            hello.cluster_id,
+            sconn.host,
+            hello.engine,
+        )
+        self._hooks.peer_linked(sconn.peer)
+
+    def _refuse(self, sconn: _ServerConn, reason: str) -> None:
+        """Refuse a handshake: LLM_LINK_FAILED with the reason, then close."""
+        who = sconn.host or f"pid {sconn.pid}"
+        log.warning("server %d: refusing link from %s: %s", self.cluster_id, who, reason)
+        self._send(sconn, Error(0, int(LLMStatusCode.LLM_LINK_FAILED), reason))
+        sconn.closing = True
+        self._flush(sconn)
+        self._drop(sconn, reason)
 
     def _send(self, sconn: _ServerConn, msg: Message) -> None:
         if sconn.closing:
@@ -684,10 +847,11 @@ class Server:
             log.exception("server %d: cleaning up after pid %d failed", self.cluster_id, sconn.pid)
 
 
-def _close_listener(path: Path, listener: socket.socket) -> None:
+def _close_listener(path: ListenAddr, listener: socket.socket) -> None:
     listener.close()
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    if isinstance(path, Path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 # ===================================================================== client side
@@ -696,11 +860,14 @@ def _close_listener(path: Path, listener: socket.socket) -> None:
 class ClientLink:
     """The Decoder's end of a link: one socket, requests answered in order, one transfer at a time."""
 
-    def __init__(self, sock: socket.socket, conn: Connection, peer: PeerInfo, path: Path) -> None:
+    def __init__(self, sock: socket.socket, conn: Connection, peer: PeerInfo, path: Path | str) -> None:
         self._sock = sock
         self._conn = conn
         self.peer = peer
-        self.path = path
+        self.path = path  # the Unix socket, or "ip:port" over TCP
+        self.local_ip = ""  # over TCP: the address we connect from (our engine and callback listen there)
+        # Over TCP: where the peer has its segments mapped (asked once per segment; a name is never reused).
+        self.segment_addrs: dict[str, int] = {}
         self.mappings = _LockedMappings()
         self.owned_segments: set[str] = set()  # segment names already checked to be the peer's own
         # What was learnt from this peer incarnation (its one-sided table, its index): it dies with the link.
@@ -730,7 +897,7 @@ class ClientLink:
     ) -> ClientLink:
         """Connect, handshake and announce our callback socket; raises StatusError(LLM_LINK_FAILED)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
+        with _handshake_errors(sock, str(path)):
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             try:
                 sock.connect(os.fspath(path))
@@ -742,48 +909,109 @@ class ClientLink:
             conn = Connection(ConnRole.CLIENT)
             hello = Hello(PROTOCOL_VERSION, cluster_id, remote_cluster_id, role, os.getpid(), incarnation)
             sock.sendall(conn.send(hello))
-            reply = _receive(sock, conn, deadline)
-            if isinstance(reply, Error):
-                raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"refused by the peer: {reply.message}")
-            if not isinstance(reply, Welcome):
+            welcome = _welcome(_receive(sock, conn, deadline), remote_cluster_id, str(path))
+            if welcome.pid != pid:
                 raise StatusError(
-                    LLMStatusCode.LLM_LINK_FAILED, f"unexpected {type(reply).__name__} in handshake"
+                    LLMStatusCode.LLM_LINK_FAILED, f"peer claims pid {welcome.pid}, socket says {pid}"
                 )
-            if reply.version != PROTOCOL_VERSION:
-                raise StatusError(
-                    LLMStatusCode.LLM_LINK_FAILED, f"peer speaks protocol version {reply.version}"
-                )
-            if reply.cluster_id != remote_cluster_id:
-                raise StatusError(
-                    LLMStatusCode.LLM_LINK_FAILED,
-                    f"{path} is cluster {reply.cluster_id}, not {remote_cluster_id}",
-                )
-            if reply.pid != pid:
-                raise StatusError(
-                    LLMStatusCode.LLM_LINK_FAILED, f"peer claims pid {reply.pid}, socket says {pid}"
-                )
-            link = cls(sock, conn, PeerInfo(reply.cluster_id, reply.role, pid, reply.incarnation), path)
+            link = cls(sock, conn, PeerInfo(welcome.cluster_id, welcome.role, pid, welcome.incarnation), path)
             link.index_name, link.index_row, link.index_ticket = (
-                reply.index,
-                reply.index_row,
-                reply.index_ticket,
+                welcome.index,
+                welcome.index_row,
+                welcome.index_ticket,
             )
-            seq = link.next_seq()
-            sock.sendall(conn.send(Announce(seq, callback)))
-            ack = _receive(sock, conn, deadline)
-            if not isinstance(ack, Ack) or ack.seq != seq:
-                raise StatusError(
-                    LLMStatusCode.LLM_LINK_FAILED, f"unexpected {type(ack).__name__} to Announce"
-                )
+            link._announce(Announce(link.next_seq(), callback), deadline)
             return link
-        except TransferTimeout as exc:
-            sock.close()
-            raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"handshake timed out: {exc.detail}") from exc
-        except (StatusError, ProtocolError, OSError) as exc:
-            sock.close()
-            if isinstance(exc, StatusError):
-                raise
-            raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"handshake with {path} failed: {exc}") from exc
+        raise AssertionError("unreachable")  # _handshake_errors raises
+
+    @classmethod
+    def connect_tcp(
+        cls,
+        host: str,
+        port: int,
+        *,
+        secret: bytes,
+        local_ip: str,
+        engine: Callable[[str], str],
+        callback_port: Callable[[str], int],
+        cluster_id: int,
+        remote_cluster_id: int,
+        role: int,
+        deadline: float,
+        incarnation: int,
+    ) -> ClientLink:
+        """Connect to a peer on another host at `host:port` (from `local_ip` when it is one of ours), prove
+        we know the shared secret, check the peer's proof, announce our TCP callback port. `engine(ip)`
+        gives our transfer engine's address for the ip we connect from, `callback_port(ip)` the port we
+        serve TCP on there (both start on first use). Raises StatusError(LLM_LINK_FAILED)."""
+        where = f"{host}:{port}"
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        with _handshake_errors(sock, where):
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                if local_ip:
+                    sock.bind((local_ip, 0))
+                sock.connect((host, port))
+            except OSError as exc:
+                raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"cannot connect to {where}: {exc}") from exc
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            our_ip = str(sock.getsockname()[0])
+            conn = Connection(ConnRole.CLIENT, challenge=True)
+            challenge = _receive(sock, conn, deadline)
+            if isinstance(challenge, Error):
+                raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"refused by {where}: {challenge.message}")
+            if not isinstance(challenge, Challenge):
+                raise StatusError(
+                    LLMStatusCode.LLM_LINK_FAILED, f"unexpected {type(challenge).__name__} from {where}"
+                )
+            if challenge.version != PROTOCOL_VERSION:
+                raise StatusError(
+                    LLMStatusCode.LLM_LINK_FAILED, f"{where} speaks protocol version {challenge.version}"
+                )
+            our_engine = engine(our_ip)
+            nonce = _auth.new_nonce()
+            client = (cluster_id, incarnation, our_engine)
+            proof = _auth.client_proof(secret, challenge.nonce, nonce, client, remote_cluster_id)
+            hello = Hello(
+                PROTOCOL_VERSION,
+                cluster_id,
+                remote_cluster_id,
+                role,
+                os.getpid(),
+                incarnation,
+                nonce,
+                proof,
+                our_engine,
+            )
+            sock.sendall(conn.send(hello))
+            welcome = _welcome(_receive(sock, conn, deadline), remote_cluster_id, where)
+            server = (welcome.cluster_id, welcome.incarnation, welcome.engine)
+            expected = _auth.server_proof(secret, challenge.nonce, nonce, client, server)
+            if not welcome.proof or not _auth.proofs_match(expected, welcome.proof):
+                raise StatusError(
+                    LLMStatusCode.LLM_LINK_FAILED, f"{where} did not prove it knows the shared secret"
+                )
+            if not welcome.engine:
+                raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"{where} runs no transfer engine")
+            peer = PeerInfo(
+                welcome.cluster_id,
+                welcome.role,
+                welcome.pid,
+                welcome.incarnation,
+                host=host,
+                engine=welcome.engine,
+            )
+            link = cls(sock, conn, peer, where)
+            link.local_ip = our_ip
+            link._announce(Announce(link.next_seq(), "", callback_port(our_ip)), deadline)
+            return link
+        raise AssertionError("unreachable")  # _handshake_errors raises
+
+    def _announce(self, announce: Announce, deadline: float) -> None:
+        self._sock.sendall(self._conn.send(announce))
+        ack = _receive(self._sock, self._conn, deadline)
+        if not isinstance(ack, Ack) or ack.seq != announce.seq:
+            raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"unexpected {type(ack).__name__} to Announce")
 
     def exclusive(self, deadline: float, *, busy_fails: bool = False) -> _Exclusive:
         """Hold the link for one transfer; waits until `deadline` (or fails at once with `busy_fails`)."""
@@ -940,6 +1168,39 @@ class _Exclusive:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self._link._lock.release()
+
+
+@contextlib.contextmanager
+def _handshake_errors(sock: socket.socket, where: str) -> Iterator[None]:
+    """Link set-up: every failure closes the socket and is StatusError(LLM_LINK_FAILED)."""
+    try:
+        yield
+    except TransferTimeout as exc:
+        sock.close()
+        raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"handshake timed out: {exc.detail}") from exc
+    except (StatusError, ProtocolError, OSError) as exc:
+        sock.close()
+        if isinstance(exc, StatusError):
+            raise
+        raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"handshake with {where} failed: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _welcome(reply: Message, remote_cluster_id: int, where: str) -> Welcome:
+    """The handshake's answer, checked: a refusal or anything but a matching Welcome is LLM_LINK_FAILED."""
+    if isinstance(reply, Error):
+        raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"refused by the peer: {reply.message}")
+    if not isinstance(reply, Welcome):
+        raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"unexpected {type(reply).__name__} in handshake")
+    if reply.version != PROTOCOL_VERSION:
+        raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"peer speaks protocol version {reply.version}")
+    if reply.cluster_id != remote_cluster_id:
+        raise StatusError(
+            LLMStatusCode.LLM_LINK_FAILED, f"{where} is cluster {reply.cluster_id}, not {remote_cluster_id}"
+        )
+    return reply
 
 
 def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:

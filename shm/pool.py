@@ -8,6 +8,7 @@ writing, so no later copy into a block takes a page fault.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -143,6 +144,9 @@ class Pool:
         self._alignment = alignment
         self._arenas: list[_Arena] = []  # in creation order; the last one is never dropped when empty
         self._closed = False
+        # Called with each segment just before the pool closes it (whoever exposed its memory elsewhere,
+        # such as to a transfer engine, withdraws it there first). It must not raise.
+        self.on_release: Callable[[Segment], None] | None = None
 
     @property
     def segments(self) -> list[Segment]:
@@ -209,14 +213,14 @@ class Pool:
         arena.give_back(block.offset, entry[1])
         if self._capacity_nbytes is None and arena.empty and arena is not self._arenas[-1]:
             self._arenas.remove(arena)
-            arena.segment.close()
+            self._release(arena.segment)
 
     def close(self) -> None:
         """Close and unlink every segment. Idempotent; blocks still held become invalid."""
         self._closed = True
         arenas, self._arenas = self._arenas, []
         for arena in arenas:
-            arena.segment.close()
+            self._release(arena.segment)
 
     def __repr__(self) -> str:
         return (
@@ -245,9 +249,14 @@ class Pool:
         # An empty segment kept as "most recent" did not fit this request; it loses that status, so drop it.
         for stale in [old for old in self._arenas if old.empty]:
             self._arenas.remove(stale)
-            stale.segment.close()
+            self._release(stale.segment)
         self._arenas.append(arena)
         return arena
+
+    def _release(self, segment: Segment) -> None:
+        if self.on_release is not None:
+            self.on_release(segment)
+        segment.close()
 
     def _arena_of(self, segment: Segment) -> _Arena | None:
         for arena in self._arenas:

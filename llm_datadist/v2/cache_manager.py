@@ -90,7 +90,7 @@ class _Found:
     remote: RemoteCache
     runs: list[UnitRun]
     prepared: PreparedRuns | None
-    words: Segment
+    words: Segment | None  # None for a peer on another host (nothing of it is mapped here)
 
 
 @dataclass(slots=True, eq=False)
@@ -1156,7 +1156,7 @@ class CacheManager:
         selection: TensorSelection,
         runs_for: _RunsFor,
         link: ClientLink,
-    ) -> tuple[list[UnitRun], tuple[PreparedRuns | None, Segment]]:
+    ) -> tuple[list[UnitRun], tuple[PreparedRuns | None, Segment | None]]:
         """Read the selected tensors of remote slot `slot` straight from the peer's table (no round trip)
         over `link` (`Core.check_peer`'s); the runs read and what the read prepared, for a repeat."""
         self._check_remote_tensors(api, remote, selection)

@@ -191,8 +191,10 @@ class LLMDataDist:
                 results.append(LLMStatusCode.LLM_LINK_FAILED)
                 continue
             ip, port = info.remote_ip_info_list[0]
+            # Over TCP (a peer on another host) the link leaves from the local ip given, when it is ours.
+            local_ip = ip_int_to_str(info.local_ip_info_list[0][0]) if info.local_ip_info_list else ""
             with api_errors(api):
-                results.append(core.link(info.remote_cluster_id, ip_int_to_str(ip), port, deadline))
+                results.append(core.link(info.remote_cluster_id, ip_int_to_str(ip), port, deadline, local_ip))
         return _overall(results), results
 
     def unlink_clusters(

@@ -44,10 +44,13 @@ from llm_datadist._protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Ack,
+    Addresses,
+    AddressRequest,
     Announce,
     BlocksGrant,
     BlocksRequest,
     Bye,
+    Challenge,
     Error,
     Hello,
     Location,
@@ -93,6 +96,7 @@ _REPLY_TO: dict[type[Message], type[Message]] = {
     TableRequest: Table,
     PullDone: Ack,
     Ping: Pong,
+    AddressRequest: Addresses,  # always refused here: only a peer on another host may ask
 }
 _GRANTS = (PullGrant, BlocksGrant, WriteGrant, Location)
 # Requests that must never be refused.
@@ -401,8 +405,10 @@ def _client_requests(v: _View) -> dict[type[Message], st.SearchStrategy[Message]
         TableRequest: st.builds(TableRequest, _U32, _plausible([0, 1, *v.cache_ids], _U64)),
         PullDone: st.builds(PullDone, _U32, leases, st.booleans()),
         Release: st.builds(Release, leases, st.booleans()),
-        Announce: st.builds(Announce, _U32, _CALLBACK),
+        Announce: st.builds(Announce, _U32, _CALLBACK, st.integers(0, 65535)),
         Ping: st.builds(Ping, _U32),
+        # Over a Unix socket a peer maps segments itself: the owner refuses to say where they are.
+        AddressRequest: st.builds(AddressRequest, _U32, st.lists(_plausible_name(v), min_size=1, max_size=4)),
     }
     aimed: dict[type[Message], st.SearchStrategy[Message]] = {
         PullRequest: _aimed_pull(v),
@@ -426,6 +432,10 @@ def _hello(v: _View) -> st.SearchStrategy[Hello]:
         _ROLE,
         _plausible([_MY_PID], _U32),
         _U64,
+        # What only a TCP peer sends; a Unix peer sending any of it is refused.
+        st.one_of(st.just(b""), st.binary(min_size=16, max_size=64)),
+        st.one_of(st.just(b""), st.binary(min_size=32, max_size=32)),
+        st.sampled_from(["", "10.0.0.1:15000"]),
     )
 
 
@@ -444,6 +454,8 @@ def _every_message(v: _View) -> dict[type[Message], st.SearchStrategy[Message]]:
         Ack: st.builds(Ack, _U32),
         Pong: st.builds(Pong, _U32),
         Error: st.builds(Error, _U32, _I64, _TEXT),
+        Challenge: st.builds(Challenge, _U32, st.binary(min_size=16, max_size=64)),
+        Addresses: st.builds(Addresses, _U32, st.lists(_U64, min_size=1, max_size=4)),
     }
     assert set(strategies) == set(MESSAGE_TYPES.values()), "a message type has no strategy"
     return strategies
@@ -570,7 +582,11 @@ class _Conn:
 
 
 def _hello_ok(hello: Hello) -> bool:
-    return hello.version == PROTOCOL_VERSION and hello.remote_cluster_id == P and hello.pid == _MY_PID
+    # A proof or an engine address belongs on TCP only: over a Unix socket either is refused.
+    unix = not (hello.nonce or hello.proof or hello.engine)
+    return (
+        hello.version == PROTOCOL_VERSION and hello.remote_cluster_id == P and hello.pid == _MY_PID and unix
+    )
 
 
 # ---------------------------------------------------------------------------- the owner and its model
@@ -1071,6 +1087,7 @@ def _one_of_each(owner: _Owner) -> None:
             BlocksRequest(5, blocks.model_id, 0, NUM_TENSORS, True),
             ResolveRequest(6, KEY_CACHE_ID, cache.cache_id, 0, 1, 0, NUM_TENSORS, True, False, False),
             WriteRequest(7, [addr + 5], [16]),
+            AddressRequest(10, [owner.segments[0]]),  # refused: a peer on this host maps segments itself
         ],
     )
     assert len(conn.held) == 4, "a request with real ids was refused"
@@ -1091,6 +1108,8 @@ def _one_of_each(owner: _Owner) -> None:
         Ack(1),
         Error(1, -1, "no"),
         Pong(1),
+        Challenge(PROTOCOL_VERSION, b"n" * 32),
+        Addresses(1, [4096]),
         Bye("bye"),
     ]
     for msg in not_for_a_server:
