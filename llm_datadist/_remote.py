@@ -98,7 +98,8 @@ class RemoteEngine:
         self.address = f"{local_ip}:{self._engine.get_rpc_port()}"
         self._lock = threading.Lock()
         self._registered: dict[int, int] = {}  # address -> nbytes
-        self._workers = 0  # transfers still running in the engine (some may have outlived their call)
+        self._workers = 0  # transfers still running in the engine
+        self._orphans = 0  # of those, the ones whose call gave up (see `_wait_for_orphans`)
         self._idle = threading.Condition(self._lock)
         log.info("transfer engine at %s", self.address)
 
@@ -150,8 +151,10 @@ class RemoteEngine:
         call gave up."""
         if not lengths:
             return
+        self._wait_for_orphans(deadline, timeout_code)
         outcome: list[BaseException | None] = []
         done = threading.Event()
+        orphaned = threading.Event()  # set when this call gave up while the engine still works
         release = hold()
         batches = [
             (
@@ -180,21 +183,45 @@ class RemoteEngine:
             finally:
                 release()
                 outcome.append(error)
-                done.set()
                 with self._lock:
+                    done.set()
                     self._workers -= 1
+                    if orphaned.is_set():
+                        self._orphans -= 1
                     self._idle.notify_all()
 
         with self._lock:
             self._workers += 1
         threading.Thread(target=work, name="llmdd-remote-transfer", daemon=True).start()
-        while not done.wait(min(_POLL_S, max(deadline - time.monotonic(), 0.0))):
-            check_peer()
-            if time.monotonic() >= deadline:
-                raise TransferTimeout(timeout_code, f"the transfer with {peer} did not finish in time")
+        try:
+            while not done.wait(min(_POLL_S, max(deadline - time.monotonic(), 0.0))):
+                check_peer()
+                if time.monotonic() >= deadline:
+                    raise TransferTimeout(timeout_code, f"the transfer with {peer} did not finish in time")
+        except BaseException:
+            with self._lock:
+                if not done.is_set():
+                    orphaned.set()
+                    self._orphans += 1
+            raise
         error = outcome[0]
         if error is not None:
             raise error
+
+    def _wait_for_orphans(self, deadline: float, timeout_code: LLMStatusCode) -> None:
+        """A transfer whose call gave up (a timeout, a dead link) may still land bytes when the network
+        comes back, until the engine's own progress timeout: no new transfer starts before it ended, so
+        that nothing it writes late overwrites what a later transfer wrote."""
+        with self._lock:
+            while self._orphans:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferTimeout(
+                        timeout_code,
+                        "a transfer that failed earlier is still running in the transfer engine "
+                        f"(it ends within {os.environ.get('MC_TCP_PROGRESS_TIMEOUT_SEC', '30')} s)",
+                    )
+                self._idle.wait(remaining)
 
     def drain(self, timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S + 1.0) -> None:
         """Wait (bounded) until no transfer is left in the engine (one that outlived its call holds local
