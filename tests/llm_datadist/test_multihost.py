@@ -264,7 +264,8 @@ arrays = [np.zeros(24 * 3000, dtype=np.uint8) for _ in range(4)]
 for t, a in enumerate(arrays):
     a[:] = expected(3, t, a.size)
 desc = CacheDesc(4, [24, 3000], DataType.DT_UINT8)
-blocks = manager.register_blocks_cache(desc, [a.ctypes.data for a in arrays], BlocksCacheKey(prompt_id, 7), True)
+key = BlocksCacheKey(prompt_id, 7)
+blocks = manager.register_blocks_cache(desc, [a.ctypes.data for a in arrays], key, True)
 pooled = manager.allocate_cache(CacheDesc(4, [2, 5000], DataType.DT_UINT8), [])
 for t, view in enumerate(raw_v2(pooled)):
     view[:] = expected(11, t, 10000)
