@@ -1475,7 +1475,15 @@ class Core(ServerHooks):
             link.close(say_bye=True)
         self.server.close()
         self.copier.close()
+        if self._engine is not None:
+            # A transfer that outlived its call may still write into our pool: not before it ended.
+            self._engine.drain()
         self.table.close()
+        with self._remote_lock:
+            exposed, self._exposed = self._exposed, {}
+        if self._engine is not None:
+            for addr in exposed:  # registered memory goes back to the user out of the engine's reach
+                self._engine.unregister(addr)
 
 
 # ====================================================================== cache-manager (v2) transfers

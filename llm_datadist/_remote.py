@@ -20,6 +20,8 @@ from ._errors import StatusError, TransferTimeout
 from .status import LLMStatusCode
 from .utils.log import log
 
+ENV_PROTOCOL = "LLM_DATADIST_MOONCAKE_PROTOCOL"
+ENV_DEVICES = "LLM_DATADIST_MOONCAKE_DEVICES"
 EXTRA_HINT = "pip install 'llm-datadist-host[multihost]' (Mooncake also needs Debian's libibverbs1)"
 # Mooncake refuses a batch of a few thousand descriptors, and a refused batch can leave the engine failing
 # every later transfer to that peer: stay well below.
@@ -88,20 +90,26 @@ class RemoteEngine:
     def __init__(self, local_ip: str) -> None:
         engine_class = _import_engine()
         self._engine = engine_class()
-        code = self._engine.initialize(local_ip, "P2PHANDSHAKE", "tcp", "")
+        # TCP unless the user asks for RDMA (and names the NICs Mooncake may use, e.g. "mlx5_0,mlx5_1").
+        protocol = os.environ.get(ENV_PROTOCOL, "tcp") or "tcp"
+        devices = os.environ.get(ENV_DEVICES, "")
+        if protocol not in ("tcp", "rdma"):
+            raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"{ENV_PROTOCOL}={protocol!r}: tcp or rdma")
+        code = self._engine.initialize(local_ip, "P2PHANDSHAKE", protocol, devices)
         if code != 0:
             raise StatusError(
                 LLMStatusCode.LLM_LINK_FAILED,
                 f"the transfer engine did not start on {local_ip} (code {code})",
             )
         self.local_ip = local_ip
+        self.protocol = protocol
         self.address = f"{local_ip}:{self._engine.get_rpc_port()}"
         self._lock = threading.Lock()
         self._registered: dict[int, int] = {}  # address -> nbytes
         self._workers = 0  # transfers still running in the engine
         self._orphans = 0  # of those, the ones whose call gave up (see `_wait_for_orphans`)
         self._idle = threading.Condition(self._lock)
-        log.info("transfer engine at %s", self.address)
+        log.info("transfer engine at %s (%s)", self.address, protocol)
 
     def register(self, addr: int, nbytes: int) -> None:
         """Make [addr, addr + nbytes) transferable (once; the same range again is a no-op)."""
