@@ -80,6 +80,9 @@ _PEERCRED = struct.Struct("3i")
 # `_HANDSHAKE_TIMEOUT_S` to prove itself.
 _UNAUTHENTICATED_FRAME_NBYTES = 4096
 MAX_UNAUTHENTICATED = 32
+# TCP keepalive (idle s, interval s, probes): a vanished peer host is given up within `_KEEPALIVE_S`.
+_KEEPALIVE = (5, 2, 3)
+_KEEPALIVE_S = _KEEPALIVE[0] + _KEEPALIVE[1] * _KEEPALIVE[2]
 _HANGUP_EVENTS = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 
 
@@ -481,7 +484,7 @@ class Server:
             sock.setblocking(False)
             sconn = _ServerConn(sock, pid, uid, host=host)
             if tcp:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                tune_tcp(sock)
                 sconn.nonce = _auth.new_nonce()
                 sconn.outbuf += sconn.conn.send(Challenge(PROTOCOL_VERSION, sconn.nonce))
             with self._lock:
@@ -954,7 +957,7 @@ class ClientLink:
                 sock.connect((host, port))
             except OSError as exc:
                 raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"cannot connect to {where}: {exc}") from exc
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune_tcp(sock)
             our_ip = str(sock.getsockname()[0])
             conn = Connection(ConnRole.CLIENT, challenge=True)
             challenge = _receive(sock, conn, deadline)
@@ -1168,6 +1171,19 @@ class _Exclusive:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self._link._lock.release()
+
+
+def tune_tcp(sock: socket.socket) -> None:
+    """No Nagle delay on requests; and keepalives, so that a peer host that vanished (powered off, cut
+    off: no FIN ever comes) ends the connection within `_KEEPALIVE_S`, and with it the leases it held."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle_s, interval_s, probes = _KEEPALIVE
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, probes)
+    # Unacknowledged data counts too: a peer that stopped acknowledging mid-reply is given up as well.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, _KEEPALIVE_S * 1000)
 
 
 @contextlib.contextmanager

@@ -468,6 +468,11 @@ result = (ret.name, all(np.array_equal(v, expected(2, t, 4 << 20)) for t, v in e
         timeout_s=60,
     )
     assert result == ("LLM_SUCCESS", True)
+    # Nothing stays pinned at the Prompt: the broken link's lease went with its connection.
+    deadline = time.monotonic() + 20
+    while (stats := prompt.run("result = dd._require_core().table.stats()"))["leases"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
 
 
 # ------------------------------------------------------------------ the example, as its docstring runs it
