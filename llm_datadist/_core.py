@@ -492,12 +492,15 @@ class Core(ServerHooks):
         """Move runs between `local` and the remote peer's memory through the transfer engines. A failure
         or a timeout breaks the link (whatever the engine still does, the local memory stays pinned)."""
         engine = self.engine(link.local_ip)
-        if local.block is not None:
-            segment = local.block.segment
-            self._expose(engine, segment.address, segment.nbytes)
-        else:
-            for addr in local.addrs:
-                self._expose(engine, addr, local.tensor_nbytes)
+        if engine.protocol != "tcp":
+            # RDMA reads and writes only registered local memory; over TCP the engine copies to and from
+            # the local side itself, and registering it would only open it to the engine's port.
+            if local.block is not None:
+                segment = local.block.segment
+                self._expose(engine, segment.address, segment.nbytes)
+            else:
+                for addr in local.addrs:
+                    self._expose(engine, addr, local.tensor_nbytes)
         try:
             engine.transfer(
                 link.peer.engine,
