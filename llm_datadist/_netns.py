@@ -13,9 +13,11 @@ import ipaddress
 import os
 import secrets
 import shutil
+import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -115,6 +117,24 @@ def in_netns(netns: str, target: Callable[..., object], env: Mapping[str, str] |
     passes on) and enters namespace `netns`, then calls `target(*args)`. Picklable when `target` is a
     module-level function, as spawn needs."""
     return functools.partial(_run_in_netns, netns, dict(env or {}), target)
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """While inside, SIGTERM raises SystemExit(143) in the main thread (Python's default dies on the spot),
+    so that the `with NamespacePair()` around it still deletes its namespaces. A no-op off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class NamespacePair:
