@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -97,7 +98,15 @@ class _AllLayersReady:
         return True
 
 
-def _prompt(pipe: Connection, peer: Connection, shape: Shape, port: int, timeout_ms: int) -> None:
+def _prompt(
+    pipe: Connection,
+    peer: Connection,
+    shape: Shape,
+    port: int,
+    timeout_ms: int,
+    prompt_ip: str = IP,
+    decoder_ip: str = IP,
+) -> None:
     from llm_datadist import (
         BlocksCacheKey,
         CacheDesc,
@@ -116,7 +125,7 @@ def _prompt(pipe: Connection, peer: Connection, shape: Shape, port: int, timeout
 
     datadist = LLMDataDist(LLMRole.PROMPT, PROMPT_CLUSTER)
     try:
-        datadist.init(_options(f"{IP}:{port}", timeout_ms))
+        datadist.init(_options(f"{prompt_ip}:{port}", timeout_ms))
         manager = datadist.kv_cache_manager
         desc = CacheDesc(
             shape.num_tensors, [4, shape.tokens, shape.kv_heads, shape.head_dim], DataType.DT_FLOAT16
@@ -203,7 +212,15 @@ def _copy_bandwidth(nbytes: int, threads: int, repeats: int = 3, *, shared: bool
     return nbytes / best / 1e9
 
 
-def _decoder(pipe: Connection, peer: Connection, shape: Shape, port: int, timeout_ms: int) -> None:
+def _decoder(
+    pipe: Connection,
+    peer: Connection,
+    shape: Shape,
+    port: int,
+    timeout_ms: int,
+    prompt_ip: str = IP,
+    decoder_ip: str = IP,
+) -> None:
     from llm_datadist import (
         BlocksCacheKey,
         CacheDesc,
@@ -237,8 +254,8 @@ def _decoder(pipe: Connection, peer: Connection, shape: Shape, port: int, timeou
 
         info = LLMClusterInfo()
         info.remote_cluster_id = PROMPT_CLUSTER
-        info.append_local_ip_info(IP, 0)
-        info.append_remote_ip_info(IP, port)
+        info.append_local_ip_info(decoder_ip, 0)
+        info.append_remote_ip_info(prompt_ip, port)
         ret, codes = datadist.link_clusters([info], timeout=10000)
         if ret != LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link_clusters failed: {ret} {codes}")
@@ -269,7 +286,8 @@ def _decoder(pipe: Connection, peer: Connection, shape: Shape, port: int, timeou
 
         prefix = CacheKey(PROMPT_CLUSTER, U64_MAX, 0, 9)
         timed(
-            "warm-up: 4 KiB per tensor (maps the segment)",
+            "warm-up: 4 KiB per tensor "
+            + ("(maps the segment)" if prompt_ip == IP else "(finds the segment's address)"),
             4096 * shape.num_tensors,
             lambda: manager.pull_cache(prefix, dst, size=4096),
         )
@@ -574,22 +592,52 @@ def _decoder_v2(pipe: Connection, peer: Connection, shape: Shape, port: int, tim
         datadist.finalize()
 
 
+@dataclass(frozen=True)
+class Hosts:
+    """Across hosts: the namespace and address of each side, and what both children add to their
+    environment (the shared secret) before they enter their namespace."""
+
+    prompt_netns: str
+    prompt_ip: str
+    decoder_netns: str
+    decoder_ip: str
+    env: dict[str, str]
+
+
 def _run_pair(
-    prompt_target: Any, decoder_target: Any, shape: Shape, port: int, timeout_ms: int, *, together: bool
+    prompt_target: Any,
+    decoder_target: Any,
+    shape: Shape,
+    port: int,
+    timeout_ms: int,
+    *,
+    together: bool,
+    hosts: Hosts | None = None,
 ) -> dict[str, Any] | None:
-    """Run a Prompt and a Decoder process; `together` starts both at once (a two-sided link needs both)."""
+    """Run a Prompt and a Decoder process; `together` starts both at once (a two-sided link needs both).
+    With `hosts`, each enters its namespace first thing and the Prompt listens on its namespace's address."""
+    from llm_datadist._netns import in_netns
+
     ctx = mp.get_context("spawn")
     prompt_pipe, prompt_child = ctx.Pipe()
     decoder_pipe, decoder_child = ctx.Pipe()
     # The Decoder asks the Prompt for the layer-wise push directly, over its own pipe.
     prompt_peer, decoder_peer = ctx.Pipe()
+    ips: tuple[str, ...] = ()
+    if hosts is not None:
+        prompt_target = in_netns(hosts.prompt_netns, prompt_target, hosts.env)
+        decoder_target = in_netns(hosts.decoder_netns, decoder_target, hosts.env)
+        ips = (hosts.prompt_ip, hosts.decoder_ip)
     prompt = ctx.Process(
-        target=prompt_target, args=(prompt_child, prompt_peer, shape, port, timeout_ms), name="prompt"
+        target=prompt_target, args=(prompt_child, prompt_peer, shape, port, timeout_ms, *ips), name="prompt"
     )
     decoder = ctx.Process(
-        target=decoder_target, args=(decoder_child, decoder_peer, shape, port, timeout_ms), name="decoder"
+        target=decoder_target,
+        args=(decoder_child, decoder_peer, shape, port, timeout_ms, *ips),
+        name="decoder",
     )
     result: dict[str, Any] | None = None
+    interrupted = False
     try:
         prompt.start()
         if together:
@@ -605,9 +653,14 @@ def _run_pair(
     except (TimeoutError, RuntimeError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         result = None
+    except BaseException:  # Ctrl-C, or SIGTERM across hosts (`sigterm_as_exit`): no time to wait
+        interrupted = True
+        raise
     finally:
         for process in (decoder, prompt):
-            process.join(30)
+            if process.pid is None:
+                continue  # never started (the Prompt failed first)
+            process.join(0.5 if interrupted else 30)
             if process.is_alive():
                 process.kill()
                 process.join(10)
@@ -617,28 +670,84 @@ def _run_pair(
     return result
 
 
+def hosts_unavailable() -> str | None:
+    """Why `--hosts` cannot run here (no network namespaces, no transfer engine), or None."""
+    from llm_datadist import _remote
+    from llm_datadist._netns import netns_unavailable
+
+    reason = netns_unavailable()
+    if reason is not None:
+        return f"cannot make two network namespaces here: {reason}"
+    reason = _remote.engine_available()
+    if reason is not None:
+        return f"cannot move bytes between hosts: {reason}"
+    return None
+
+
+V1_START = "v1 (kv_cache_manager): starting a Prompt that allocates, prefaults and fills the requests..."
+HOSTS_NOTE = """\
+Across hosts: these rows ran across two network namespaces joined by a veth pair, linked over TCP
+with a shared secret, the bytes moved by Mooncake Transfer Engine. A veth is a memory copy in the kernel,
+not a wire, so only the ratios mean anything."""
+V2_HOSTS_NOTE = (
+    "v2 (cache_manager): skipped across hosts: its two-sided link(comm_name, ...) rendezvous is local-only."
+)
+
+
+def _run_hosts(shape: Shape, port: int, timeout_ms: int) -> dict[str, Any] | None:
+    """The v1 pair with the Prompt in one fresh namespace and the Decoder in another (see `Hosts`); the
+    namespaces are deleted before it returns."""
+    import secrets
+
+    from llm_datadist._auth import ENV_SECRET
+    from llm_datadist._netns import NamespacePair, sigterm_as_exit
+
+    try:
+        with sigterm_as_exit(), NamespacePair() as pair:
+            hosts = Hosts(pair.ns_a, pair.ip_a, pair.ns_b, pair.ip_b, {ENV_SECRET: secrets.token_hex(32)})
+            print(
+                f"across hosts: the Prompt in network namespace {pair.ns_a} at {pair.ip_a}:{port}, the "
+                f"Decoder in {pair.ns_b} at {pair.ip_b}, joined by a veth pair; a fresh random secret"
+            )
+            print(V1_START)
+            return _run_pair(_prompt, _decoder, shape, port, timeout_ms, together=False, hosts=hosts)
+    except (OSError, RuntimeError, TimeoutError, subprocess.SubprocessError) as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.small:
         shape = Shape(layers=4, tokens=256, kv_heads=8, head_dim=128)
     else:
         shape = Shape(layers=args.layers, tokens=args.tokens, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    if args.hosts and (reason := hosts_unavailable()) is not None:
+        print(f"demo --hosts: {reason}", file=sys.stderr)
+        return 2
     port = args.port or 20000 + os.getpid() % 40000
     total = shape.slot_nbytes * shape.num_tensors
     print(
         f"KV cache: {shape.layers} layers x (K, V), {shape.tokens} tokens, {shape.kv_heads} KV heads x "
         f"{shape.head_dim}, fp16: {_format_nbytes(total)} per request, {os.cpu_count()} CPUs"
     )
-    print("v1 (kv_cache_manager): starting a Prompt that allocates, prefaults and fills the requests...")
-    v1 = _run_pair(_prompt, _decoder, shape, port, args.timeout_ms, together=False)
-    # Cache-manager mode, shaped like vllm-ascend's connector: both sides register memory they own,
-    # link two-sided, and the Decoder pulls a block table.
-    print("v2 (cache_manager): both sides register numpy memory and link two-sided...")
-    v2 = _run_pair(_prompt_v2, _decoder_v2, shape, port, args.timeout_ms, together=True)
+    if args.hosts:
+        v1 = _run_hosts(shape, port, args.timeout_ms)
+        v2: dict[str, Any] | None = {"rows": [], "mismatches": 0}  # see V2_HOSTS_NOTE
+    else:
+        print(V1_START)
+        v1 = _run_pair(_prompt, _decoder, shape, port, args.timeout_ms, together=False)
+        # Cache-manager mode, shaped like vllm-ascend's connector: both sides register memory they own,
+        # link two-sided, and the Decoder pulls a block table.
+        print("v2 (cache_manager): both sides register numpy memory and link two-sided...")
+        v2 = _run_pair(_prompt_v2, _decoder_v2, shape, port, args.timeout_ms, together=True)
     if v1 is None or v2 is None:
         return 1
     print()
     print_table(v1["rows"] + v2["rows"])
     print(RATIO_NOTE)
+    if args.hosts:
+        print(HOSTS_NOTE)
+        print(V2_HOSTS_NOTE)
     mismatches = v1["mismatches"] + v2["mismatches"]
     if mismatches:
         print(f"FAILED: {mismatches} bytes differ", file=sys.stderr)
@@ -657,3 +766,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--port", type=int, default=0, help="Prompt listen port (default: derived from the pid)"
     )
     parser.add_argument("--timeout-ms", type=int, default=60000, help="sync_kv_timeout of both sides")
+    parser.add_argument(
+        "--hosts",
+        action="store_true",
+        help="the Prompt and the Decoder in two network namespaces joined by a veth pair, linked over TCP "
+        "(needs root, iproute2 and Mooncake Transfer Engine; v1 only)",
+    )
