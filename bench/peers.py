@@ -271,6 +271,13 @@ def _quiet() -> None:
     os.close(devnull)
 
 
+def quietly(target: Callable[..., object], *args: Any) -> None:
+    """`target(*args)` with this process's stdout and stderr on /dev/null (`_quiet`): a spawned child's
+    target, for children whose C++ engines log and which report failures through their pipe."""
+    _quiet()
+    target(*args)
+
+
 def _owner_main(pipe: Connection, peer: str, nbytes: int, pool_nbytes: int) -> None:
     _quiet()
     try:

@@ -286,7 +286,13 @@ def _peers(results: Results, quick: bool) -> None:
 # ====================================================================== the owner process
 
 
-def _owner(pipe: Connection, mode: str, port: int, timeout_ms: int) -> None:
+def fill_value(tensor_index: int, row: np.ndarray) -> np.ndarray:
+    """The byte the owner's "fill" writes into row `row` (a batch slot or a block) of tensor `tensor_index`:
+    different for neighbouring rows and tensors, so a row pulled from or into the wrong place shows."""
+    return ((tensor_index * 31 + row) % 251 + 1).astype(np.uint8)
+
+
+def _owner(pipe: Connection, mode: str, port: int, timeout_ms: int, ip: str = IP) -> None:
     """Owns the caches; answers commands until told to stop."""
     from llm_datadist import (
         BlocksCacheKey,
@@ -302,7 +308,7 @@ def _owner(pipe: Connection, mode: str, port: int, timeout_ms: int) -> None:
     config = LLMConfig()
     config.device_id = 0
     config.sync_kv_timeout = timeout_ms
-    config.listen_ip_info = f"{IP}:{port}"
+    config.listen_ip_info = f"{ip}:{port}"
     options = dict(config.generate_options())
     if mode == "v2":
         options.update({"llm.EnableCacheManager": "1", "llm.EnableRemoteCacheAccessible": "1"})
@@ -328,6 +334,14 @@ def _owner(pipe: Connection, mode: str, port: int, timeout_ms: int) -> None:
                 cache = datadist.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(OWNER, model_id))
                 keep.append(cache)
                 pipe.send(("ok", cache.cache_id))
+            elif command == "fill":  # every allocated cache: each row of tensor t holds fill_value(t, row)
+                from llm_datadist.ext import tensor_views
+
+                for cache in keep:
+                    for t, view in enumerate(tensor_views(cache)):
+                        rows = view.view(np.uint8).reshape(view.shape[0], -1)
+                        rows[:] = fill_value(t, np.arange(rows.shape[0]))[:, None]
+                pipe.send(("ok", None))
             elif command == "free":
                 manager = datadist.kv_cache_manager
                 manager.remove_cache_key(CacheKey(OWNER, U64_MAX, 0, PREFIX))
@@ -354,10 +368,25 @@ def _owner(pipe: Connection, mode: str, port: int, timeout_ms: int) -> None:
 
 
 class _Owner(Child):
-    """The spawned process that owns the caches a benchmark pulls from (`_owner`)."""
+    """The spawned process that owns the caches a benchmark pulls from (`_owner`), listening on `ip`; with
+    `netns`, it enters that network namespace first, with `env` added to its environment; `quiet` sends its
+    stdout and stderr to /dev/null (its engine's log lines; failures come through the pipe)."""
 
-    def __init__(self, mode: str, port: int, timeout_ms: int) -> None:
-        super().__init__(_owner, mode, port, timeout_ms)
+    def __init__(
+        self,
+        mode: str,
+        port: int,
+        timeout_ms: int,
+        *,
+        ip: str = IP,
+        netns: str = "",
+        env: dict[str, str] | None = None,
+        quiet: bool = False,
+    ) -> None:
+        from llm_datadist._netns import in_netns
+
+        target: Callable[..., None] = functools.partial(peers.quietly, _owner) if quiet else _owner
+        super().__init__(in_netns(netns, target, env) if netns else target, mode, port, timeout_ms, ip)
         self.port = port
         self.reply(600)
 
@@ -386,13 +415,13 @@ def _measurer(mode: str, timeout_ms: int) -> Any:
     return datadist
 
 
-def _link(datadist: Any, port: int) -> None:
+def _link(datadist: Any, port: int, ip: str = IP, local_ip: str = IP) -> None:
     from llm_datadist import LLMClusterInfo, LLMStatusCode
 
     info = LLMClusterInfo()
     info.remote_cluster_id = OWNER
-    info.append_local_ip_info(IP, 0)
-    info.append_remote_ip_info(IP, port)
+    info.append_local_ip_info(local_ip, 0)
+    info.append_remote_ip_info(ip, port)
     ret, codes = datadist.link_clusters([info], timeout=10000)
     if ret != LLMStatusCode.LLM_SUCCESS:
         raise RuntimeError(f"link_clusters failed: {codes}")
@@ -810,6 +839,10 @@ def _plot(results: Results, path: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     from llm_datadist._runtime import ensure_runtime_dir
 
+    if args.hosts:
+        from .hosts import run as run_hosts
+
+        return run_hosts(args)
     results = Results(quiet=args.quiet)
     runtime = ensure_runtime_dir()
     port = args.port or 30000 + os.getpid() % 30000
@@ -877,3 +910,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout-ms", type=int, default=60000, help="sync_kv_timeout of both sides")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--hosts",
+        action="store_true",
+        help="only the bench across hosts: two network namespaces joined by a veth pair, our pulls beside "
+        "Mooncake's own reads, plain TCP and memcpy (needs root, iproute2 and Mooncake Transfer Engine)",
+    )
+    parser.add_argument(
+        "--hosts-mib",
+        type=_even_mib,
+        default=64,
+        help="--hosts: MiB of each large pull, in 32 tensors (even, default 64)",
+    )
+
+
+def _even_mib(text: str) -> int:
+    value = int(text)
+    if value < 2 or value % 2:
+        raise argparse.ArgumentTypeError(f"{text}: an even number of MiB, at least 2")
+    return value
