@@ -14,6 +14,7 @@ from . import _bench, _demo, _soak
 def _gc(args: argparse.Namespace) -> int:
     from llm_datadist._shm.reaper import reap
 
+    from ._netns import remove_stale_namespaces
     from ._runtime import remove_stale_sockets
 
     removed = reap()
@@ -24,6 +25,11 @@ def _gc(args: argparse.Namespace) -> int:
     for path in sockets:
         print(f"removed {path}")
     print(f"{len(sockets)} stale socket(s) removed")
+    namespaces = remove_stale_namespaces()
+    for name in namespaces:
+        print(f"removed network namespace {name}")
+    if namespaces:
+        print(f"{len(namespaces)} network namespace(s) of dead demo, bench or test runs removed")
     return 0
 
 

@@ -11,6 +11,7 @@ import ctypes
 import functools
 import ipaddress
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -50,6 +51,26 @@ def _unique_prefix() -> str:
     # pid + random: unique across concurrent runs and across pairs of one run; short enough that
     # NETNS_DIR paths stay readable.
     return f"llmdd-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+_OURS = re.compile(r"llmdd-(\d+)-[0-9a-f]{6}-[ab]")
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Delete the namespaces of pairs whose maker died without deleting them (a SIGKILLed demo, bench or
+    test run: their names carry its pid); the names deleted. Nothing without root or `ip`."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("ip") is None:
+        return []
+    import psutil
+
+    removed = []
+    for name in sorted(netns_list()):
+        match = _OURS.fullmatch(name)
+        if match is None or psutil.pid_exists(int(match.group(1))):
+            continue
+        if _ip("netns", "delete", name, check=False).returncode == 0:
+            removed.append(name)
+    return removed
 
 
 @functools.cache
@@ -153,6 +174,7 @@ class NamespacePair:
         self._made: list[str] = []
 
     def __enter__(self) -> NamespacePair:
+        remove_stale_namespaces()  # what an earlier run killed before its cleanup left behind
         try:
             for name in (self.ns_a, self.ns_b):
                 _ip("netns", "add", name)

@@ -4,11 +4,13 @@ between the two hosts' addresses. Skipped, with the reason, where namespaces can
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from llm_datadist._netns import remove_stale_namespaces
 from tests._netns import HostError, HostPair, HostProcess, netns_list, require_netns
 
 
@@ -162,3 +164,17 @@ def test_unavailable_gives_a_reason_and_skips(monkeypatch: pytest.MonkeyPatch) -
             require_netns()
     finally:
         netns.netns_unavailable.cache_clear()  # the next caller probes the real machine again
+
+
+def test_namespaces_of_a_dead_run_are_removed_and_a_live_ones_kept() -> None:
+    require_netns()
+    dead_pid = 1 << 23  # above the largest pid_max Linux allows: never a live process
+    dead, live = f"llmdd-{dead_pid}-abcdef-a", f"llmdd-{os.getpid()}-fedcba-b"
+    for name in (dead, live):
+        subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
+    try:
+        assert remove_stale_namespaces() == [dead]
+        assert live in netns_list() and dead not in netns_list()
+    finally:
+        for name in (dead, live):
+            subprocess.run(["ip", "netns", "delete", name], timeout=10, check=False, capture_output=True)
