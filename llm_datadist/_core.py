@@ -179,10 +179,12 @@ class Core(ServerHooks):
             f"no shared secret: set {_auth.ENV_SECRET} (or {_auth.ENV_SECRET_FILE}, a file of mode 0600) "
             "to the same value on both hosts"
         )
+        self._secret_unusable = False  # one is configured, but cannot be used (said at every use)
         try:
             self._secret = _auth.load_secret()
         except _auth.SecretError as exc:
             self._secret_problem = str(exc)
+            self._secret_unusable = True
         self._engine: RemoteEngine | None = None
         self._exposed: dict[int, int] = {}
         self._remote_lock = threading.Lock()
@@ -246,7 +248,9 @@ class Core(ServerHooks):
         if ip.startswith("127."):
             return
         if self._secret is None:
-            log.info("not serving other hosts at %s:%d: %s", ip, port, self._secret_problem)
+            # No secret is how one host runs; a secret that is set but unusable is a mistake to shout about.
+            say = log.error if self._secret_unusable else log.info
+            say("not serving other hosts at %s:%d: %s", ip, port, self._secret_problem)
             return
         try:
             self.server.listen_tcp(ip, port)
@@ -783,6 +787,13 @@ class Core(ServerHooks):
             dst.slot_nbytes,
         )
         if link.peer.remote:
+            # The grant's blocks must lie in its segment and ours in our segment, as the local copy checks.
+            try:
+                plan.check(segment_nbytes, dst.pool_block.segment.nbytes)
+            except ShmError as exc:
+                raise StatusError(
+                    LLMStatusCode.LLM_FAILED, f"peer granted blocks out of range: {exc}"
+                ) from exc
             (src_base,) = self._segment_bases(link, [segment], deadline)
             dst_base = dst.pool_block.segment.address
             src_starts, dst_starts, lengths = block_runs(plan)
