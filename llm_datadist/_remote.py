@@ -186,8 +186,9 @@ class RemoteEngine:
                 for local, remote, nbytes in batches:
                     code = run(peer, local, remote, nbytes)
                     if code != 0:
+                        # The engine gave up on the peer (unreachable, reset, refused): the link is broken.
                         error = StatusError(
-                            LLMStatusCode.LLM_FAILED,
+                            LLMStatusCode.LLM_LINK_FAILED,
                             f"the transfer engine failed a {'write to' if write else 'read from'} {peer} "
                             f"(code {code})",
                         )
