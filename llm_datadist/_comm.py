@@ -3,13 +3,16 @@
 Rules: `Comms` belongs to one `Core` and keeps only the communicators' own state; the links a communicator
 makes are the core's links (`Core._links`, under `Core._links_lock`, which also guards this state), so
 `pull`, `unlink` and `close` treat them like any other. Each member serves on a rendezvous socket named
-after the communicator and its rank; a background thread connects to the others until all are linked.
+after the communicator and its rank, and, when the rank table puts it on a server ip of another host than
+some member's, on TCP at that ip and `HCCL_IF_BASE_PORT` + its rank; a background thread connects to the
+others (over TCP to a member on another host) until all are linked.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._errors import StatusError
-from ._runtime import socket_path_in_runtime
+from ._rank_table import RankTable
+from ._runtime import is_local_ip, socket_path_in_runtime
 from ._transport import ClientLink, PeerInfo
 from .status import LLMStatusCode
 from .utils.log import log
@@ -27,6 +31,10 @@ if TYPE_CHECKING:
 
 # Per process: two-sided communicators open at once.
 MAX_COMMS = 512
+# A member on another host serves its rendezvous over TCP at its rank table server ip and this base port
+# plus its rank (HCCL's variable for the first port it listens on; HCCL's default).
+ENV_BASE_PORT = "HCCL_IF_BASE_PORT"
+DEFAULT_BASE_PORT = 60000
 
 COMM_OK, COMM_PREPARING, COMM_FAILED = 0, 1, 2  # RegisterMemStatus values
 
@@ -40,6 +48,9 @@ class Comm:
     members: dict[int, int]
     path: Path
     deadline: float
+    # Each member's server ip from the rank table ("" where it is on this host) and our TCP rendezvous.
+    hosts: dict[int, str] = field(default_factory=dict)
+    tcp: tuple[str, int] | None = None
     status: int = COMM_PREPARING
     clusters: set[int] = field(default_factory=set)
     # Members that have connected to us (any socket) since the comm began.
@@ -57,9 +68,10 @@ class Comms:
         # Set once a two-sided link() was made: memory registered later defaults to remote_accessible=False.
         self.two_sided_links_made = False
 
-    def link(self, comm_name: str, members: dict[int, int]) -> int:
-        """Start a two-sided link: serve on this member's rendezvous socket and, in the background, connect
-        to every other member's until all are linked (status OK) or the link time runs out (FAILED)."""
+    def link(self, comm_name: str, members: dict[int, int], table: RankTable | None = None) -> int:
+        """Start a two-sided link: serve on this member's rendezvous socket (and TCP port, with members on
+        other hosts) and, in the background, connect to every other member's until all are linked (status
+        OK) or the link time runs out (FAILED)."""
         core = self._core
         core.server.check_alive()
         own = members.get(core.settings.cluster_id)
@@ -67,6 +79,12 @@ class Comms:
             raise StatusError(
                 LLMStatusCode.LLM_PARAM_INVALID, "cluster_rank_info must contain this cluster's id"
             )
+        own_ip = _server_ip(table, own)
+        # Across hosts only when the table puts us on an address of this host: a table of some other
+        # cluster (an Ascend one, copied) describes no host here, and all members are taken to be local.
+        hosts = (
+            _member_hosts(members, table) if own_ip and is_local_ip(own_ip) else dict.fromkeys(members, "")
+        )
         digest = hashlib.sha1(comm_name.encode()).hexdigest()[:16]
         path = socket_path_in_runtime(f"comm-{digest}-r{own}.sock")
         try:
@@ -75,15 +93,34 @@ class Comms:
             raise StatusError(
                 LLMStatusCode.LLM_LINK_FAILED, f"rank {own} of {comm_name!r} is taken: {exc}"
             ) from exc
+        tcp: tuple[str, int] | None = None
+        if any(hosts.values()):
+            # Some member is on another host: it reaches us at our server ip.
+            tcp = (own_ip, _rendezvous_port(own))
+            try:
+                core.listen_tcp(*tcp)
+            except StatusError:
+                core.server.unlisten(path)
+                raise
         total_s = core.settings.link_total_time_s or int(os.environ.get("HCCL_CONNECT_TIMEOUT", "120"))
         with core._links_lock:
             full = len(self._comms) >= MAX_COMMS or core._closed
             if not full:
-                comm = Comm(self._next_comm_id, comm_name, dict(members), path, time.monotonic() + total_s)
+                comm = Comm(
+                    self._next_comm_id,
+                    comm_name,
+                    dict(members),
+                    path,
+                    time.monotonic() + total_s,
+                    hosts=hosts,
+                    tcp=tcp,
+                )
                 self._next_comm_id += 1
                 self._comms[comm.comm_id] = comm
         if full:
             core.server.unlisten(path)
+            if tcp is not None:
+                core.server.unlisten(tcp)
             raise StatusError(LLMStatusCode.LLM_FAILED, f"{MAX_COMMS} open link() communicators is the limit")
         # Members that connected before the comm was recorded (the hook only sees later ones).
         connected = {peer.cluster_id for peer in core.server.peers()}
@@ -119,19 +156,24 @@ class Comms:
                     if cluster_id in core._links:
                         del pending[cluster_id]
                         continue
-                path = socket_path_in_runtime(f"comm-{digest}-r{rank}.sock")
-                if not path.exists():
-                    continue
+                deadline = min(comm.deadline, time.monotonic() + 5.0)
+                host = comm.hosts.get(cluster_id, "")
                 try:
-                    link = ClientLink.connect(
-                        path,
-                        cluster_id=core.settings.cluster_id,
-                        remote_cluster_id=cluster_id,
-                        role=int(core.role),
-                        deadline=min(comm.deadline, time.monotonic() + 5.0),
-                        callback=core.callback_name,
-                        incarnation=core.incarnation,
-                    )
+                    if host:
+                        link = core.connect_tcp(cluster_id, host, _rendezvous_port(rank), deadline)
+                    else:
+                        path = socket_path_in_runtime(f"comm-{digest}-r{rank}.sock")
+                        if not path.exists():
+                            continue
+                        link = ClientLink.connect(
+                            path,
+                            cluster_id=core.settings.cluster_id,
+                            remote_cluster_id=cluster_id,
+                            role=int(core.role),
+                            deadline=deadline,
+                            callback=core.callback_name,
+                            incarnation=core.incarnation,
+                        )
                 except StatusError as exc:
                     log.info("link %r: rank %d not reachable yet: %s", comm.name, rank, exc.detail)
                     continue
@@ -186,6 +228,8 @@ class Comms:
                 core._links.pop(cluster_id, None)
         comm.stop.set()
         core.server.unlisten(comm.path)
+        if comm.tcp is not None:
+            core.server.unlisten(comm.tcp)
         for link in links:
             link.close(say_bye=True)
         # The members' links to us belong to the same communicator: they go too.
@@ -197,3 +241,36 @@ class Comms:
         """`Core.close`, with `Core._links_lock` held: every connecting thread stops."""
         for comm in self._comms.values():
             comm.stop.set()
+
+
+def _server_ip(table: RankTable | None, rank: int) -> str:
+    """The rank table's server ip of `rank`, when it names one (a server_id that is an IPv4 address)."""
+    device = table.device(rank) if table is not None else None
+    if device is None:
+        return ""
+    try:
+        socket.inet_aton(device.server_id)
+    except OSError:
+        return ""
+    return device.server_id if device.server_id.count(".") == 3 else ""
+
+
+def _member_hosts(members: dict[int, int], table: RankTable | None) -> dict[int, str]:
+    """Each member's server ip when it is on another host (not one of our addresses), else ""."""
+    hosts = {}
+    for cluster_id, rank in members.items():
+        ip = _server_ip(table, rank)
+        hosts[cluster_id] = ip if ip and not is_local_ip(ip) else ""
+    return hosts
+
+
+def _rendezvous_port(rank: int) -> int:
+    """Where a member on another host serves its rendezvous: `HCCL_IF_BASE_PORT` (default 60000) + rank."""
+    text = os.environ.get(ENV_BASE_PORT, "")
+    base = int(text) if text.isdigit() else DEFAULT_BASE_PORT
+    port = base + rank
+    if not 0 < port < 65536:
+        raise StatusError(
+            LLMStatusCode.LLM_PARAM_INVALID, f"rank {rank} has no TCP port from base {base} (over 65535)"
+        )
+    return port

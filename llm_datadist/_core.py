@@ -372,6 +372,27 @@ class Core(ServerHooks):
 
     # ------------------------------------------------------------------ across hosts
 
+    def listen_tcp(self, ip: str, port: int) -> None:
+        """Serve peers on other hosts at `ip:port` too (a two-sided link's rendezvous); StatusError
+        (LLM_LINK_FAILED) without a usable secret or transfer engine, or when the port is taken."""
+        problem = engine_available()
+        if problem is not None:
+            raise MissingExtra(LLMStatusCode.LLM_LINK_FAILED, problem)
+        if self._secret is None:
+            raise StatusError(
+                LLMStatusCode.LLM_LINK_FAILED, f"members on other hosts: {self._secret_problem}"
+            )
+        try:
+            self.server.listen_tcp(ip, port)
+        except OSError as exc:
+            raise StatusError(
+                LLMStatusCode.LLM_LINK_FAILED, f"TCP {ip}:{port} cannot be served: {exc}"
+            ) from exc
+
+    def connect_tcp(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> ClientLink:
+        """A link over TCP to the member `remote_cluster_id` of a two-sided link, on another host."""
+        return self._connect_tcp(remote_cluster_id, ip, port, deadline, "")
+
     def _connect_tcp(
         self, remote_cluster_id: int, ip: str, port: int, deadline: float, local_ip: str
     ) -> ClientLink:

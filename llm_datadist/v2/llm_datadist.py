@@ -299,11 +299,11 @@ class LLMDataDist:
             raise make_error(
                 api, LLMStatusCode.LLM_PARAM_INVALID, "link is only available in cache-manager mode"
             )
-        name, members, _ = check_link_args(
+        name, members, table = check_link_args(
             comm_name, cluster_rank_info, rank_table, local_cluster_id=self._cluster_id
         )
         with api_errors(api):
-            return core.comms.link(name, members)
+            return core.comms.link(name, members, table)
 
     def unlink(self, comm_id: int) -> None:
         """Tear down a two-sided link; LLM_LINK_BUSY while one of its links is transferring."""

@@ -513,3 +513,61 @@ def test_the_cross_host_example_runs_as_written(pair: HostPair) -> None:
         if prompt.poll() is None:
             prompt.kill()
             prompt.communicate(timeout=10)
+
+
+TWO_SIDED = """
+import json
+dd = LLMDataDist(LLMRole(role), cluster_id)
+config = LLMConfig()
+config.device_id = 0
+config.enable_cache_manager = True
+config.link_total_time = 20
+dd.init(config.generate_options())
+manager = dd.cache_manager
+arrays = [np.zeros(16 * 2048, dtype=np.uint8) for _ in range(4)]
+for t, a in enumerate(arrays):
+    a[:] = expected(cluster_id, t, a.size)
+desc = CacheDesc(4, [16, 2048], DataType.DT_UINT8)
+cache = manager.register_blocks_cache(desc, [a.ctypes.data for a in arrays], BlocksCacheKey(cluster_id, 0))
+table = json.dumps({
+    "version": "1.0", "server_count": "2", "status": "completed",
+    "server_list": [
+        {"server_id": ip_a, "device": [{"device_id": "0", "device_ip": ip_a, "rank_id": "0"}]},
+        {"server_id": ip_b, "device": [{"device_id": "0", "device_ip": ip_b, "rank_id": "1"}]},
+    ],
+})
+comm_id = dd.link("pd_across_hosts", {prompt_id: 0, decoder_id: 1}, table)
+result = comm_id
+"""
+
+TWO_SIDED_WAIT = """
+deadline = time.monotonic() + 20
+while (status := dd.query_register_mem_status(comm_id)) != RegisterMemStatus.OK:
+    assert status != RegisterMemStatus.FAILED and time.monotonic() < deadline, status
+    time.sleep(0.02)
+result = status.name
+"""
+
+
+def test_v2_two_sided_link_with_a_rank_table_of_two_hosts(pair: HostPair) -> None:
+    """The rank table's server ips say where each member is: each serves its rendezvous on TCP at its
+    server ip (HCCL_IF_BASE_PORT + rank), and the members link over TCP."""
+    prompt, decoder = _host(pair, "a"), _host(pair, "b")
+    ids = {"prompt_id": PROMPT_ID, "decoder_id": DECODER_ID, "ip_a": pair.ip_a, "ip_b": pair.ip_b}
+    prompt.run(TWO_SIDED, role=1, cluster_id=PROMPT_ID, **ids)
+    decoder.run(TWO_SIDED, role=2, cluster_id=DECODER_ID, **ids)
+    assert prompt.run(TWO_SIDED_WAIT) == decoder.run(TWO_SIDED_WAIT) == "OK"
+    result = decoder.run(
+        """
+src, dst = [15, 0, 7], [1, 2, 3]
+manager.pull_blocks(BlocksCacheKey(prompt_id, 0), cache, src, dst)
+result = all(
+    np.array_equal(arrays[t].reshape(16, 2048)[d], expected(prompt_id, t, 16 * 2048).reshape(16, 2048)[s])
+    for t in range(4) for s, d in zip(src, dst)
+)
+dd.unlink(comm_id)
+""",
+        prompt_id=PROMPT_ID,
+    )
+    assert result is True
+    prompt.run("dd.unlink(comm_id)")
