@@ -506,11 +506,30 @@ def _registered_blocks(shape: Shape) -> list[np.ndarray]:
     ]
 
 
-def _two_sided_link(datadist: Any, deadline_s: float) -> int:
-    from llm_datadist import RegisterMemStatus
+def _v2_rank_table(prompt_ip: str, decoder_ip: str) -> str:
+    """The rank table of the two-sided link: one server on one host; across hosts, one server per side
+    (its ip tells each member where the other is)."""
+    import json
+
     from llm_datadist._rank_table import default_rank_table
 
-    comm_id: int = datadist.link(COMM_NAME, dict(V2_MEMBERS), default_rank_table(V2_MEMBERS))
+    if prompt_ip == decoder_ip:
+        return default_rank_table(V2_MEMBERS)
+    servers = [
+        {
+            "server_id": ip,
+            "device": [{"device_id": "0", "device_ip": ip, "rank_id": str(V2_MEMBERS[cluster])}],
+        }
+        for cluster, ip in ((PROMPT_CLUSTER, prompt_ip), (DECODER_CLUSTER, decoder_ip))
+    ]
+    return json.dumps({"version": "1.0", "server_count": "2", "server_list": servers, "status": "completed"})
+
+
+def _two_sided_link(datadist: Any, deadline_s: float, prompt_ip: str, decoder_ip: str) -> int:
+    from llm_datadist import RegisterMemStatus
+
+    table = _v2_rank_table(prompt_ip, decoder_ip)
+    comm_id: int = datadist.link(COMM_NAME, dict(V2_MEMBERS), table)
     deadline = time.monotonic() + deadline_s
     while (status := datadist.query_register_mem_status(comm_id)) != RegisterMemStatus.OK:
         if status == RegisterMemStatus.FAILED or time.monotonic() > deadline:
@@ -519,7 +538,15 @@ def _two_sided_link(datadist: Any, deadline_s: float) -> int:
     return comm_id
 
 
-def _prompt_v2(pipe: Connection, peer: Connection, shape: Shape, port: int, timeout_ms: int) -> None:
+def _prompt_v2(
+    pipe: Connection,
+    peer: Connection,
+    shape: Shape,
+    port: int,
+    timeout_ms: int,
+    prompt_ip: str = IP,
+    decoder_ip: str = IP,
+) -> None:
     from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole
 
     datadist = LLMDataDist(LLMRole.PROMPT, PROMPT_CLUSTER)
@@ -537,7 +564,7 @@ def _prompt_v2(pipe: Connection, peer: Connection, shape: Shape, port: int, time
         cache = manager.register_blocks_cache(
             desc, [a.ctypes.data for a in arrays], BlocksCacheKey(PROMPT_CLUSTER, PAGED_MODEL_ID)
         )
-        comm_id = _two_sided_link(datadist, 120)
+        comm_id = _two_sided_link(datadist, 120, prompt_ip, decoder_ip)
         pipe.send(("ready", None))
         pipe.poll(3600)
         pipe.recv()
@@ -550,7 +577,15 @@ def _prompt_v2(pipe: Connection, peer: Connection, shape: Shape, port: int, time
         datadist.finalize()
 
 
-def _decoder_v2(pipe: Connection, peer: Connection, shape: Shape, port: int, timeout_ms: int) -> None:
+def _decoder_v2(
+    pipe: Connection,
+    peer: Connection,
+    shape: Shape,
+    port: int,
+    timeout_ms: int,
+    prompt_ip: str = IP,
+    decoder_ip: str = IP,
+) -> None:
     from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole
 
     datadist = LLMDataDist(LLMRole.DECODER, DECODER_CLUSTER)
@@ -566,7 +601,7 @@ def _decoder_v2(pipe: Connection, peer: Connection, shape: Shape, port: int, tim
             DataType.DT_FLOAT16,
         )
         cache = manager.register_blocks_cache(desc, [a.ctypes.data for a in arrays])
-        comm_id = _two_sided_link(datadist, 120)
+        comm_id = _two_sided_link(datadist, 120, prompt_ip, decoder_ip)
         prompt_blocks, decoder_blocks = block_order(shape, 1), block_order(shape, 2)
         nbytes = shape.table_blocks * shape.block_nbytes * shape.num_tensors
         key = BlocksCacheKey(PROMPT_CLUSTER, PAGED_MODEL_ID)
@@ -689,14 +724,15 @@ HOSTS_NOTE = """\
 Across hosts: these rows ran across two network namespaces joined by a veth pair, linked over TCP
 with a shared secret, the bytes moved by Mooncake Transfer Engine. A veth is a memory copy in the kernel,
 not a wire, so only the ratios mean anything."""
-V2_HOSTS_NOTE = (
-    "v2 (cache_manager): skipped across hosts: its two-sided link(comm_name, ...) rendezvous is local-only."
-)
+V2_START = "v2 (cache_manager): both sides register numpy memory and link two-sided..."
 
 
-def _run_hosts(shape: Shape, port: int, timeout_ms: int) -> dict[str, Any] | None:
-    """The v1 pair with the Prompt in one fresh namespace and the Decoder in another (see `Hosts`); the
-    namespaces are deleted before it returns."""
+def _run_hosts(
+    shape: Shape, port: int, timeout_ms: int
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The v1 pair, then the v2 pair, with the Prompt in one fresh namespace and the Decoder in another
+    (see `Hosts`; the v2 rank table names each side's address); the namespaces are deleted before it
+    returns."""
     import secrets
 
     from llm_datadist._auth import ENV_SECRET
@@ -710,10 +746,13 @@ def _run_hosts(shape: Shape, port: int, timeout_ms: int) -> dict[str, Any] | Non
                 f"Decoder in {pair.ns_b} at {pair.ip_b}, joined by a veth pair; a fresh random secret"
             )
             print(V1_START)
-            return _run_pair(_prompt, _decoder, shape, port, timeout_ms, together=False, hosts=hosts)
+            v1 = _run_pair(_prompt, _decoder, shape, port, timeout_ms, together=False, hosts=hosts)
+            print(V2_START)
+            v2 = _run_pair(_prompt_v2, _decoder_v2, shape, port, timeout_ms, together=True, hosts=hosts)
+            return v1, v2
     except (OSError, RuntimeError, TimeoutError, subprocess.SubprocessError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
-        return None
+        return None, None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -731,14 +770,13 @@ def run(args: argparse.Namespace) -> int:
         f"{shape.head_dim}, fp16: {_format_nbytes(total)} per request, {os.cpu_count()} CPUs"
     )
     if args.hosts:
-        v1 = _run_hosts(shape, port, args.timeout_ms)
-        v2: dict[str, Any] | None = {"rows": [], "mismatches": 0}  # see V2_HOSTS_NOTE
+        v1, v2 = _run_hosts(shape, port, args.timeout_ms)
     else:
         print(V1_START)
         v1 = _run_pair(_prompt, _decoder, shape, port, args.timeout_ms, together=False)
         # Cache-manager mode, shaped like vllm-ascend's connector: both sides register memory they own,
         # link two-sided, and the Decoder pulls a block table.
-        print("v2 (cache_manager): both sides register numpy memory and link two-sided...")
+        print(V2_START)
         v2 = _run_pair(_prompt_v2, _decoder_v2, shape, port, args.timeout_ms, together=True)
     if v1 is None or v2 is None:
         return 1
@@ -747,7 +785,6 @@ def run(args: argparse.Namespace) -> int:
     print(RATIO_NOTE)
     if args.hosts:
         print(HOSTS_NOTE)
-        print(V2_HOSTS_NOTE)
     mismatches = v1["mismatches"] + v2["mismatches"]
     if mismatches:
         print(f"FAILED: {mismatches} bytes differ", file=sys.stderr)
@@ -770,5 +807,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hosts",
         action="store_true",
         help="the Prompt and the Decoder in two network namespaces joined by a veth pair, linked over TCP "
-        "(needs root, iproute2 and Mooncake Transfer Engine; v1 only)",
+        "(needs root, iproute2 and Mooncake Transfer Engine)",
     )
