@@ -571,3 +571,121 @@ dd.unlink(comm_id)
     )
     assert result is True
     prompt.run("dd.unlink(comm_id)")
+
+
+# ------------------------------------------------------------------ a proven but hostile peer over TCP
+
+HOSTILE = """
+import os, socket
+from llm_datadist import _auth
+from llm_datadist._protocol.connection import Closed, Connection, ConnRole
+from llm_datadist._protocol.frames import encode_frame
+from llm_datadist._protocol.messages import (
+    PROTOCOL_VERSION, KEY_REQ, AddressRequest, Addresses, Challenge, Error, Hello, Ping, Pong,
+    PullGrant, PullRequest, Table, TableRequest, Welcome,
+)
+
+class Peer:
+    '''A client that proves the secret, then sends whatever it likes.'''
+
+    def __init__(self):
+        self.sock = socket.create_connection((ip, port), timeout=5)
+        self.conn = Connection(ConnRole.CLIENT, challenge=True)
+        challenge = self.receive()
+        nonce = os.urandom(32)
+        me = (66, 1, "10.0.0.9:1")
+        proof = _auth.client_proof(secret.encode(), challenge.nonce, nonce, me, prompt_id)
+        self.send(Hello(PROTOCOL_VERSION, 66, prompt_id, 2, 4242, 1, nonce, proof, "10.0.0.9:1"))
+        welcome = self.receive()
+        assert isinstance(welcome, Welcome) and welcome.proof, welcome
+
+    def send(self, msg):
+        self.sock.sendall(self.conn.send(msg))
+
+    def receive(self):
+        while True:
+            event = self.conn.next_event()
+            if event is not None:
+                return event
+            data = self.sock.recv(1 << 20)
+            self.conn.receive_data(data)
+
+    def closed(self):
+        try:
+            while self.sock.recv(1 << 20):
+                pass
+        except ConnectionResetError:
+            pass
+        return True
+"""
+
+
+def test_a_proven_peer_sending_hostile_messages_over_tcp_only_loses_its_connection(pair: HostPair) -> None:
+    prompt, decoder = _v1(pair)
+    prompt.run(
+        """
+desc = CacheDesc(2, [1, 4096], DataType.DT_INT8)
+for req_id in (1, 2):
+    caches[req_id] = kvm.allocate_cache(desc, [CacheKey(prompt_id, req_id=req_id)])
+    fill(caches[req_id], req_id)
+""",
+        prompt_id=PROMPT_ID,
+    )
+    hostile = _host(pair, "b")
+    hostile.run(HOSTILE, ip=pair.ip_a, port=PORT, prompt_id=PROMPT_ID, secret=SECRET)
+    result = hostile.run(
+        """
+answers = []
+peer = Peer()
+# Where is a segment that is not a pool segment (the generations words), or none at all: refused.
+peer.send(TableRequest(1, 1))
+table = peer.receive()
+for seq, names in ((2, (table.generations,)), (3, ("/no-such-segment",))):
+    peer.send(AddressRequest(seq, names))
+    answers.append(type(peer.receive()).__name__)
+# A pull granted, then the connection dropped without a release: the owner gives the key back.
+peer.send(PullRequest(4, KEY_REQ, 1, 0, 0, 0, 2, True, 4096, 0, True))
+grant = peer.receive()
+answers.append(type(grant).__name__)
+peer.send(AddressRequest(5, (grant.segment,)))
+answers.append(type(peer.receive()).__name__)
+peer.sock.close()
+# Garbage after the handshake: that connection is closed, the server goes on.
+peer = Peer()
+peer.sock.sendall(b"\\x00\\x00\\x00\\x05" + b"\\xc1" * 5)
+answers.append(peer.closed())
+# A frame over the limit even for a proven peer: closed before its body is read.
+peer = Peer()
+peer.sock.sendall((2 << 20).to_bytes(4, "big") + b"\\x90" * 64)
+answers.append(peer.closed())
+# A message only a server sends: closed.
+peer = Peer()
+peer.sock.sendall(encode_frame(Pong(1).to_wire()))
+answers.append(peer.closed())
+result = answers
+""",
+    )
+    assert result == ["Error", "Error", "PullGrant", "Addresses", True, True, True]
+    # The owner still serves: the key the dropped connection was granted came back, and the real
+    # Decoder pulls both requests.
+    pulled = decoder.run(
+        """
+dst = kvm.allocate_cache(CacheDesc(2, [1, 4096], DataType.DT_INT8))
+ok = []
+for req_id in (1, 2):
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            kvm.pull_cache(CacheKey(prompt_id, req_id=req_id), dst, 0)
+            break
+        except LLMException as exc:  # the dropped connection's lease ends when the owner sees it close
+            assert exc.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST and time.monotonic() < deadline
+            time.sleep(0.05)
+    ok.append(all(np.array_equal(v, expected(req_id, t, 4096)) for t, v in enumerate(raw(dst))))
+result = ok
+""",
+        prompt_id=PROMPT_ID,
+    )
+    assert pulled == [True, True]
+    stats = prompt.run("result = dd._require_core().table.stats()")
+    assert stats["leases"] == 0, stats
