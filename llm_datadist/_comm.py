@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,11 +63,18 @@ class Comms:
     """The two-sided links of one `Core` (`core.comms`), by comm id."""
 
     def __init__(self, core: Core) -> None:
-        self._core = core
+        # Weak: the core owns this, and a cycle would keep a finalized core alive until a full collection.
+        self._core_ref = weakref.ref(core)
         self._comms: dict[int, Comm] = {}
         self._next_comm_id = 1
         # Set once a two-sided link() was made: memory registered later defaults to remote_accessible=False.
         self.two_sided_links_made = False
+
+    @property
+    def _core(self) -> Core:
+        core = self._core_ref()
+        assert core is not None, "the core of these links is gone"
+        return core
 
     def link(self, comm_name: str, members: dict[int, int], table: RankTable | None = None) -> int:
         """Start a two-sided link: serve on this member's rendezvous socket (and TCP port, with members on

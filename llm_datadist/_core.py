@@ -1519,6 +1519,11 @@ class Core(ServerHooks):
         if self._engine is not None:
             for addr in exposed:  # registered memory goes back to the user out of the engine's reach
                 self._engine.unregister(addr)
+        # The hooks are bound methods of this Core: without them no cycle keeps a finalized Core (and what
+        # it held) alive until the next full garbage collection.
+        self.table.on_unregistered = None
+        for pool in self.table.pools():
+            pool.on_release = None
 
 
 # ====================================================================== cache-manager (v2) transfers

@@ -822,6 +822,9 @@ class CacheTable:
 
         return release
 
+    def pools(self) -> list[Pool]:
+        return list(self._pools.values())
+
     def segment_address(self, name: str) -> tuple[int, int] | None:
         """(address, nbytes) of our live pool segment `name` (with or without its leading slash)."""
         name = name.lstrip("/")

@@ -362,6 +362,7 @@ class Server:
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
+        self._hooks = ServerHooks()  # the owner's hooks refer back to it: no cycle outlives the close
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):

@@ -578,3 +578,35 @@ def test_a_one_sided_puller_follows_a_model_id_bound_to_a_newer_cache(seed: int)
         np.testing.assert_array_equal(written[2], local[1][3].view(np.uint8))
         untouched = np.frombuffer(peer.call("v2_bytes", (older, 1)), dtype=np.uint8).reshape(8, 192)
         np.testing.assert_array_equal(untouched, peer.expected(older, 1, 8 * 192).reshape(8, 192))
+
+
+def test_a_finalized_instance_is_freed_without_the_cycle_collector() -> None:
+    """A process that initialises and finalizes again and again (an owner restarted in place) must not
+    keep each finalized instance until a full garbage collection happens to run: nothing may form a
+    reference cycle through the instance's core once it is closed."""
+    import gc
+    import weakref
+
+    from llm_datadist import CacheDesc, CacheKey, DataType, LLMConfig, LLMDataDist, LLMRole
+
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        datadist = LLMDataDist(LLMRole.PROMPT, 1)
+        config = LLMConfig()
+        config.device_id = 0
+        config.listen_ip_info = "127.0.0.1:26557"
+        datadist.init(config.generate_options())
+        manager = datadist.kv_cache_manager
+        cache = manager.allocate_cache(CacheDesc(2, [1, 4096], DataType.DT_INT8), [CacheKey(1, req_id=1)])
+        manager.deallocate_cache(cache)
+        del cache
+        core = datadist._core
+        parts = [weakref.ref(part) for part in (core, core.table, core.server, core.comms, core.copier)]
+        del core
+        datadist.finalize()
+        assert [ref() is None for ref in parts] == [True] * len(parts)
+    finally:
+        if enabled:
+            gc.enable()
