@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from ._errors import StatusError
 from ._rank_table import RankTable
 from ._runtime import is_local_ip, socket_path_in_runtime
-from ._transport import ClientLink, PeerInfo
+from ._transport import PeerInfo
 from .status import LLMStatusCode
 from .utils.log import log
 
@@ -173,15 +173,7 @@ class Comms:
                         path = socket_path_in_runtime(f"comm-{digest}-r{rank}.sock")
                         if not path.exists():
                             continue
-                        link = ClientLink.connect(
-                            path,
-                            cluster_id=core.settings.cluster_id,
-                            remote_cluster_id=cluster_id,
-                            role=int(core.role),
-                            deadline=deadline,
-                            callback=core.callback_name,
-                            incarnation=core.incarnation,
-                        )
+                        link = core.connect_unix(path, cluster_id, deadline)
                 except StatusError as exc:
                     log.info("link %r: rank %d not reachable yet: %s", comm.name, rank, exc.detail)
                     continue

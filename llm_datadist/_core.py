@@ -335,17 +335,9 @@ class Core(ServerHooks):
                 return LLMStatusCode.LLM_LINK_FAILED
         try:
             if is_local_ip(ip):
-                link = ClientLink.connect(
-                    socket_path(ip, port),
-                    cluster_id=self.settings.cluster_id,
-                    remote_cluster_id=remote_cluster_id,
-                    role=int(self.role),
-                    deadline=deadline,
-                    callback=self.callback_name,
-                    incarnation=self.incarnation,
-                )
+                link = self.connect_unix(socket_path(ip, port), remote_cluster_id, deadline)
             else:
-                link = self._connect_tcp(remote_cluster_id, ip, port, deadline, local_ip)
+                link = self.connect_tcp(remote_cluster_id, ip, port, deadline, local_ip)
         except MissingExtra:
             raise
         except StatusError as exc:
@@ -389,14 +381,19 @@ class Core(ServerHooks):
                 LLMStatusCode.LLM_LINK_FAILED, f"TCP {ip}:{port} cannot be served: {exc}"
             ) from exc
 
-    def connect_tcp(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> ClientLink:
-        """A link over TCP to the member `remote_cluster_id` of a two-sided link, on another host."""
-        return self._connect_tcp(remote_cluster_id, ip, port, deadline, "")
-
-    def _connect_tcp(
-        self, remote_cluster_id: int, ip: str, port: int, deadline: float, local_ip: str
+    def connect_tcp(
+        self,
+        remote_cluster_id: int,
+        ip: str,
+        port: int,
+        deadline: float,
+        local_ip: str = "",
+        *,
+        serve_callback: bool = True,
     ) -> ClientLink:
-        """A link over TCP to a peer on another host (see `ClientLink.connect_tcp`)."""
+        """A link over TCP to a peer on another host (see `ClientLink.connect_tcp`), from `local_ip` when
+        that is one of ours. `serve_callback`: announce a TCP port of ours the peer may push through (not
+        on a link that is itself the way back)."""
         problem = engine_available()
         if problem is not None:
             raise MissingExtra(LLMStatusCode.LLM_LINK_FAILED, problem)
@@ -410,11 +407,26 @@ class Core(ServerHooks):
             secret=self._secret,
             local_ip=local_ip if local_ip and is_local_ip(local_ip) and local_ip != "0.0.0.0" else "",
             engine=lambda our_ip: self.engine(our_ip).address,
-            callback_port=self._tcp_callback_port,
+            callback_port=self._tcp_callback_port if serve_callback else lambda our_ip: 0,
             cluster_id=self.settings.cluster_id,
             remote_cluster_id=remote_cluster_id,
             role=int(self.role),
             deadline=deadline,
+            incarnation=self.incarnation,
+        )
+
+    def connect_unix(
+        self, path: Path, remote_cluster_id: int, deadline: float, *, announce_callback: bool = True
+    ) -> ClientLink:
+        """A link through the Unix socket at `path` (see `ClientLink.connect`); `announce_callback`: tell
+        the peer our callback socket (not on a link that is itself the way back)."""
+        return ClientLink.connect(
+            path,
+            cluster_id=self.settings.cluster_id,
+            remote_cluster_id=remote_cluster_id,
+            role=int(self.role),
+            deadline=deadline,
+            callback=self.callback_name if announce_callback else "",
             incarnation=self.incarnation,
         )
 
@@ -912,34 +924,17 @@ class Core(ServerHooks):
             raise StatusError(
                 LLMStatusCode.LLM_NOT_YET_LINK, f"cluster {remote_cluster_id} is not linked to us"
             )
-        if peer.remote:
-            if not peer.callback_port or self._secret is None:
-                raise StatusError(
-                    LLMStatusCode.LLM_LINK_FAILED, f"cluster {remote_cluster_id} accepts no pushes"
-                )
-            link = ClientLink.connect_tcp(
-                peer.host,
-                peer.callback_port,
-                secret=self._secret,
-                local_ip="",
-                engine=lambda our_ip: self.engine(our_ip).address,
-                callback_port=lambda our_ip: 0,
-                cluster_id=self.settings.cluster_id,
-                remote_cluster_id=remote_cluster_id,
-                role=int(self.role),
-                deadline=deadline,
-                incarnation=self.incarnation,
-            )
-        elif not peer.callback:
+        # The way back: a TCP port a peer on another host serves (it proved our secret, so we have one), or
+        # the callback socket a peer on this host announced.
+        if not (peer.callback_port if peer.remote else peer.callback):
             raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"cluster {remote_cluster_id} accepts no pushes")
+        if peer.remote:
+            link = self.connect_tcp(
+                remote_cluster_id, peer.host, peer.callback_port, deadline, serve_callback=False
+            )
         else:
-            link = ClientLink.connect(
-                socket_path_in_runtime(peer.callback),
-                cluster_id=self.settings.cluster_id,
-                remote_cluster_id=remote_cluster_id,
-                role=int(self.role),
-                deadline=deadline,
-                incarnation=self.incarnation,
+            link = self.connect_unix(
+                socket_path_in_runtime(peer.callback), remote_cluster_id, deadline, announce_callback=False
             )
         if link.peer.incarnation != peer.incarnation or (not peer.remote and link.peer.pid != peer.pid):
             link.close(say_bye=True)
@@ -1171,7 +1166,7 @@ class Core(ServerHooks):
         meanwhile, the bytes cannot be trusted and the read fails with LLM_KV_CACHE_NOT_EXIST instead of
         returning stale data. No check is needed before: callers take `remote` from a table entry they just
         found current, and a change since then fails the check after. Writes never go this way (a write
-        cannot be taken back once it landed in reused memory): see `write_pinned`.
+        cannot be taken back once it landed in reused memory): see `transfer_pinned`.
 
         `link`: the link `link_to` just gave (spares looking it up again). Returns what a caller that
         repeats this very read (same link, entry, local record and runs) may pass back to skip building it
@@ -1260,30 +1255,6 @@ class Core(ServerHooks):
             return False
         return read_generation(words, remote.gen_slot) == remote.generation
 
-    def write_pinned(
-        self,
-        remote_cluster_id: int,
-        remote: RemoteCache,
-        remote_tensor_start: int,
-        local: CacheRecord,
-        local_tensor_start: int,
-        tensor_count: int,
-        runs: list[UnitRun],
-    ) -> None:
-        """Write `runs` of our tensors into a peer's cache found in its table, with the cache pinned for the
-        duration (in the peer's index, or by asking the peer): memory its owner frees or unregisters is
-        never written."""
-        self.transfer_pinned(
-            remote_cluster_id,
-            remote,
-            remote_tensor_start,
-            local,
-            local_tensor_start,
-            tensor_count,
-            runs,
-            write=True,
-        )
-
     def transfer_pinned(
         self,
         remote_cluster_id: int,
@@ -1297,7 +1268,8 @@ class Core(ServerHooks):
         write: bool,
     ) -> None:
         """Read (or `write`) `runs` between our tensors and a peer's cache found in its table, pinned by its
-        cache id for the duration: LLM_KV_CACHE_NOT_EXIST from the peer once it freed the cache."""
+        cache id for the duration (in the peer's index, or by asking the peer): memory its owner frees or
+        unregisters is never written, and LLM_KV_CACHE_NOT_EXIST comes once it freed the cache."""
         request = ResolveRequest(
             0, KEY_CACHE_ID, remote.cache_id, 0, 0, remote_tensor_start, tensor_count, False, write, False
         )

@@ -955,7 +955,9 @@ class CacheManager:
                 runs = [UnitRun(key.batch_index * remote.unit_nbytes, config.src_batch_index * unit, unit)]
             self._check_remote_tensors(api, remote, TensorSelection(2 * dst_layer, 2, False, 2 * layer))
             with api_errors(api, timeout_code=LLMStatusCode.LLM_TIMEOUT):
-                core.write_pinned(key.cluster_id, remote, 2 * dst_layer, record, 2 * layer, 2, runs)
+                core.transfer_pinned(
+                    key.cluster_id, remote, 2 * dst_layer, record, 2 * layer, 2, runs, write=True
+                )
 
         return LayerPush(config.dst_cluster_id, layers, push_layer)
 
@@ -1233,7 +1235,7 @@ class CacheManager:
         for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
             n = per_layer
             self._check_remote_tensors(api, remote, TensorSelection(dst_layer * n, n, False, src_layer * n))
-            core.write_pinned(cluster_id, remote, dst_layer * n, local, src_layer * n, n, runs)
+            core.transfer_pinned(cluster_id, remote, dst_layer * n, local, src_layer * n, n, runs, write=True)
 
     @staticmethod
     def _push_layers(
