@@ -250,6 +250,11 @@ def _prompt_main(
             elif command == "drop":
                 # The serving side ends every connection from cluster `args` (clears their index rows).
                 result = datadist._require_core().server.drop_cluster(args)
+            elif command == "listen_tcp":
+                # Serve peers on other hosts at (ip, port) too, as a non-loopback listen_ip_info would.
+                ip, tcp_port = args
+                datadist._require_core().listen_tcp(ip, tcp_port)
+                result = None
             elif command == "handled":
                 result = datadist._require_core().server.handled
             elif command == "index_name":

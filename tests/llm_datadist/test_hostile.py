@@ -15,12 +15,13 @@ import struct
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
@@ -34,6 +35,7 @@ from llm_datadist import (
     LLMDataDist,
     LLMRole,
     LLMStatusCode,
+    _auth,
 )
 from llm_datadist._protocol.frames import DEFAULT_MAX_FRAME_NBYTES, FrameDecoder, encode_frame
 from llm_datadist._protocol.messages import (
@@ -69,12 +71,15 @@ from llm_datadist._protocol.messages import (
     WriteRequest,
     decode_message,
 )
+from llm_datadist._remote import engine_available
 from llm_datadist._transport import MAX_CONNECTIONS, ClientLink
 from llm_datadist.ext import tensor_views
 from tests._peer import PROMPT_IP, PromptPeer, decoder, prompt_options, tensor_views_v2
 
 P = 1
-PORT = 21500  # this file uses PORT .. PORT + 5
+PORT = 21500  # this file uses PORT .. PORT + 7, and TCP_PORT .. TCP_PORT + 1 on loopback
+TCP_PORT = 21560
+SECRET = "hostile-test-shared-secret"
 _WAIT_S = 5.0  # any one answer of the owner; a test fails rather than hangs past it
 _MY_PID = os.getpid()
 
@@ -96,7 +101,7 @@ _REPLY_TO: dict[type[Message], type[Message]] = {
     TableRequest: Table,
     PullDone: Ack,
     Ping: Pong,
-    AddressRequest: Addresses,  # always refused here: only a peer on another host may ask
+    AddressRequest: Addresses,  # refused on the Unix socket: only a peer on another host may ask
 }
 _GRANTS = (PullGrant, BlocksGrant, WriteGrant, Location)
 # Requests that must never be refused.
@@ -519,15 +524,26 @@ raw_payloads = st.one_of(
 
 class _Conn:
     """A raw client socket that speaks frames by hand, so it can send what a ClientLink never would.
-    `held` is the leases the owner granted it and it has not released."""
+    `where` is the owner's Unix socket, or its TCP (ip, port): a TCP server speaks first, with the
+    Challenge whose nonce a Hello must prove the secret for (`challenge`). `held` is the leases the owner
+    granted it and it has not released."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, where: str | tuple[str, int]) -> None:
+        self.decoder = FrameDecoder()
+        self.held: set[int] = set()
+        self.challenge = b""
+        if not isinstance(where, str):
+            self.sock = socket.create_connection(where, timeout=_WAIT_S)
+            challenge = self.receive()
+            assert isinstance(challenge, Challenge) and challenge.version == PROTOCOL_VERSION, challenge
+            self.challenge = challenge.nonce
+            return
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(_WAIT_S)
         deadline = time.monotonic() + _WAIT_S
         while True:
             try:
-                self.sock.connect(path)
+                self.sock.connect(where)
                 break
             except BlockingIOError:
                 # A Unix socket's listen backlog is full (a flood): wait for the owner to accept.
@@ -535,8 +551,6 @@ class _Conn:
                     self.sock.close()
                     raise
                 time.sleep(0.001)
-        self.decoder = FrameDecoder()
-        self.held: set[int] = set()
 
     def send(self, data: bytes) -> None:
         # The owner may already have closed this connection (and said why in its log): not our failure.
@@ -581,12 +595,27 @@ class _Conn:
         self.sock.close()
 
 
-def _hello_ok(hello: Hello) -> bool:
-    # A proof or an engine address belongs on TCP only: over a Unix socket either is refused.
-    unix = not (hello.nonce or hello.proof or hello.engine)
-    return (
-        hello.version == PROTOCOL_VERSION and hello.remote_cluster_id == P and hello.pid == _MY_PID and unix
-    )
+def _hello_ok(hello: Hello, challenge: bytes) -> bool:
+    """Whether the owner welcomes `hello`, sent on a Unix socket (`challenge` empty) or on TCP after that
+    Challenge."""
+    if hello.version != PROTOCOL_VERSION or hello.remote_cluster_id != P:
+        return False
+    if not challenge:
+        # A proof or an engine address belongs on TCP only: over a Unix socket either is refused.
+        return hello.pid == _MY_PID and not (hello.nonce or hello.proof or hello.engine)
+    # Over TCP the pid is only what the peer claims; it proves the secret and names its engine.
+    return bool(hello.nonce) and bool(hello.engine) and hello.proof == _proof(challenge, hello)
+
+
+def _proof(challenge: bytes, hello: Hello) -> bytes:
+    """The proof of the secret a TCP owner expects in `hello`, sent after `challenge`."""
+    client = (hello.cluster_id, hello.incarnation, hello.engine)
+    return _auth.client_proof(SECRET.encode(), challenge, hello.nonce, client, hello.remote_cluster_id)
+
+
+def _signed(challenge: bytes, hello: Hello) -> Hello:
+    """`hello` with the proof of the secret for `challenge` (over a Unix socket: `hello` as it is)."""
+    return replace(hello, proof=_proof(challenge, hello)) if challenge else hello
 
 
 # ---------------------------------------------------------------------------- the owner and its model
@@ -596,10 +625,14 @@ class _Owner:
     """The Prompt under attack, what the test knows of it, its hostile connections and a legitimate
     decoder linked to it. Every check of the owner's state goes through here."""
 
-    def __init__(self, peer: PromptPeer, dd: LLMDataDist, path: Path, *, v2: bool) -> None:
+    def __init__(
+        self, peer: PromptPeer, dd: LLMDataDist, path: Path, *, v2: bool, tcp: tuple[str, int] | None = None
+    ) -> None:
         self.peer = peer
         self.dd = dd
         self.path = os.fspath(path)
+        # Where the hostile connections go: the Unix socket, or the TCP port a peer on another host uses.
+        self.where: str | tuple[str, int] = tcp or self.path
         self.v2 = v2
         self.live: dict[int, _Cache] = {}
         self.gone: list[int] = []
@@ -762,8 +795,11 @@ class _Owner:
 
     def connect(self) -> _Conn:
         """A new connection that completed a valid handshake."""
-        conn = _Conn(self.path)
-        conn.send(encode_frame(Hello(PROTOCOL_VERSION, 66, P, 2, _MY_PID, 66).to_wire()))
+        conn = _Conn(self.where)
+        hello = Hello(PROTOCOL_VERSION, 66, P, 2, _MY_PID, 66)
+        if conn.challenge:
+            hello = _signed(conn.challenge, replace(hello, nonce=b"c" * 32, engine="127.0.0.1:1"))
+        conn.send(encode_frame(hello.to_wire()))
         welcome = conn.receive()
         assert isinstance(welcome, Welcome) and welcome.pid == self.peer.pid, welcome
         self.conns.append(conn)
@@ -987,11 +1023,16 @@ def _hostile_connect(owner: _Owner, data: st.DataObject) -> None:
     first = data.draw(st.sampled_from(["hello", "hello", "message", "garbage", "nothing"]), label="first")
     if first == "hello":
         hello = _draw_messages(data, _hello(owner.view()), "hello")
-        conn = _Conn(owner.path)
+        conn = _Conn(owner.where)
+        if conn.challenge and data.draw(st.booleans(), label="knows the secret"):
+            if data.draw(st.booleans(), label="sends a nonce and an engine"):
+                hello = replace(hello, nonce=hello.nonce or b"n" * 32, engine=hello.engine or "127.0.0.1:1")
+            hello = _signed(conn.challenge, hello)
         owner.sent["Hello"] += 1
         conn.send(encode_frame(hello.to_wire()))
         reply = conn.receive()
-        if _hello_ok(hello):
+        owner.answers[f"Hello->{type(reply).__name__}"] += 1
+        if _hello_ok(hello, conn.challenge):
             assert isinstance(reply, Welcome) and reply.version == PROTOCOL_VERSION, (hello, reply)
             assert reply.cluster_id == P and reply.pid == owner.peer.pid, reply
             owner.conns.append(conn)
@@ -1004,14 +1045,14 @@ def _hostile_connect(owner: _Owner, data: st.DataObject) -> None:
         every = _every_message(owner.view())
         del every[Hello]
         msg = _draw_messages(data, _any_of(every), "before hello")
-        conn = _Conn(owner.path)
+        conn = _Conn(owner.where)
         owner.sent[type(msg).__name__] += 1
         conn.send(encode_frame(msg.to_wire()))
         conn.expect_close(after=f"{msg!r} before any Hello")
         conn.close()
     elif first == "garbage":
         payloads = data.draw(st.lists(raw_payloads, min_size=1, max_size=3), label="garbage")
-        conn = _Conn(owner.path)
+        conn = _Conn(owner.where)
         owner.sent["garbage"] += 1
         conn.send(b"".join(payloads))
         with contextlib.suppress(OSError):
@@ -1019,7 +1060,7 @@ def _hostile_connect(owner: _Owner, data: st.DataObject) -> None:
         conn.drain_until_closed()
         conn.close()
     else:
-        _Conn(owner.path).close()
+        _Conn(owner.where).close()
 
 
 def _vanish(owner: _Owner, conn: _Conn, data: st.DataObject) -> None:
@@ -1087,7 +1128,8 @@ def _one_of_each(owner: _Owner) -> None:
             BlocksRequest(5, blocks.model_id, 0, NUM_TENSORS, True),
             ResolveRequest(6, KEY_CACHE_ID, cache.cache_id, 0, 1, 0, NUM_TENSORS, True, False, False),
             WriteRequest(7, [addr + 5], [16]),
-            AddressRequest(10, [owner.segments[0]]),  # refused: a peer on this host maps segments itself
+            # Refused on the Unix socket (a peer on this host maps segments itself), answered over TCP.
+            AddressRequest(10, [owner.segments[0]]),
         ],
     )
     assert len(conn.held) == 4, "a request with real ids was refused"
@@ -1194,6 +1236,38 @@ def test_every_message_type_against_a_v1_owner(seed: int, _runtime_dir: Path) ->
             _fuzz_owner(owner, seed, max_examples=150)
         finally:
             owner.close()
+        assert peer.stats()["leases"] == 0
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_every_message_type_over_tcp_from_a_peer_that_knows_the_secret(
+    v2: bool, seed: int, _runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The programs above, sent over TCP as by a peer on another host: Hellos that prove the secret or
+    not, and once proven, every message. TCP only on loopback; the owner's transfer engine serves there."""
+    problem = engine_available()
+    if problem is not None:
+        pytest.skip(problem)
+    monkeypatch.setenv("LLM_DATADIST_SECRET", SECRET)
+    port = PORT + 6 + int(v2)
+    tcp = ("127.0.0.1", TCP_PORT + int(v2))
+    with PromptPeer(P, port, seed, extra=_v2_extra() if v2 else None) as peer:
+        print(f"owner pid {peer.pid}")
+        peer.call("listen_tcp", tcp)
+        with _v2_decoder() if v2 else decoder() as dd:
+            assert dd.link_clusters([peer.cluster_info()], 5000)[0] == LLMStatusCode.LLM_SUCCESS
+            owner = _Owner(peer, dd, _runtime_dir / f"{PROMPT_IP}_{port}.sock", v2=v2, tcp=tcp)
+            try:
+                ops = (
+                    ["register", "register", "alloc", "alloc", "alloc_blocks"]
+                    if v2
+                    else ["alloc", "alloc_blocks"]
+                )
+                for op in ops:
+                    owner.owner_op(op, 0)
+                _fuzz_owner(owner, seed, max_examples=250 if v2 else 150)
+            finally:
+                owner.close()
         assert peer.stats()["leases"] == 0
 
 
