@@ -1,9 +1,10 @@
 """Hostile input against a live owner (a real Prompt process), on its Unix socket and on the TCP port it
-serves other hosts on: every message type, well-formed or not, in either direction, with ids drawn from the owner's real caches, model ids and granted leases as well as from
-the full ranges; malformed frames; connections that take leases and vanish; the owner registering,
-unregistering, allocating and freeing caches between messages; a flood of connections past the server's
-limit. After each example the owner still serves a legitimate link, holds no lease once the hostile
-connections are gone, and its data is byte for byte what it wrote."""
+serves other hosts on: every message type, well-formed or not, in either direction, with ids drawn from
+the owner's real caches, model ids and granted leases as well as from the full ranges; malformed frames;
+connections that take leases and vanish; the owner registering, unregistering, allocating and freeing
+caches between messages; a flood of connections past the server's limit. After each example the owner
+still serves a legitimate link, holds no lease once the hostile connections are gone, and its data is
+byte for byte what it wrote."""
 
 from __future__ import annotations
 
