@@ -17,9 +17,12 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from llm_datadist._netns import Hosts
 
 BLOCK_TOKENS = 16  # tokens per paged block, as vLLM's default
 PAGED_MODEL_ID = 0
@@ -627,18 +630,6 @@ def _decoder_v2(
         datadist.finalize()
 
 
-@dataclass(frozen=True)
-class Hosts:
-    """Across hosts: the namespace and address of each side, and what both children add to their
-    environment (the shared secret) before they enter their namespace."""
-
-    prompt_netns: str
-    prompt_ip: str
-    decoder_netns: str
-    decoder_ip: str
-    env: dict[str, str]
-
-
 def _run_pair(
     prompt_target: Any,
     decoder_target: Any,
@@ -731,16 +722,13 @@ def _run_hosts(
     shape: Shape, port: int, timeout_ms: int
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """The v1 pair, then the v2 pair, with the Prompt in one fresh namespace and the Decoder in another
-    (see `Hosts`; the v2 rank table names each side's address); the namespaces are deleted before it
+    (see `_netns.Hosts`; the v2 rank table names each side's address); the namespaces are deleted before it
     returns."""
-    import secrets
-
-    from llm_datadist._auth import ENV_SECRET
-    from llm_datadist._netns import NamespacePair, sigterm_as_exit
+    from llm_datadist._netns import Hosts, NamespacePair, sigterm_as_exit
 
     try:
         with sigterm_as_exit(), NamespacePair() as pair:
-            hosts = Hosts(pair.ns_a, pair.ip_a, pair.ns_b, pair.ip_b, {ENV_SECRET: secrets.token_hex(32)})
+            hosts = Hosts.of(pair)
             print(
                 f"across hosts: the Prompt in network namespace {pair.ns_a} at {pair.ip_a}:{port}, the "
                 f"Decoder in {pair.ns_b} at {pair.ip_b}, joined by a veth pair; a fresh random secret"

@@ -1,6 +1,7 @@
-"""Two "hosts" on one machine, for `demo --hosts`, `bench --hosts` and the cross-host tests: a pair of
-fresh network namespaces joined by a veth pair with one address each (`NamespacePair`), and spawned children
-that enter one of them before anything else runs (`in_netns`, by setns through ctypes). Rules: every `ip` call
+"""Two "hosts" on one machine, for `demo --hosts`, `bench --hosts`, `soak --hosts` and the cross-host tests:
+a pair of fresh network namespaces joined by a veth pair with one address each (`NamespacePair`), which
+side each kind of process runs on with the secret they share (`Hosts`), and spawned children that enter one
+of them before anything else runs (`in_netns`, by setns through ctypes). Rules: every `ip` call
 has a timeout; every namespace made here is deleted, and checked gone, even when the body raised; traffic only
 flows between the pair's two addresses (or a namespace's own loopback). Needs root and iproute2."""
 
@@ -19,6 +20,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -249,3 +251,22 @@ class NamespacePair:
         self._made.clear()
         if left or errors:
             raise RuntimeError(f"pair teardown failed: namespaces left {sorted(left)}, errors {errors}")
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """Across hosts: the namespace and address of each side, and what the children of both sides add to
+    their environment (the shared secret) before they enter their namespace."""
+
+    prompt_netns: str
+    prompt_ip: str
+    decoder_netns: str
+    decoder_ip: str
+    env: dict[str, str]
+
+    @classmethod
+    def of(cls, pair: NamespacePair) -> Hosts:
+        """Prompts on the pair's side a, Decoders on side b, with a fresh random secret."""
+        from llm_datadist._auth import ENV_SECRET
+
+        return cls(pair.ns_a, pair.ip_a, pair.ns_b, pair.ip_b, {ENV_SECRET: secrets.token_hex(32)})
