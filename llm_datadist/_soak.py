@@ -4,6 +4,8 @@ Rules: four owners (v1 and v2, one of each long-lived, one of each restarted at 
 or `finalize()`) allocate, register, free and unregister caches while three pullers pull and verify every
 byte; the driver relays the owners' catalogues, samples every process's RSS, fds, threads and /dev/shm
 mappings at two quiescent checkpoints, and exits 0 only when nothing failed and every figure is flat.
+With `--hosts` the owners run in one network namespace and the pullers in another (two "hosts" joined by
+a veth pair), linked over TCP with a fresh secret, the bytes moved by the transfer engine.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from llm_datadist import (
     LLMRole,
     LLMStatusCode,
 )
+from llm_datadist._netns import Hosts, NamespacePair, in_netns, sigterm_as_exit
 
 IP = "127.0.0.1"
 PORT_RANGE = (26000, 26999)
@@ -153,6 +156,7 @@ class OwnerRef:
     cluster_id: int
     port: int
     restarting: bool
+    ip: str = IP  # where it listens (its namespace's address with --hosts)
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,7 @@ class PullerSpec:
     cluster_id: int
     seed: int
     owners: tuple[OwnerRef, ...]
+    ip: str = IP  # this puller's own address (its namespace's with --hosts)
 
 
 @dataclass(frozen=True)
@@ -196,13 +201,13 @@ class Entry:
         return 2 * self.unit_elems
 
 
-def _options(mode: str, listen_port: int | None) -> dict[str, str]:
+def _options(mode: str, listen: tuple[str, int] | None) -> dict[str, str]:
     """v1; v2 (cache manager, one-sided); v2-leased (cache manager, every pull asks the owner for a lease)."""
     config = LLMConfig()
     config.device_id = 0
     config.sync_kv_timeout = SYNC_KV_TIMEOUT_MS
-    if listen_port is not None:
-        config.listen_ip_info = f"{IP}:{listen_port}"
+    if listen is not None:
+        config.listen_ip_info = f"{listen[0]}:{listen[1]}"
     if mode.startswith("v2"):
         config.enable_cache_manager = True
         config.enable_remote_cache_accessible = mode == "v2"
@@ -217,12 +222,12 @@ def _settle_pool(kvm: Any) -> None:
     kvm.deallocate_cache(second)  # the newest segment is kept, empty
 
 
-def _cluster_info(ref: OwnerRef) -> LLMClusterInfo:
+def _cluster_info(ref: OwnerRef, local_ip: str) -> LLMClusterInfo:
     info = LLMClusterInfo()
     info.remote_cluster_id = ref.cluster_id
     if ref.mode == "v2":
-        info.append_local_ip_info(IP, 0)
-    info.append_remote_ip_info(IP, ref.port)
+        info.append_local_ip_info(local_ip, 0)
+    info.append_remote_ip_info(ref.ip, ref.port)
     return info
 
 
@@ -462,7 +467,7 @@ def _owner_main(conn: Connection, spec: OwnerSpec, log_path: str) -> None:
     datadist = LLMDataDist(LLMRole.PROMPT, spec.ref.cluster_id)
     code = 0
     try:
-        datadist.init(_options(spec.ref.mode, spec.ref.port))
+        datadist.init(_options(spec.ref.mode, (spec.ref.ip, spec.ref.port)))
         owner: _Owner = _V2Owner(spec, pipe, datadist) if v2 else _V1Owner(spec, pipe, datadist)
         pipe.send("up", os.getpid())
         owner.run()
@@ -561,7 +566,9 @@ class _Puller:
     def link(self, cluster: int, *, must: bool = False) -> bool:
         ref = self.owners[cluster]
         try:
-            _, codes = self.datadist.link_clusters([_cluster_info(ref)], timeout=LINK_TIMEOUT_MS)
+            _, codes = self.datadist.link_clusters(
+                [_cluster_info(ref, self.spec.ip)], timeout=LINK_TIMEOUT_MS
+            )
         except LLMException as exc:
             codes = [exc.status_code]
         code = codes[0]
@@ -581,7 +588,7 @@ class _Puller:
         self.next_link[cluster] = time.monotonic() + 0.1
         try:
             _, codes = self.datadist.unlink_clusters(
-                [_cluster_info(ref)], timeout=LINK_TIMEOUT_MS, force=True
+                [_cluster_info(ref, self.spec.ip)], timeout=LINK_TIMEOUT_MS, force=True
             )
         except LLMException as exc:
             codes = [exc.status_code]
@@ -852,6 +859,15 @@ class Figures:
     shm_deleted_nbytes: int  # /dev/shm files mapped after they were unlinked
     segments: int  # /dev/shm entries this process created (its pid in the name)
     fd_kinds: tuple[str, ...] = ()  # what each fd is ("socket", "pipe", a path...), to explain a change
+    # Across hosts: the transfer engine's TCP connections (Mooncake pools up to MOONCAKE_LANES_PER_PEER a
+    # peer), counted apart from the fds that are ours; of those, the ones to engines that are gone
+    # (CLOSE_WAIT), which Mooncake never closes.
+    engine_sockets: int = 0
+    stale_engine_sockets: int = 0
+
+    @property
+    def own_fds(self) -> int:
+        return self.fds - self.engine_sockets
 
 
 def _segment_pid(name: str) -> int | None:
@@ -884,7 +900,40 @@ def sample(pid: int, entries: list[str]) -> Figures:
             else:
                 live += end - start
     segments = sum(1 for name in entries if _segment_pid(name) == pid)
-    return Figures(rss, fds, threads, live, deleted, segments, _fd_kinds(pid))
+    engine, stale = _engine_sockets(pid)
+    return Figures(rss, fds, threads, live, deleted, segments, _fd_kinds(pid), engine, stale)
+
+
+_TCP_CLOSE_WAIT = "08"  # the state column of /proc/net/tcp
+# Mooncake 0.3.13's TCP transport keeps up to this many pooled connections to each peer engine.
+MOONCAKE_LANES_PER_PEER = 4
+
+
+def _engine_sockets(pid: int) -> tuple[int, int]:
+    """The connected TCP sockets of `pid` with neither end on one of the soak's listen ports: the transfer
+    engine's connections (our links always have an owner's listen port at one end); and of those, the ones
+    in CLOSE_WAIT (the peer engine went, Mooncake's pool never closes its end). Read from the tables of the
+    process's own network namespace; (0, 0) on one host, where no engine runs."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+    engine = stale = 0
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}", encoding="ascii") as lines:
+            next(lines, None)  # the header
+            for line in lines:
+                fields = line.split()
+                ports = [int(field.rsplit(":", 1)[1], 16) for field in fields[1:3]]
+                if fields[9] not in inodes or ports[1] == 0:  # not ours, or a listener
+                    continue
+                if not any(PORT_RANGE[0] <= port <= PORT_RANGE[1] for port in ports):
+                    engine += 1
+                    stale += fields[3] == _TCP_CLOSE_WAIT
+    return engine, stale
 
 
 def _fd_kinds(pid: int) -> tuple[str, ...]:
@@ -909,7 +958,7 @@ class Rule:
 
 RULES = (
     Rule("RSS MiB", "rss_nbytes", 1 << 20, RSS_TOLERANCE_NBYTES),
-    Rule("fds", "fds", 1, 0, exact=True),
+    Rule("fds", "own_fds", 1, 0, exact=True),
     Rule("threads", "threads", 1, 0, exact=True),
     Rule("shm live MiB", "shm_live_nbytes", 1 << 20, 0),
     Rule("shm deleted MiB", "shm_deleted_nbytes", 1 << 20, 0, zero=True),
@@ -951,8 +1000,11 @@ class _Child:
 
 
 class Soak:
-    def __init__(self, duration_s: float, seed: int, log_dir: str, out: Any = sys.stdout) -> None:
+    def __init__(
+        self, duration_s: float, seed: int, log_dir: str, out: Any = sys.stdout, hosts: Hosts | None = None
+    ) -> None:
         self.log_dir = log_dir  # each child's stdout and stderr
+        self.hosts = hosts  # owners on one "host", pullers on the other; None: all on this host
         self.duration_s = duration_s
         self.seed = seed
         self.out = out
@@ -990,6 +1042,9 @@ class Soak:
     def _spawn(self, label: str, kind: str, target: Callable[..., None], spec: object) -> _Child:
         parent, child_end = self.ctx.Pipe()
         log_path = os.path.join(self.log_dir, f"{label.replace('#', '-')}.log")
+        if self.hosts is not None:
+            netns = self.hosts.prompt_netns if kind == "owner" else self.hosts.decoder_netns
+            target = in_netns(netns, target, self.hosts.env)
         process = self.ctx.Process(target=target, args=(child_end, spec, log_path), name=label, daemon=True)
         process.start()
         child_end.close()
@@ -1202,11 +1257,12 @@ class Soak:
         self.log(f"checkpoint {when!r}: figures sampled for {len(current)} processes")
 
     def run(self, ports: list[int]) -> None:
+        owner_ip, puller_ip = (self.hosts.prompt_ip, self.hosts.decoder_ip) if self.hosts else (IP, IP)
         refs = [
-            OwnerRef("v1-steady", "v1", 1, ports[0], False),
-            OwnerRef("v1-restart", "v1", 2, ports[1], True),
-            OwnerRef("v2-steady", "v2", 3, ports[2], False),
-            OwnerRef("v2-restart", "v2", 4, ports[3], True),
+            OwnerRef("v1-steady", "v1", 1, ports[0], False, owner_ip),
+            OwnerRef("v1-restart", "v1", 2, ports[1], True, owner_ip),
+            OwnerRef("v2-steady", "v2", 3, ports[2], False, owner_ip),
+            OwnerRef("v2-restart", "v2", 4, ports[3], True, owner_ip),
         ]
         self.system_shm["start"] = len(shm_entries())
         for ref in refs:
@@ -1220,7 +1276,7 @@ class Soak:
         for index, mode in enumerate(("v1", "v2", "v2-leased")):
             name = f"puller-{index + 1}"
             sources = tuple(r for r in refs if mode.startswith(r.mode))
-            spec = PullerSpec(name, mode, 11 + index, self.seed, sources)
+            spec = PullerSpec(name, mode, 11 + index, self.seed, sources, puller_ip)
             self.start_puller(spec)
         if not self.wait_for("pullers to link", self.pullers, lambda c: c.up_at is not None, START_TIMEOUT_S):
             return
@@ -1331,6 +1387,29 @@ class Soak:
         for child in self.pullers:
             if child.summary is not None and child.summary.verified == 0:
                 self.failure(f"{child.label} verified no pull at all")
+        if self.hosts is None:
+            return
+        # Mooncake keeps its connections to an engine that is gone: bounded by its lanes a peer for each
+        # owner incarnation a puller read from that ended during the churn; anything more is a leak.
+        for child in self.pullers:
+            end = child.samples.get("end")
+            if end is None or child.puller is None:
+                continue
+            mode = child.puller.mode
+            ended = sum(
+                1
+                for c in self.incarnations
+                if c.ref is not None
+                and mode.startswith(c.ref.mode)
+                and c.down_at is not None
+                and c.down_at <= self.churn_until
+            )
+            if end.stale_engine_sockets > MOONCAKE_LANES_PER_PEER * ended:
+                self.failure(
+                    f"{child.label} holds {end.stale_engine_sockets} connections to engines that are "
+                    f"gone, more than {MOONCAKE_LANES_PER_PEER} for each of the {ended} owner incarnations "
+                    "that ended"
+                )
 
     def report(self) -> list[str]:
         """Prints the tables; returns the figures that are not flat."""
@@ -1368,7 +1447,7 @@ class Soak:
                     verdicts.append("NOT FLAT")
                     a, b = getattr(start, rule.attribute), getattr(end, rule.attribute)
                     detail = ""
-                    if rule.attribute == "fds":
+                    if rule.attribute == "own_fds":
                         more = Counter(end.fd_kinds) - Counter(start.fd_kinds)
                         fewer = Counter(start.fd_kinds) - Counter(end.fd_kinds)
                         detail = f" (new: {dict(more)}, gone: {dict(fewer)})"
@@ -1376,6 +1455,22 @@ class Soak:
                         f"{label}: {rule.title} {_format(a, rule.unit)} -> {_format(b, rule.unit)}{detail}"
                     )
             print(f"{'':<38}{'verdict':<8}" + "".join(f"{v:>17}" for v in verdicts), file=out)
+        if self.hosts is not None:
+            print("", file=out)
+            print(
+                "Across hosts, not in fds above: the transfer engine's TCP connections, and of those the "
+                "ones to engines of owners that are gone (CLOSE_WAIT: Mooncake never closes them), start -> "
+                "end:",
+                file=out,
+            )
+            for child in [*long_lived, *self.pullers]:
+                start, end = child.samples.get("start"), child.samples.get("end")
+                if start is not None and end is not None:
+                    print(
+                        f"  {child.label:<26} {start.engine_sockets:>4} -> {end.engine_sockets:<4} of which "
+                        f"to engines gone {start.stale_engine_sockets:>4} -> {end.stale_engine_sockets}",
+                        file=out,
+                    )
         restarted = [c for c in self.incarnations if c.ref is not None and c.ref.restarting]
         if restarted:
             print("", file=out)
@@ -1452,14 +1547,14 @@ def _format(value: int, unit: int) -> str:
     return f"{value / unit:.1f}" if unit > 1 else str(value)
 
 
-def _pick_ports(rng: random.Random, count: int) -> list[int]:
-    """Ports in 26000-26999 whose socket is not already in the runtime directory."""
+def _pick_ports(rng: random.Random, count: int, ip: str) -> list[int]:
+    """Ports in 26000-26999 whose socket for `ip` is not already in the runtime directory."""
     from ._runtime import socket_path
 
     ports: list[int] = []
     while len(ports) < count:
         port = rng.randint(*PORT_RANGE)
-        if port not in ports and not socket_path(IP, port).exists():
+        if port not in ports and not socket_path(ip, port).exists():
             ports.append(port)
     return ports
 
@@ -1488,14 +1583,26 @@ def _environment() -> Iterator[str]:
             shutil.rmtree(created, ignore_errors=True)
 
 
-def soak(duration_s: float, seed: int, out: Any = sys.stdout) -> int:
-    """Run the soak; 0 when nothing failed and every figure is flat, 1 otherwise."""
-    with _environment() as runtime:
+def soak(duration_s: float, seed: int, out: Any = sys.stdout, *, hosts: bool = False) -> int:
+    """Run the soak; 0 when nothing failed and every figure is flat, 1 otherwise. With `hosts`, the owners
+    run in one fresh network namespace and the pullers in another (deleted before this returns)."""
+    with contextlib.ExitStack() as stack:
+        runtime = stack.enter_context(_environment())
+        where: Hosts | None = None
+        if hosts:
+            stack.enter_context(sigterm_as_exit())
+            where = Hosts.of(stack.enter_context(NamespacePair()))
         rng = random.Random(seed)
-        ports = _pick_ports(rng, 4)
+        ports = _pick_ports(rng, 4, where.prompt_ip if where else IP)
         log_dir = tempfile.mkdtemp(prefix="llmdd-soak-logs-")
-        runner = Soak(duration_s, seed, log_dir, out)
+        runner = Soak(duration_s, seed, log_dir, out, where)
         runner.log(f"soak: {duration_s:.0f} s of churn, seed {seed}, runtime dir {runtime}, ports {ports}")
+        if where is not None:
+            runner.log(
+                f"across hosts: owners in network namespace {where.prompt_netns} at {where.prompt_ip}, "
+                f"pullers in {where.decoder_netns} at {where.decoder_ip}, joined by a veth pair; a fresh "
+                "random secret"
+            )
         try:
             runner.run(ports)
             runner.teardown()
@@ -1532,6 +1639,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     length.add_argument("--minutes", type=float, help="churn this many minutes (default 1)")
     length.add_argument("--seconds", type=float, help="churn this many seconds (short runs)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (printed; default: random)")
+    parser.add_argument(
+        "--hosts",
+        action="store_true",
+        help="owners and pullers on two hosts: two network namespaces made for the run (root, iproute2 "
+        "and the multihost extra)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1544,5 +1657,12 @@ def run(args: argparse.Namespace) -> int:
     if not math.isfinite(duration_s) or duration_s <= 0:
         print("soak: the duration must be positive", file=sys.stderr)
         return 2
+    if args.hosts:
+        from ._demo import hosts_unavailable
+
+        reason = hosts_unavailable()
+        if reason is not None:
+            print(f"soak --hosts: {reason}", file=sys.stderr)
+            return 2
     seed = args.seed if args.seed is not None else random.randrange(2**32)
-    return soak(duration_s, seed)
+    return soak(duration_s, seed, hosts=args.hosts)

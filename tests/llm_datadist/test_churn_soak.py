@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 CLI = [sys.executable, "-m", "llm_datadist._cli"]
 
 
@@ -33,4 +35,28 @@ def test_short_churn_soak_passes_and_reports_every_process(seed: int) -> None:
     ):
         assert process in result.stdout, f"{process!r} missing from the table:\n{output}"
     assert "pulls verified:" in result.stdout
+    assert "NOT FLAT" not in result.stdout
+
+
+def test_short_churn_soak_across_hosts_passes(seed: int) -> None:
+    """The same soak with the owners in one network namespace and the pullers in another: links over TCP,
+    bytes through the transfer engine, and the same flat figures (the engine's own connections to owners
+    that are gone are reported apart and bounded)."""
+    from llm_datadist._demo import hosts_unavailable
+
+    reason = hosts_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    result = subprocess.run(
+        [*CLI, "soak", "--hosts", "--seconds", "8", "--seed", str(seed)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "soak: PASS" in result.stdout, output
+    assert "across hosts: owners in network namespace" in result.stdout, output
+    assert "Across hosts, not in fds above" in result.stdout, output
     assert "NOT FLAT" not in result.stdout

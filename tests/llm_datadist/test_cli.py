@@ -113,7 +113,7 @@ def test_hosts_demo_runs_across_two_namespaces_and_leaves_nothing() -> None:
     assert not [name for name in netns_list() if name.startswith(f"llmdd-{process.pid}-")]
 
 
-@pytest.mark.parametrize("command", ["demo", "bench"])
+@pytest.mark.parametrize("command", ["demo", "bench", "soak"])
 def test_hosts_without_root_says_why_and_exits_2(
     command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -134,7 +134,7 @@ def test_hosts_without_root_says_why_and_exits_2(
     assert "Traceback" not in out + err
 
 
-@pytest.mark.parametrize("command", ["demo", "bench"])
+@pytest.mark.parametrize("command", ["demo", "bench", "soak"])
 def test_hosts_without_mooncake_says_why_and_exits_2(
     command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
