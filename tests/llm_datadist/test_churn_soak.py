@@ -10,32 +10,39 @@ import sys
 import pytest
 
 CLI = [sys.executable, "-m", "llm_datadist._cli"]
+PROCESSES = (
+    "driver",
+    "v1-steady#1 (v1 owner)",
+    "v2-steady#1 (v2 owner)",
+    "puller-1 (v1 puller)",
+    "puller-2 (v2 puller)",
+    "puller-3 (v2-leased puller)",
+    "v1-restart#1 (v1 owner)",
+    "v2-restart#1 (v2 owner)",
+)
 
 
-def test_short_churn_soak_passes_and_reports_every_process(seed: int) -> None:
+def _soak_passes(seed: int, *options: str, timeout_s: float) -> str:
+    """Runs `llm-datadist soak` for 8 s; its output, once it passed with every process in its table."""
     result = subprocess.run(
-        [*CLI, "soak", "--seconds", "8", "--seed", str(seed)],
+        [*CLI, "soak", *options, "--seconds", "8", "--seed", str(seed)],
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=timeout_s,
         check=False,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "soak: PASS" in result.stdout, output
-    for process in (
-        "driver",
-        "v1-steady#1 (v1 owner)",
-        "v2-steady#1 (v2 owner)",
-        "puller-1 (v1 puller)",
-        "puller-2 (v2 puller)",
-        "puller-3 (v2-leased puller)",
-        "v1-restart#1 (v1 owner)",
-        "v2-restart#1 (v2 owner)",
-    ):
+    for process in PROCESSES:
         assert process in result.stdout, f"{process!r} missing from the table:\n{output}"
     assert "pulls verified:" in result.stdout
     assert "NOT FLAT" not in result.stdout
+    return result.stdout
+
+
+def test_short_churn_soak_passes_and_reports_every_process(seed: int) -> None:
+    _soak_passes(seed, timeout_s=110)
 
 
 def test_short_churn_soak_across_hosts_passes(seed: int) -> None:
@@ -47,16 +54,6 @@ def test_short_churn_soak_across_hosts_passes(seed: int) -> None:
     reason = hosts_unavailable()
     if reason is not None:
         pytest.skip(reason)
-    result = subprocess.run(
-        [*CLI, "soak", "--hosts", "--seconds", "8", "--seed", str(seed)],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        check=False,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    assert "soak: PASS" in result.stdout, output
-    assert "across hosts: owners in network namespace" in result.stdout, output
-    assert "Across hosts, not in fds above" in result.stdout, output
-    assert "NOT FLAT" not in result.stdout
+    out = _soak_passes(seed, "--hosts", timeout_s=150)
+    assert "across hosts: owners in network namespace" in out, out
+    assert "Across hosts, not in fds above" in out, out
