@@ -364,16 +364,21 @@ class Core(ServerHooks):
 
     # ------------------------------------------------------------------ across hosts
 
-    def listen_tcp(self, ip: str, port: int) -> None:
-        """Serve peers on other hosts at `ip:port` too (a two-sided link's rendezvous); StatusError
-        (LLM_LINK_FAILED) without a usable secret or transfer engine, or when the port is taken."""
+    def _require_other_hosts(self, why: str) -> bytes:
+        """The shared secret, when this process can reach other hosts; else StatusError(LLM_LINK_FAILED):
+        MissingExtra, naming the extra, without the transfer engine; `why` + what is wrong without a usable
+        secret."""
         problem = engine_available()
         if problem is not None:
             raise MissingExtra(LLMStatusCode.LLM_LINK_FAILED, problem)
         if self._secret is None:
-            raise StatusError(
-                LLMStatusCode.LLM_LINK_FAILED, f"members on other hosts: {self._secret_problem}"
-            )
+            raise StatusError(LLMStatusCode.LLM_LINK_FAILED, why + self._secret_problem)
+        return self._secret
+
+    def listen_tcp(self, ip: str, port: int) -> None:
+        """Serve peers on other hosts at `ip:port` too (a two-sided link's rendezvous); StatusError
+        (LLM_LINK_FAILED) without a usable secret or transfer engine, or when the port is taken."""
+        self._require_other_hosts("members on other hosts: ")
         try:
             self.server.listen_tcp(ip, port)
         except OSError as exc:
@@ -394,17 +399,11 @@ class Core(ServerHooks):
         """A link over TCP to a peer on another host (see `ClientLink.connect_tcp`), from `local_ip` when
         that is one of ours. `serve_callback`: announce a TCP port of ours the peer may push through (not
         on a link that is itself the way back)."""
-        problem = engine_available()
-        if problem is not None:
-            raise MissingExtra(LLMStatusCode.LLM_LINK_FAILED, problem)
-        if self._secret is None:
-            raise StatusError(
-                LLMStatusCode.LLM_LINK_FAILED, f"{ip} is on another host and {self._secret_problem}"
-            )
+        secret = self._require_other_hosts(f"{ip} is on another host and ")
         return ClientLink.connect_tcp(
             ip,
             port,
-            secret=self._secret,
+            secret=secret,
             local_ip=local_ip if local_ip and is_local_ip(local_ip) and local_ip != "0.0.0.0" else "",
             engine=lambda our_ip: self.engine(our_ip).address,
             callback_port=self._tcp_callback_port if serve_callback else lambda our_ip: 0,
