@@ -3,10 +3,11 @@ same host resolves, pins, copies and consumes without waking the owner.
 
 Rules: every read or write of the index happens under its lock, an OFD byte-range lock (F_OFD_SETLK) on
 the whole file, which the kernel drops when the holder's last descriptor closes (a killed holder never
-leaves it locked). The owner creates, sizes, writes and unlinks the file; a puller maps it writable only to
-pin, consume and unpin through its own row. Everything a reader takes from the index is bounds-checked as
-hostile input (`IndexCorrupt`). A lock that cannot be had in time raises `IndexLockTimeout`. Not
-thread-safe within one process: callers serialise users of one `Index` (one open file description).
+leaves it locked). The owner (`shm.index_owner.OwnerIndex`) creates, sizes, writes and unlinks the file; a
+puller (`Index.attach`) maps it writable only to pin, consume and unpin through its own row. Everything a
+puller takes from the index is bounds-checked as hostile input (`IndexCorrupt`). A lock that cannot be had
+in time raises `IndexLockTimeout`. Not thread-safe within one process: callers serialise users of one
+`Index` (one open file description).
 """
 
 from __future__ import annotations
@@ -18,14 +19,12 @@ import mmap
 import os
 import struct
 import time
-import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
 
 from .errors import ShmError
-from .names import make_segment_name
 from .reaper import SHM_DIR
 
 __all__ = [
@@ -43,7 +42,7 @@ __all__ = [
     "NameEntry",
 ]
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 _MAGIC = b"LLMDDIX\x00"
 
 # Name kinds: the three key kinds of the protocol, plus two the index adds for lookups by cache id.
@@ -106,7 +105,8 @@ _CACHE_NBYTES = 128
 _CACHE = struct.Struct("<QQIIQQQIxxxxQ")
 _CACHE_NAME_OFFSET = 64
 _NAME_NBYTES = 128
-# state, kind, key_id, model_id, cache slot, batch slot, generation, target + 1 (KIND_SLOT), unpulled count
+# state, kind, key_id, model_id, cache slot, batch slot, generation, target + 1 (KIND_SLOT), tensor count
+# (KIND_REQ: how many bits of the mask a key has)
 _NAME = struct.Struct("<IIQQIIQII")
 _NAME_MASK_OFFSET = 64
 _NAME_KEY = struct.Struct("<IIQQ")  # the first four fields of _NAME: state, kind, key_id, model_id
@@ -193,14 +193,6 @@ def _hash(kind: int, key_id: int, model_id: int) -> int:
     return h
 
 
-def _unlink_if_creator(name: str, creator_pid: int) -> None:
-    # A weakref finalizer (GC or interpreter exit) of an owner that never closed; a forked child that exits
-    # normally must not unlink its parent's index.
-    if os.getpid() == creator_pid:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, name[1:]))
-
-
 def _layout_nbytes(rows: int, caches: int, names: int, buckets: int) -> int:
     return (
         _ROWS_OFFSET
@@ -215,13 +207,11 @@ def _layout_nbytes(rows: int, caches: int, names: int, buckets: int) -> int:
 class Index:
     """One mapping of an index file and one open file description to lock it with.
 
-    `create` (the owner) makes the file under a segment name (so the reaper removes it after a crash),
-    mode 0600; `attach` (a puller) opens and maps it, and checks its header against the expected owner.
+    `attach` (a puller) opens and maps it, and checks its header against the expected owner; the owner's
+    side (`shm.index_owner.OwnerIndex.create`) makes the file.
     """
 
-    def __init__(
-        self, name: str, fd: int, mapping: mmap.mmap, caps: tuple[int, int, int, int], owned: bool
-    ) -> None:
+    def __init__(self, name: str, fd: int, mapping: mmap.mmap, caps: tuple[int, int, int, int]) -> None:
         self.name = name
         self._fd = fd
         self._mm: mmap.mmap | None = mapping
@@ -231,67 +221,11 @@ class Index:
         self._buckets_offset = self._names_offset + self.names * _NAME_NBYTES
         self._addrs_offset = self._buckets_offset + self.buckets * 4
         self.addr_words = self.names * _ADDR_WORDS_PER_NAME
-        self._owned = owned
+        self.nbytes = _layout_nbytes(*caps)
         self._depth = 0
         self._segment_names: dict[bytes, str] = {}  # raw name field -> decoded (a pull decodes none)
-        # An owner that never closes (its process exits without finalizing) still unlinks the file.
-        self._finalizer = weakref.finalize(self, _unlink_if_creator, name, os.getpid()) if owned else None
 
     # ------------------------------------------------------------------------------------ lifetime
-
-    @classmethod
-    def create(
-        cls,
-        pid: int,
-        incarnation: int,
-        *,
-        rows: int = 512,
-        caches: int = 16384,
-        names: int = 16384,
-        generations: str = "",
-    ) -> Index:
-        buckets = 2 * names
-        nbytes = _layout_nbytes(rows, caches, names, buckets)
-        for _ in range(8):
-            name = make_segment_name()
-            try:
-                fd = os.open(os.path.join(SHM_DIR, name[1:]), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise ShmError("could not create a uniquely named index")
-        try:
-            os.fchmod(fd, 0o600)
-            os.ftruncate(fd, nbytes)  # sparse: pages are allocated where they are written
-            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(os.path.join(SHM_DIR, name[1:]))
-            raise
-        _HEADER.pack_into(
-            mapping,
-            0,
-            _MAGIC,
-            LAYOUT_VERSION,
-            STATE_OPEN,
-            pid,
-            incarnation,
-            rows,
-            caches,
-            names,
-            buckets,
-            0,
-            0,
-        )
-        raw = generations.encode()
-        if len(raw) >= _SEGMENT_NAME_NBYTES:
-            mapping.close()
-            os.close(fd)
-            os.unlink(os.path.join(SHM_DIR, name[1:]))
-            raise ShmError(f"generation segment name {generations!r} is too long for the index")
-        mapping[_GENERATIONS_OFFSET : _GENERATIONS_OFFSET + len(raw)] = raw
-        return cls(name, fd, mapping, (rows, caches, names, buckets), owned=True)
 
     @classmethod
     def attach(cls, name: str, *, pid: int, incarnation: int) -> Index:
@@ -328,18 +262,12 @@ class Index:
             mapping.close()
             os.close(fd)
             raise
-        return cls(name, fd, mapping, (rows, caches, names, buckets), owned=False)
+        return cls(name, fd, mapping, (rows, caches, names, buckets))
 
     def close(self) -> None:
-        """Unmap and close; the owner also marks the index closed and unlinks it."""
+        """Unmap and close (the owner's close also marks the index closed and unlinks it)."""
         if self._mm is None:
             return
-        if self._owned:
-            struct.pack_into("<I", self._mm, 12, STATE_CLOSED)
-            if self._finalizer is not None:
-                self._finalizer.detach()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, self.name[1:]))
         # A view still alive somewhere keeps the mapping until its last reference goes.
         with contextlib.suppress(BufferError):
             self._mm.close()
@@ -374,6 +302,11 @@ class Index:
             yield
         finally:
             self.unlock()
+
+    @property
+    def lock_depth(self) -> int:
+        """How deep this object holds the lock now (0: not held)."""
+        return self._depth
 
     def lock(self, timeout_s: float) -> None:
         """Take the lock (not re-entrant: `locked` is); IndexLockTimeout after `timeout_s`."""
@@ -432,9 +365,6 @@ class Index:
         (epoch,) = struct.unpack_from("<Q", mm, 48)
         struct.pack_into("<Q", mm, 48, (epoch + 1) & ((1 << 64) - 1))
 
-    def set_flags(self, flags: int) -> None:
-        struct.pack_into("<I", self._check_locked(), 56, flags)
-
     # ------------------------------------------------------------------------------------ busy clusters
 
     def busy(self, cluster_id: int) -> bool:
@@ -444,65 +374,10 @@ class Index:
         words = _BUSY_ALL.unpack_from(mm, _BUSY_OFFSET)
         return any(words[i] == cluster_id and words[i + 1] for i in range(0, 2 * BUSY_CAPACITY, 2))
 
-    def set_busy(self, cluster_id: int, delta: int) -> None:
-        """Owner: count a push into `cluster_id` in (+1) or out (-1)."""
-        mm = self._check_locked()
-        free = -1
-        for i in range(BUSY_CAPACITY):
-            cid, count = _BUSY.unpack_from(mm, _BUSY_OFFSET + 16 * i)
-            if count and cid == cluster_id:
-                _BUSY.pack_into(mm, _BUSY_OFFSET + 16 * i, cid, max(count + delta, 0))
-                self._count_busy()
-                return
-            if not count and free < 0:
-                free = i
-        if delta <= 0:
-            return
-        if free < 0:
-            raise ShmError(f"pushing into more than {BUSY_CAPACITY} clusters at once")
-        _BUSY.pack_into(mm, _BUSY_OFFSET + 16 * free, cluster_id, delta)
-        self._count_busy()
-
-    def _count_busy(self) -> None:
-        mm = self._map
-        words = _BUSY_ALL.unpack_from(mm, _BUSY_OFFSET)
-        struct.pack_into("<I", mm, _BUSY_COUNT_OFFSET, sum(1 for count in words[1::2] if count))
-
     # ------------------------------------------------------------------------------------ caches
 
-    def put_cache(self, entry: CacheEntry) -> None:
-        mm = self._check_locked()
-        offset = self._cache_offset(entry.slot)
-        raw = entry.segment.encode()
-        if len(raw) >= _SEGMENT_NAME_NBYTES:
-            raise ShmError(f"segment name {entry.segment!r} is too long for the index")
-        _CACHE.pack_into(
-            mm,
-            offset,
-            entry.generation,
-            entry.cache_id,
-            entry.flags,
-            entry.batch_size,
-            entry.offset,
-            entry.pitch_nbytes,
-            entry.tensor_nbytes,
-            entry.num_tensors,
-            entry.segment_nbytes,
-        )
-        mm[offset + _CACHE_NAME_OFFSET : offset + _CACHE_NAME_OFFSET + _SEGMENT_NAME_NBYTES] = raw.ljust(
-            _SEGMENT_NAME_NBYTES, b"\0"
-        )
-
-    def set_cache_flags(self, slot: int, flags: int) -> None:
-        struct.pack_into("<I", self._check_locked(), self._cache_offset(slot) + 16, flags)
-
     def cache_flags(self, slot: int) -> int:
-        return int(struct.unpack_from("<I", self._check_locked(), self._cache_offset(slot) + 16)[0])
-
-    def clear_cache(self, slot: int) -> None:
-        mm = self._check_locked()
-        offset = self._cache_offset(slot)
-        mm[offset : offset + _CACHE_NBYTES] = bytes(_CACHE_NBYTES)
+        return int(_U32.unpack_from(self._check_locked(), self._cache_offset(slot) + 16)[0])
 
     def cache(self, slot: int) -> CacheEntry:
         """The live cache in `slot`, checked; IndexCorrupt if the slot is free or its fields are absurd."""
@@ -538,14 +413,6 @@ class Index:
         return CacheEntry(
             slot, gen, cache_id, flags, batch, base, pitch, tensor_nbytes, count, segment, seg_nbytes, addrs
         )
-
-    def put_addresses(self, first_word: int, addrs: tuple[int, ...]) -> None:
-        """Owner: a registered cache's tensor addresses, at words [first_word, + len(addrs))."""
-        if not 0 <= first_word <= self.addr_words - len(addrs):
-            raise ShmError(
-                f"address words [{first_word}, +{len(addrs)}) outside the index's {self.addr_words}"
-            )
-        struct.pack_into(f"<{len(addrs)}Q", self._check_locked(), self._addrs_offset + 8 * first_word, *addrs)
 
     @property
     def generations(self) -> str:
@@ -604,77 +471,6 @@ class Index:
         )
         return NameEntry(index, state, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, mask)
 
-    def insert_name(
-        self,
-        index: int,
-        kind: int,
-        key_id: int,
-        model_id: int,
-        cache_slot: int,
-        batch_slot: int,
-        generation: int,
-        *,
-        target: int = -1,
-        num_tensors: int = 0,
-    ) -> None:
-        """Owner: write name entry `index` (free) and hash it in."""
-        mm = self._check_locked()
-        offset = self._name_offset(index)
-        mask = (1 << num_tensors) - 1 if kind == KIND_REQ else 0
-        _NAME.pack_into(
-            mm, offset, NAME_LIVE, kind, key_id, model_id, cache_slot, batch_slot, generation, target + 1, 0
-        )
-        self._write_mask(offset, mask)
-        bucket = _hash(kind, key_id, model_id) % self.buckets
-        for _ in range(self.buckets):
-            at = self._buckets_offset + 4 * bucket
-            (stored,) = struct.unpack_from("<I", mm, at)
-            if not stored:
-                struct.pack_into("<I", mm, at, index + 1)
-                return
-            bucket = (bucket + 1) % self.buckets
-        raise ShmError("the index's hash is full")
-
-    def retarget_name(self, index: int, cache_slot: int, generation: int) -> None:
-        """Owner: point a blocks name at another cache."""
-        mm = self._check_locked()
-        offset = self._name_offset(index)
-        struct.pack_into("<I", mm, offset + 24, cache_slot)
-        struct.pack_into("<Q", mm, offset + 32, generation)
-
-    def remove_name(self, index: int) -> None:
-        """Owner: unhash name `index` (linear probing, backward-shift deletion) and free its entry."""
-        mm = self._check_locked()
-        entry = self.name_entry(index)
-        bucket = _hash(entry.kind, entry.key_id, entry.model_id) % self.buckets
-        for _ in range(self.buckets):
-            (stored,) = struct.unpack_from("<I", mm, self._buckets_offset + 4 * bucket)
-            if not stored:
-                break
-            if stored == index + 1:
-                self._delete_bucket(bucket)
-                break
-            bucket = (bucket + 1) % self.buckets
-        offset = self._name_offset(index)
-        mm[offset : offset + _NAME_NBYTES] = bytes(_NAME_NBYTES)
-
-    def _delete_bucket(self, hole: int) -> None:
-        mm = self._map
-        size = self.buckets
-        probe = hole
-        for _ in range(size):  # a full table (which only a peer scribbling on it can make) ends it too
-            probe = (probe + 1) % size
-            (stored,) = struct.unpack_from("<I", mm, self._buckets_offset + 4 * probe)
-            if not stored:
-                break
-            entry = self.name_entry(stored - 1)
-            home = _hash(entry.kind, entry.key_id, entry.model_id) % size
-            # Move the entry into the hole unless its home lies cyclically in (hole, probe].
-            if (probe - home) % size >= (probe - hole) % size:
-                struct.pack_into("<I", mm, self._buckets_offset + 4 * hole, stored)
-                hole = probe
-        struct.pack_into("<I", mm, self._buckets_offset + 4 * hole, 0)
-
     def set_name_state(self, index: int, state: int, mask: int) -> None:
         mm = self._check_locked()
         offset = self._name_offset(index)
@@ -716,15 +512,6 @@ class Index:
 
     # ------------------------------------------------------------------------------------ rows
 
-    def assign_row(self, row: int, holder: int, incarnation: int) -> None:
-        """Owner: hand row `row` (idle) to the connection that got ticket `holder` in its handshake, from a
-        puller of that incarnation (0, 0: the row is nobody's)."""
-        mm = self._check_locked()
-        offset = self._row_offset(row)
-        mm[offset : offset + _ROW_NBYTES] = bytes(_ROW_NBYTES)
-        _ROW.pack_into(mm, offset, holder, 0, 0, 0, 0)
-        struct.pack_into("<Q", mm, offset + _ROW_INCARNATION_OFFSET, incarnation)
-
     def row_state(self, row: int) -> tuple[int, int]:
         """(holder, state) of a row."""
         holder, state, _, _, _ = _ROW.unpack_from(self._check_locked(), self._row_offset(row))
@@ -757,27 +544,6 @@ class Index:
     def clear_row(self, row: int, holder: int) -> None:
         """End the row's pin (its other fields mean nothing while its state is 0)."""
         _ROW.pack_into(self._check_locked(), self._row_offset(row), holder, 0, 0, 0, 0)
-
-    def pinned(self, rows: Iterable[int]) -> dict[int, tuple[int, int]]:
-        """Owner: row -> (cache slot, generation) for each of `rows` that pins a cache."""
-        mm = self._check_locked()
-        found: dict[int, tuple[int, int]] = {}
-        for row in rows:
-            _, state, cache_slot, generation, _ = _ROW.unpack_from(mm, self._row_offset(row))
-            if state:
-                found[row] = (cache_slot, generation)
-        return found
-
-    def consumed_names(self) -> list[int]:
-        """Owner: the indices of names in state NAME_CONSUMED (one pass over the region, in numpy)."""
-        mm = self._check_locked()
-        words = np.frombuffer(
-            mm, dtype="<u4", count=self.names * _NAME_NBYTES // 4, offset=self._names_offset
-        )
-        states = words[:: _NAME_NBYTES // 4]
-        found = np.flatnonzero(states == NAME_CONSUMED).tolist()
-        del words, states  # no export of the mapping may outlive this call (close needs none)
-        return found
 
     def _row_offset(self, row: int) -> int:
         if not 0 <= row < self.rows:

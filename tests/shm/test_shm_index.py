@@ -8,6 +8,7 @@ import struct
 import threading
 import time
 
+import hypothesis
 import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
@@ -23,13 +24,14 @@ from llm_datadist._shm.index import (
     IndexCorrupt,
     IndexLockTimeout,
 )
+from llm_datadist._shm.index_owner import OwnerIndex
 
 _PID = os.getpid()
 
 
 @pytest.fixture
-def owner() -> Index:
-    index = Index.create(_PID, 77, rows=8, caches=16, names=32)
+def owner() -> OwnerIndex:
+    index = OwnerIndex.create(_PID, 77, rows=8, caches=16, names=32)
     yield index
     index.close()
 
@@ -155,7 +157,7 @@ class NameTable(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         # A small table: long probe chains, wrap-around and deletions inside clusters all happen.
-        self.index = Index.create(_PID, 1, rows=1, caches=4, names=12)
+        self.index = OwnerIndex.create(_PID, 1, rows=1, caches=4, names=12)
         self.model: dict[tuple[int, int, int], int] = {}
         self.free = list(range(12))
 
@@ -200,9 +202,104 @@ def test_an_owner_that_never_closes_still_unlinks_its_index_at_exit() -> None:
     import subprocess
     import sys
 
-    code = "import os; from llm_datadist._shm.index import Index; print(Index.create(os.getpid(), 1).name)"
+    code = (
+        "import os; from llm_datadist._shm.index_owner import OwnerIndex; "
+        "print(OwnerIndex.create(os.getpid(), 1).name)"
+    )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     name = done.stdout.strip()
     assert name.startswith("/llmdd.") and not os.path.exists(f"/dev/shm/{name[1:]}")
+
+
+# ----------------------------------------------------------------------------------- stray writes
+
+
+def _published(owner: OwnerIndex) -> list[tuple[int, tuple[int, int, int]]]:
+    """An owner with a few caches and names, some of them partly consumed by a puller: (name, key)."""
+    names = []
+    with owner.locked(1.0):
+        for slot in range(4):
+            owner.put_cache(_entry(slot, 10 + slot))
+            for n in range(3):
+                number = slot * 3 + n
+                key = (KIND_REQ if n < 2 else KIND_PREFIX, slot, n)
+                owner.insert_name(number, *key, slot, 0, 10 + slot, num_tensors=3)
+                names.append((number, key))
+        owner.consume(0, 0b001)  # partly pulled: the mask the repair must keep
+    return names
+
+
+@settings(max_examples=80, deadline=None)
+@hypothesis.given(
+    writes=st.lists(
+        st.tuples(st.integers(0, 1 << 20), st.binary(min_size=1, max_size=16)), min_size=1, max_size=8
+    )
+)
+def test_a_repair_puts_back_what_the_owner_wrote_and_keeps_what_pullers_did(
+    writes: list[tuple[int, bytes]],
+) -> None:
+    owner = OwnerIndex.create(_PID, 77, rows=8, caches=16, names=32)
+    try:
+        names = _published(owner)
+        path = f"/dev/shm/{owner.name[1:]}"
+        size = os.path.getsize(path)
+        with open(path, "r+b") as raw:
+            for offset, data in writes:
+                raw.seek(offset % (size - len(data)))
+                raw.write(data)
+        # The owner's own reads never fail, whatever the file holds.
+        with owner.locked(1.0):
+            owner.consumed_names()
+            owner.pinned(range(8))
+            for number, _ in names:
+                owner.name_entry(number)
+            owner.repair()
+        assert not owner.audit()
+        puller = Index.attach(owner.name, pid=_PID, incarnation=77)
+        try:
+            with puller.locked(1.0):
+                for number, key in names:
+                    found = puller.lookup(*key)
+                    assert found is not None and found.number == number
+                    assert puller.cache(found.cache_slot).generation == 10 + key[1]
+                    # What the puller consumed stays consumed, unless a stray write hit that very mask.
+                    assert found.mask & ~(0b111 if key[0] == KIND_REQ else 0) == 0
+            with owner.locked(1.0):
+                owner.remove_name(0)
+            with puller.locked(1.0):
+                assert puller.lookup(*names[0][1]) is None
+                assert all(puller.lookup(*key) is not None for _, key in names[1:])
+        finally:
+            puller.close()
+    finally:
+        owner.close()
+
+
+def test_an_audit_of_a_clean_index_finds_nothing_and_costs_no_repair(owner: OwnerIndex) -> None:
+    _published(owner)
+    puller = Index.attach(owner.name, pid=_PID, incarnation=77)
+    try:
+        with owner.locked(1.0):
+            owner.assign_row(2, 555, 9)
+        with puller.locked(1.0):
+            name = puller.lookup(KIND_REQ, 1, 0)
+            assert name is not None
+            puller.set_row(
+                2, 555, name.cache_slot, name.generation, name.number, puller.consume(name.number, 0b11)
+            )
+        assert owner.audit() == []
+        with owner.locked(1.0):
+            assert not owner.repair()
+            assert owner.pinned(range(8)) == {2: (1, 11)}
+        with open(f"/dev/shm/{owner.name[1:]}", "r+b") as raw:
+            raw.seek(4096 + 2 * 128 + 8)  # row 2's state: a value no holder writes
+            raw.write(struct.pack("<I", 7))
+        assert owner.audit() == ["rows"]
+        with owner.locked(1.0):
+            assert owner.pinned(range(8)) == {}  # not a pin the owner honours
+            assert owner.repair() and owner.repairs == 1
+        assert owner.audit() == []
+    finally:
+        puller.close()

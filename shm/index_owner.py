@@ -1,0 +1,524 @@
+"""The owner's side of the published index (`shm.index` has the layout): it creates the file, writes it,
+and never trusts what pullers can write there.
+
+Rules: the owner keeps a private copy of everything it writes (the shadow, an anonymous mapping of the same
+layout), and takes the index's structure (which bucket holds which name, what a name's key is) from that
+copy, never from the shared file: a stray write into the file can mislead pullers until it is repaired, but
+never the owner. Of the shared file the owner reads only the fields pullers legitimately write (a name's
+state and unpulled mask, a row's pin, the epoch), each clamped to the values a puller may write. `audit`
+compares the file with the shadow and checks those fields; `repair` puts back what the owner wrote and
+clamps the rest, under the lock, leaving what pullers consumed and pinned as they left it.
+
+Which bytes are whose (offsets within each region; everything not listed is the owner's):
+
+    header      [48, 56)   the epoch: pullers move it
+    row         [8, 32)    state, cache slot, generation, name + 1: the row's holder writes them
+                [64, 128)  what the holder's pin consumed (a 512-bit mask)
+    name        [0, 4)     state: a puller marks a name it emptied NAME_CONSUMED
+                [64, 128)  the unpulled mask: pullers clear bits and give them back
+
+Created by `OwnerIndex.create` (mode 0600, under a segment name, so the reaper removes it after a crash),
+unlinked by `close` (or by a finalizer when the creating process exits without closing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import weakref
+from collections.abc import Iterable
+
+import numpy as np
+
+from .errors import ShmError
+from .index import (
+    _BUSY,
+    _BUSY_ALL,
+    _BUSY_COUNT_OFFSET,
+    _BUSY_OFFSET,
+    _CACHE,
+    _CACHE_NAME_OFFSET,
+    _GENERATIONS_OFFSET,
+    _HEADER,
+    _MAGIC,
+    _MASK_NBYTES,
+    _NAME,
+    _NAME_MASK_OFFSET,
+    _NAME_NBYTES,
+    _ROW,
+    _ROW_INCARNATION_OFFSET,
+    _ROW_MASK_OFFSET,
+    _ROW_NBYTES,
+    _ROWS_OFFSET,
+    _SEGMENT_NAME_NBYTES,
+    _U32,
+    BUSY_CAPACITY,
+    KIND_REQ,
+    LAYOUT_VERSION,
+    NAME_CONSUMED,
+    NAME_LIVE,
+    STATE_CLOSED,
+    STATE_OPEN,
+    CacheEntry,
+    Index,
+    NameEntry,
+    _hash,
+    _layout_nbytes,
+)
+from .names import make_segment_name
+from .reaper import SHM_DIR
+
+__all__ = ["OwnerIndex"]
+
+_EPOCH = slice(48, 56)
+_ROW_PULLER = slice(8, 32)
+_NAME_FIELDS = slice(4, 64)  # the owner's part of a name entry: kind .. tensor count, and padding
+
+
+def _unlink_if_creator(name: str, creator_pid: int) -> None:
+    # A weakref finalizer (GC or interpreter exit) of an owner that never closed; a forked child that exits
+    # normally must not unlink its parent's index.
+    if os.getpid() == creator_pid:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name[1:]))
+
+
+class OwnerIndex(Index):
+    """The owner's mapping of its index, its private shadow of what it wrote, and the writes themselves."""
+
+    def __init__(
+        self, name: str, fd: int, mapping: mmap.mmap, caps: tuple[int, int, int, int], shadow: mmap.mmap
+    ) -> None:
+        super().__init__(name, fd, mapping, caps)
+        self._shadow: mmap.mmap | None = shadow
+        self.repairs = 0  # how many times `repair` found something to put back
+        # An owner that never closes (its process exits without finalizing) still unlinks the file.
+        self._finalizer = weakref.finalize(self, _unlink_if_creator, name, os.getpid())
+
+    @classmethod
+    def create(
+        cls,
+        pid: int,
+        incarnation: int,
+        *,
+        rows: int = 512,
+        caches: int = 16384,
+        names: int = 16384,
+        generations: str = "",
+    ) -> OwnerIndex:
+        buckets = 2 * names
+        nbytes = _layout_nbytes(rows, caches, names, buckets)
+        raw = generations.encode()
+        if len(raw) >= _SEGMENT_NAME_NBYTES:
+            raise ShmError(f"generation segment name {generations!r} is too long for the index")
+        for _ in range(8):
+            name = make_segment_name()
+            try:
+                fd = os.open(os.path.join(SHM_DIR, name[1:]), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise ShmError("could not create a uniquely named index")
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, nbytes)  # sparse: pages are allocated where they are written
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # Private and anonymous: pages read before they are written are the zero page, not memory.
+            shadow = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except BaseException:
+            os.close(fd)
+            os.unlink(os.path.join(SHM_DIR, name[1:]))
+            raise
+        for target in (mapping, shadow):
+            _HEADER.pack_into(
+                target,
+                0,
+                _MAGIC,
+                LAYOUT_VERSION,
+                STATE_OPEN,
+                pid,
+                incarnation,
+                rows,
+                caches,
+                names,
+                buckets,
+                0,
+                0,
+            )
+            target[_GENERATIONS_OFFSET : _GENERATIONS_OFFSET + len(raw)] = raw
+        return cls(name, fd, mapping, (rows, caches, names, buckets), shadow)
+
+    def close(self) -> None:
+        """Mark the index closed (pullers that still map it see that), unlink and unmap it."""
+        if self._mm is None:
+            return
+        # Without the lock: a closing owner may be one whose lock a stopped process holds, and a single
+        # aligned word is read whole.
+        _U32.pack_into(self._mm, 12, STATE_CLOSED)
+        self._finalizer.detach()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, self.name[1:]))
+        shadow, self._shadow = self._shadow, None
+        if shadow is not None:
+            with contextlib.suppress(BufferError):
+                shadow.close()
+        super().close()
+
+    # ------------------------------------------------------------------------------------ writing
+
+    @property
+    def _own(self) -> mmap.mmap:
+        shadow = self._shadow
+        if shadow is None:
+            raise ShmError(f"index {self.name} is closed")
+        return shadow
+
+    def _pack(self, fmt: struct.Struct, offset: int, *values: object) -> None:
+        """Write owner fields: the shared file and the shadow alike."""
+        fmt.pack_into(self._check_locked(), offset, *values)
+        fmt.pack_into(self._own, offset, *values)
+
+    def _put(self, offset: int, data: bytes) -> None:
+        self._check_locked()[offset : offset + len(data)] = data
+        self._own[offset : offset + len(data)] = data
+
+    def set_flags(self, flags: int) -> None:
+        self._pack(_U32, 56, flags)
+
+    def set_busy(self, cluster_id: int, delta: int) -> None:
+        """Count a push into `cluster_id` in (+1) or out (-1)."""
+        self._check_locked()
+        own = self._own
+        free = -1
+        for i in range(BUSY_CAPACITY):
+            cid, count = _BUSY.unpack_from(own, _BUSY_OFFSET + 16 * i)
+            if count and cid == cluster_id:
+                self._pack(_BUSY, _BUSY_OFFSET + 16 * i, cid, max(count + delta, 0))
+                self._count_busy()
+                return
+            if not count and free < 0:
+                free = i
+        if delta <= 0:
+            return
+        if free < 0:
+            raise ShmError(f"pushing into more than {BUSY_CAPACITY} clusters at once")
+        self._pack(_BUSY, _BUSY_OFFSET + 16 * free, cluster_id, delta)
+        self._count_busy()
+
+    def _count_busy(self) -> None:
+        words = _BUSY_ALL.unpack_from(self._own, _BUSY_OFFSET)
+        self._pack(_U32, _BUSY_COUNT_OFFSET, sum(1 for count in words[1::2] if count))
+
+    def put_cache(self, entry: CacheEntry) -> None:
+        offset = self._cache_offset(entry.slot)
+        raw = entry.segment.encode()
+        if len(raw) >= _SEGMENT_NAME_NBYTES:
+            raise ShmError(f"segment name {entry.segment!r} is too long for the index")
+        self._pack(
+            _CACHE,
+            offset,
+            entry.generation,
+            entry.cache_id,
+            entry.flags,
+            entry.batch_size,
+            entry.offset,
+            entry.pitch_nbytes,
+            entry.tensor_nbytes,
+            entry.num_tensors,
+            entry.segment_nbytes,
+        )
+        self._put(offset + _CACHE_NAME_OFFSET, raw.ljust(_SEGMENT_NAME_NBYTES, b"\0"))
+
+    def set_cache_flags(self, slot: int, flags: int) -> None:
+        self._pack(_U32, self._cache_offset(slot) + 16, flags)
+
+    def cache_flags(self, slot: int) -> int:
+        self._check_locked()
+        return int(_U32.unpack_from(self._own, self._cache_offset(slot) + 16)[0])
+
+    def clear_cache(self, slot: int) -> None:
+        self._put(self._cache_offset(slot), bytes(128))
+
+    def put_addresses(self, first_word: int, addrs: tuple[int, ...]) -> None:
+        """A registered cache's tensor addresses, at words [first_word, + len(addrs))."""
+        if not 0 <= first_word <= self.addr_words - len(addrs):
+            raise ShmError(
+                f"address words [{first_word}, +{len(addrs)}) outside the index's {self.addr_words}"
+            )
+        self._pack(struct.Struct(f"<{len(addrs)}Q"), self._addrs_offset + 8 * first_word, *addrs)
+
+    # ------------------------------------------------------------------------------------ names
+
+    def insert_name(
+        self,
+        index: int,
+        kind: int,
+        key_id: int,
+        model_id: int,
+        cache_slot: int,
+        batch_slot: int,
+        generation: int,
+        *,
+        target: int = -1,
+        num_tensors: int = 0,
+    ) -> None:
+        """Write name entry `index` (free) and hash it in."""
+        offset = self._name_offset(index)
+        count = num_tensors if kind == KIND_REQ else 0
+        self._pack(
+            _NAME,
+            offset,
+            NAME_LIVE,
+            kind,
+            key_id,
+            model_id,
+            cache_slot,
+            batch_slot,
+            generation,
+            target + 1,
+            count,
+        )
+        self._write_mask(offset, (1 << count) - 1)
+        own = self._own
+        bucket = _hash(kind, key_id, model_id) % self.buckets
+        for _ in range(self.buckets):
+            at = self._buckets_offset + 4 * bucket
+            if not _U32.unpack_from(own, at)[0]:
+                self._pack(_U32, at, index + 1)
+                return
+            bucket = (bucket + 1) % self.buckets
+        raise ShmError("the index's hash is full")
+
+    def retarget_name(self, index: int, cache_slot: int, generation: int) -> None:
+        """Point a blocks name at another cache."""
+        offset = self._name_offset(index)
+        self._pack(_U32, offset + 24, cache_slot)
+        self._pack(struct.Struct("<Q"), offset + 32, generation)
+
+    def remove_name(self, index: int) -> None:
+        """Unhash name `index` (linear probing, backward-shift deletion) and free its entry."""
+        kind, key_id, model_id = self._key_of(index)
+        own = self._own
+        bucket = _hash(kind, key_id, model_id) % self.buckets
+        for _ in range(self.buckets):
+            stored = _U32.unpack_from(own, self._buckets_offset + 4 * bucket)[0]
+            if not stored:
+                break
+            if stored == index + 1:
+                self._delete_bucket(bucket)
+                break
+            bucket = (bucket + 1) % self.buckets
+        self._put(self._name_offset(index), bytes(_NAME_NBYTES))
+
+    def _key_of(self, index: int) -> tuple[int, int, int]:
+        _, kind, key_id, model_id, *_ = _NAME.unpack_from(self._own, self._name_offset(index))
+        return kind, key_id, model_id
+
+    def _delete_bucket(self, hole: int) -> None:
+        own = self._own
+        size = self.buckets
+        probe = hole
+        for _ in range(size):
+            probe = (probe + 1) % size
+            stored = _U32.unpack_from(own, self._buckets_offset + 4 * probe)[0]
+            if not stored:
+                break
+            home = _hash(*self._key_of(stored - 1)) % size
+            # Move the entry into the hole unless its home lies cyclically in (hole, probe].
+            if (probe - home) % size >= (probe - hole) % size:
+                self._pack(_U32, self._buckets_offset + 4 * hole, stored)
+                hole = probe
+        self._pack(_U32, self._buckets_offset + 4 * hole, 0)
+
+    def name_entry(self, index: int) -> NameEntry:
+        """Name `index` as the owner wrote it, with the state and mask pullers left (clamped: a state no
+        puller writes reads as live, mask bits past the key's tensors are not there)."""
+        self._check_locked()
+        offset = self._name_offset(index)
+        owned_state, kind, key_id, model_id, cache_slot, batch_slot, gen, target, count = _NAME.unpack_from(
+            self._own, offset
+        )
+        if not owned_state:
+            return NameEntry(index, 0, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, 0)
+        state, mask = self._name_state(offset, count)
+        return NameEntry(index, state, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, mask)
+
+    def _name_state(self, offset: int, count: int) -> tuple[int, int]:
+        mm = self._map
+        state = _U32.unpack_from(mm, offset)[0]
+        mask = int.from_bytes(
+            mm[offset + _NAME_MASK_OFFSET : offset + _NAME_MASK_OFFSET + _MASK_NBYTES], "little"
+        )
+        mask &= (1 << count) - 1
+        return (state if state in (NAME_LIVE, NAME_CONSUMED) else NAME_LIVE), mask
+
+    def restore(self, index: int, tensors: int, cache_slot: int, generation: int) -> None:
+        count = _NAME.unpack_from(self._own, self._name_offset(index))[8]
+        super().restore(index, tensors & ((1 << count) - 1), cache_slot, generation)
+
+    def consumed_names(self) -> list[int]:
+        """The indices of live names pullers marked NAME_CONSUMED (one numpy pass over the region)."""
+        self._check_locked()
+        shared = self._names_view(self._map)
+        own = self._names_view(self._own)
+        found = np.flatnonzero((shared[:, 0] == NAME_CONSUMED) & (own[:, 0] == NAME_LIVE)).tolist()
+        del shared, own  # no export of a mapping may outlive this call (close needs none)
+        return found
+
+    def _names_view(self, target: mmap.mmap) -> np.ndarray:
+        return np.frombuffer(
+            target, dtype="<u4", count=self.names * _NAME_NBYTES // 4, offset=self._names_offset
+        ).reshape(self.names, _NAME_NBYTES // 4)
+
+    # ------------------------------------------------------------------------------------ rows
+
+    def assign_row(self, row: int, holder: int, incarnation: int) -> None:
+        """Hand row `row` to the connection that got ticket `holder` in its handshake, from a puller of
+        that incarnation; (0, 0) takes it back: nobody's, and every field cleared."""
+        offset = self._row_offset(row)
+        self._put(offset, bytes(_ROW_NBYTES))
+        self._pack(_ROW, offset, holder, 0, 0, 0, 0)
+        self._pack(struct.Struct("<Q"), offset + _ROW_INCARNATION_OFFSET, incarnation)
+
+    def row(self, row: int) -> tuple[int, int, int, int, int, int]:
+        """(holder, state, cache slot, generation, name index or -1, consumed mask) as the row's holder left
+        them, clamped: a row the owner handed to nobody pins nothing, nor does a state no holder writes, and
+        a name outside the index is none."""
+        self._check_locked()
+        offset = self._row_offset(row)
+        holder = struct.unpack_from("<Q", self._own, offset)[0]
+        _, state, cache_slot, generation, name = _ROW.unpack_from(self._map, offset)
+        if not holder or state != 1:
+            return holder, 0, 0, 0, -1, 0
+        if not 0 <= name - 1 < self.names:
+            return holder, 1, cache_slot, generation, -1, 0
+        mm = self._map
+        mask = int.from_bytes(
+            mm[offset + _ROW_MASK_OFFSET : offset + _ROW_MASK_OFFSET + _MASK_NBYTES], "little"
+        )
+        return holder, 1, cache_slot, generation, name - 1, mask
+
+    def pinned(self, rows: Iterable[int]) -> dict[int, tuple[int, int]]:
+        """row -> (cache slot, generation) for each of `rows` that pins a cache."""
+        found: dict[int, tuple[int, int]] = {}
+        for row in rows:
+            _, state, cache_slot, generation, _, _ = self.row(row)
+            if state:
+                found[row] = (cache_slot, generation)
+        return found
+
+    # ------------------------------------------------------------------------------------ audit
+
+    def audit(self) -> list[str]:
+        """The regions where the shared file holds what no owner wrote and no puller may write ([]: none).
+        A few numpy compares over 64-bit words (a couple of milliseconds for the default capacities), taken
+        without the lock: pullers write only their own fields, which it leaves out or only range-checks."""
+        damaged = []
+        shared = np.frombuffer(self._map, dtype="<u8", count=self.nbytes // 8)
+        own = np.frombuffer(self._own, dtype="<u8", count=self.nbytes // 8)
+        try:
+            epoch = _EPOCH.start // 8
+            header_end = _ROWS_OFFSET // 8
+            if not (
+                np.array_equal(shared[:epoch], own[:epoch])
+                and np.array_equal(shared[epoch + 1 : header_end], own[epoch + 1 : header_end])
+            ):
+                damaged.append("header")
+            if not self._rows_sane(
+                self._words(shared, _ROWS_OFFSET, self.rows, _ROW_NBYTES),
+                self._words(own, _ROWS_OFFSET, self.rows, _ROW_NBYTES),
+            ):
+                damaged.append("rows")
+            caches = slice(self._caches_offset // 8, self._names_offset // 8)
+            if not np.array_equal(shared[caches], own[caches]):
+                damaged.append("caches")
+            if not self._names_sane(
+                self._words(shared, self._names_offset, self.names, _NAME_NBYTES),
+                self._words(own, self._names_offset, self.names, _NAME_NBYTES),
+            ):
+                damaged.append("names")
+            tail = self._buckets_offset // 8
+            if not np.array_equal(shared[tail:], own[tail:]):
+                damaged.append("buckets and addresses")
+        finally:
+            del shared, own
+        return damaged
+
+    @staticmethod
+    def _words(view: np.ndarray, offset: int, count: int, nbytes: int) -> np.ndarray:
+        """A region as one row of 64-bit words per entry."""
+        return view[offset // 8 : (offset + count * nbytes) // 8].reshape(count, nbytes // 8)
+
+    @staticmethod
+    def _rows_sane(rows: np.ndarray, own: np.ndarray) -> bool:
+        """Words 0 (holder) and 4-7 (incarnation, padding) are the owner's; a row handed to nobody is all
+        zero; a holder's state (the low half of word 1) is 0 or 1."""
+        if not (np.array_equal(rows[:, 0], own[:, 0]) and np.array_equal(rows[:, 4:8], own[:, 4:8])):
+            return False
+        free = own[:, 0] == 0
+        return not rows[free].any() and bool(np.all((rows[:, 1] & 0xFFFFFFFF) <= 1))
+
+    @staticmethod
+    def _names_sane(names: np.ndarray, own: np.ndarray) -> bool:
+        """The owner's part of each name is as written (the high half of word 0, words 1-7); a free name is
+        all zero; a live one is live or consumed, and its mask (words 8-15) has no bit past its key's
+        tensor count (the high half of word 5)."""
+        if not (
+            np.array_equal(names[:, 1:8], own[:, 1:8]) and np.array_equal(names[:, 0] >> 32, own[:, 0] >> 32)
+        ):
+            return False
+        live = (own[:, 0] & 0xFFFFFFFF) != 0
+        states = names[:, 0] & 0xFFFFFFFF
+        if np.any(states[~live]) or not np.all((states[live] == NAME_LIVE) | (states[live] == NAME_CONSUMED)):
+            return False
+        masks = names[:, 8:]
+        with_bits = np.bitwise_or.reduce(masks, axis=1) != 0
+        if np.any(with_bits & ~live):
+            return False
+        which = np.flatnonzero(with_bits)
+        if not len(which):
+            return True
+        masks = masks[which]
+        counts = (own[which, 5] >> 32).astype(np.int64)
+        # Word j holds bits [64 j, 64 j + 64): the first count - 64 j of them (clamped to [0, 64]) may be set.
+        allowed = np.clip(counts[:, None] - 64 * np.arange(8)[None, :], 0, 64)
+        low = np.where(
+            allowed >= 64, ~np.uint64(0), (np.uint64(1) << allowed.astype(np.uint64)) - np.uint64(1)
+        )
+        return not np.any(masks & ~low)
+
+    def repair(self) -> bool:
+        """Put back every byte the owner wrote and clamp what pullers wrote to what they may write, under
+        the lock (the caller holds it); what pullers consumed and pinned stays. False if nothing was wrong."""
+        if not self.audit():
+            return False
+        mm = self._check_locked()
+        own = self._own
+        mm[: _EPOCH.start] = own[: _EPOCH.start]
+        mm[_EPOCH.stop : _ROWS_OFFSET] = own[_EPOCH.stop : _ROWS_OFFSET]
+        for row in range(self.rows):
+            offset = self._row_offset(row)
+            state = _ROW.unpack_from(mm, offset)[1]
+            if not struct.unpack_from("<Q", own, offset)[0] or state > 1:
+                mm[offset : offset + _ROW_NBYTES] = own[offset : offset + _ROW_NBYTES]  # idle: nothing pinned
+            else:
+                mm[offset : offset + 8] = own[offset : offset + 8]
+                mm[offset + 32 : offset + 64] = own[offset + 32 : offset + 64]
+        mm[self._caches_offset : self._names_offset] = own[self._caches_offset : self._names_offset]
+        for index in range(self.names):
+            offset = self._name_offset(index)
+            mm[offset + 4 : offset + 64] = own[offset + 4 : offset + 64]
+            owned_state, *_, count = _NAME.unpack_from(own, offset)
+            if not owned_state:
+                mm[offset : offset + _NAME_NBYTES] = bytes(_NAME_NBYTES)
+            else:
+                state, mask = self._name_state(offset, count)
+                _U32.pack_into(mm, offset, state)
+                self._write_mask(offset, mask)
+        mm[self._buckets_offset : self.nbytes] = own[self._buckets_offset : self.nbytes]
+        self.bump_epoch()
+        self.repairs += 1
+        return True
