@@ -56,12 +56,19 @@ from llm_datadist._shm.pool import Pool
 from llm_datadist._shm.reaper import reap
 from llm_datadist._shm.segment import Segment
 
-from . import _auth
+from . import _auth, _faults
 from ._comm import Comms
 from ._copy import Copier, address_view, vm_columns
-from ._dataplane import Pin, PinRequest, peer_index, raise_index_error, unpin
+from ._dataplane import Pin, PinRequest, peer_index, raise_index_error, settle_owed, unpin
 from ._dataplane import pin as dataplane_pin
-from ._engine import FLAG_CACHES_UNPUBLISHED, KEY_BLOCKS, KEY_CACHE_ID, CacheRecord, CacheTable
+from ._engine import (
+    FLAG_CACHES_UNPUBLISHED,
+    KEY_BLOCKS,
+    KEY_CACHE_ID,
+    SERVER_LOCK_TIMEOUT_S,
+    CacheRecord,
+    CacheTable,
+)
 from ._errors import PeerGone, StatusError
 from ._remote import MissingExtra, RemoteEngine, engine_available, shared_engine
 from ._runtime import (
@@ -95,6 +102,8 @@ GrantT = TypeVar("GrantT", PullGrant, BlocksGrant, WriteGrant, Location)
 MAX_LINKS = 512
 # A peer's one-sided table comes in pages; more pages than this is a peer describing more than it can own.
 _MAX_TABLE_PAGES = 1024
+# How long a peer whose connection ended but whose process still ran is watched for its exit (to reap it).
+_DEPARTED_WATCH_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -171,7 +180,12 @@ class Core(ServerHooks):
             oom_code = LLMStatusCode.LLM_OUT_OF_MEMORY
         # Drawn once per instance: peers tell a restarted process at the same address from the old one.
         self.incarnation = secrets.randbits(64) or 1
-        self.table = CacheTable(pools, oom_code=oom_code, incarnation=self.incarnation)
+        self.table = CacheTable(
+            pools,
+            oom_code=oom_code,
+            incarnation=self.incarnation,
+            lock_timeout_s=max(settings.sync_kv_timeout_ms / 1000.0, 0.1),
+        )
         # Across hosts: the shared secret (or why there is none), the transfer engine once started, the
         # memory this instance registered with it (address -> nbytes), our TCP listeners.
         self._secret: bytes | None = None
@@ -205,6 +219,9 @@ class Core(ServerHooks):
         self.comms = Comms(self)
         self._pushing: dict[int, int] = {}
         self.pull_gate = threading.Lock()
+        # Peers whose connection ended while their process was still alive: pid -> until when to look.
+        self._departed: dict[int, float] = {}
+        self._departed_lock = threading.Lock()
         self.server = Server(
             cluster_id=settings.cluster_id,
             role=int(self.role),
@@ -281,11 +298,14 @@ class Core(ServerHooks):
         if not link.peer.remote:  # a pid on another host says nothing about this one
             self._clean_up_after(link.peer.pid)
 
-    @staticmethod
-    def _clean_up_after(pid: int) -> None:
+    def _clean_up_after(self, pid: int) -> None:
         """When a peer's connection ends and the peer is dead, remove what it left: its segments (the
-        reaper checks every owner's pid and start time itself) and sockets nobody serves any more."""
+        reaper checks every owner's pid and start time itself) and sockets nobody serves any more. A peer
+        still exiting (its sockets close before it is gone) is looked at again at housekeeping, for a
+        while."""
         if _process_alive(pid):
+            with self._departed_lock:
+                self._departed[pid] = time.monotonic() + _DEPARTED_WATCH_S
             return
         reaped = reap()
         stale = remove_stale_sockets()
@@ -307,6 +327,15 @@ class Core(ServerHooks):
                 link.owned_segments.discard(name)
         # What pullers did in our index meanwhile (caches they let go of are freed now, not at our next call).
         self.table.sync()
+        # Our unpins in peers' indexes that could not get their lock in time.
+        settle_owed(SERVER_LOCK_TIMEOUT_S)
+        if self._departed:
+            now = time.monotonic()
+            with self._departed_lock:
+                departed, self._departed = self._departed, {}
+            for pid, until in departed.items():
+                if now < until:
+                    self._clean_up_after(pid)  # looks again later if it still lives
 
     def peer_gone(self, peer: PeerInfo) -> None:
         if not peer.remote:
@@ -623,12 +652,18 @@ class Core(ServerHooks):
                 marks.append(time.perf_counter())
                 ok = False
                 try:  # `_pinned_in` written out: a generator context manager costs a microsecond a pull
+                    if _faults.hook is not None:
+                        _faults.at("pinned")
                     self._copy_pull(
                         link, spec, dst, cache.segment, cache.segment_nbytes, offsets, marks, deadline
                     )
+                    if _faults.hook is not None:
+                        _faults.at("copied")
                     ok = True
                 finally:
                     unpin(link, index, ok=ok)
+                if _faults.hook is not None:
+                    _faults.at("released")
             else:
 
                 def copy(grant: PullGrant) -> None:
@@ -736,10 +771,13 @@ class Core(ServerHooks):
     def _pinned_in(self, link: ClientLink, index: Index) -> Iterator[None]:
         ok = False
         try:
+            _faults.at("pinned")
             yield
+            _faults.at("copied")
             ok = True
         finally:
             unpin(link, index, ok=ok)
+        _faults.at("released")
 
     def pull_blocks(self, spec: BlocksSpec, dst: CacheRecord) -> None:
         """Pin the owner's paged cache, copy block src_blocks[k] to dst_blocks[k] of every tensor, unpin."""
@@ -983,7 +1021,9 @@ class Core(ServerHooks):
             raise PeerGone(f"expected {grant_type.__name__}, got {type(grant).__name__}")
         ok = False
         try:
+            _faults.at("pinned")
             work(grant)
+            _faults.at("copied")
             ok = True
         finally:
             # One way: the owner releases (or, after a failure, gives the key back) in order with this
@@ -994,6 +1034,7 @@ class Core(ServerHooks):
                 # Best effort: the original error is the one to report.
                 with contextlib.suppress(StatusError):
                     link.send_only(Release(grant.lease_id, False), deadline)
+        _faults.at("released")
 
     @staticmethod
     def _peer_segment(link: ClientLink, name: str, nbytes: int, *, writable: bool) -> Segment:
@@ -1470,6 +1511,11 @@ class Core(ServerHooks):
     # ------------------------------------------------------------------ teardown
 
     def close(self) -> None:
+        """Release everything, in an order that lets every transfer in flight end as it would: ours (on
+        other threads: they hold local pins) before our links close and our pools go, and peers' (their
+        leases and pins on our memory) before our memory goes; each wait bounded by `drain_s`. A peer's pin
+        that outlives it is revoked: its transfer fails."""
+        deadline = time.monotonic() + self.drain_s
         with self._links_lock:
             self._closed = True
             self.comms.stop_all()
@@ -1477,9 +1523,13 @@ class Core(ServerHooks):
             self._links.clear()
             links += list(self._push_links.values())
             self._push_links.clear()
+        if not self.table.wait_for_local_pins(self.drain_s):
+            log.warning("finalizing while transfers of this process still run on other threads")
         for link in links:
-            link.close(say_bye=True)
-        self.server.close()
+            link.close(say_bye=True)  # a link a transfer still holds closes when that transfer ends
+        self.server.close(drain_s=max(deadline - time.monotonic(), 0.0))
+        if not self.table.wait_for_pins(max(deadline - time.monotonic(), 0.0)):
+            log.warning("finalizing while peers still pin caches of this process: their transfers fail")
         self.copier.close()
         if self._engine is not None:
             # A transfer that outlived its call may still write into our pool: not before it ended.
@@ -1495,6 +1545,11 @@ class Core(ServerHooks):
         self.table.on_unregistered = None
         for pool in self.table.pools():
             pool.on_release = None
+
+    @property
+    def drain_s(self) -> float:
+        """How long `close` waits, in all, for transfers in flight (ours and peers') to end."""
+        return self.sync_kv_timeout_s + 1.0
 
 
 # ====================================================================== cache-manager (v2) transfers

@@ -3,9 +3,11 @@ message to the owner (see `llm_datadist._shm.index` for the layout and `_engine.
 
 Rules: the caller holds its link exclusively, so one pin at a time goes through the link's row. Every
 check the owner makes on a pull request is made here, with the same status codes; whatever the index says
-is checked before it is used (`IndexCorrupt` becomes LLM_FAILED). A lock not had by the deadline is the
-transfer's timeout. A name the index does not hold while the owner flags keys it could not publish makes
-`pin` return None: the caller asks the owner instead.
+is checked before it is used (`IndexCorrupt` becomes LLM_FAILED for that transfer; the owner repairs its
+index, so the link stays). A lock not had by the deadline is the transfer's timeout. A name the index does
+not hold while the owner flags keys it could not publish makes `pin` return None: the caller asks the
+owner instead. A pin is ours until we clear it, whatever happens to the link: an unpin that cannot be done
+now is owed, and done later (`settle_owed`); one whose row the owner took back fails the transfer.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from llm_datadist._shm.index import (
     IndexLockTimeout,
 )
 
+from . import _unpins
 from ._engine import (
     FLAG_UNPUBLISHED,
     KEY_BLOCKS,
@@ -139,7 +142,7 @@ def raise_index_error(link: RowHolder, exc: ShmError, timeout_code: LLMStatusCod
     if isinstance(exc, IndexLockTimeout):
         raise StatusError(timeout_code, str(exc)) from exc
     if isinstance(exc, IndexCorrupt):
-        link.fail(f"peer's index is corrupt: {exc}")
+        # A stray write into the owner's index: this transfer fails; the owner repairs the index.
         raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
     link.check_peer_alive()
     raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
@@ -217,24 +220,44 @@ def _pin_locked(
 
 
 def unpin(link: RowHolder, index: Index, *, ok: bool) -> None:
-    """End the row's pin; after a failed copy, give back what the pin consumed. A lock that cannot be had
-    even now leaves the pin to the owner, who clears it when the link closes: the link is broken."""
+    """End the row's pin; after a failed copy, give back what the pin consumed. A row the owner took back
+    (it revoked the pin: the memory may be reused) fails a transfer that went well with LLM_LINK_FAILED. A
+    lock that cannot be had even now leaves the unpin owed (done by `settle_owed`) and breaks the link."""
     try:
         index.lock(_UNPIN_TIMEOUT_S)
-        try:
-            holder, state, cache_slot, generation, name, taken = index.row(link.index_row)
-            if holder != link.index_ticket or not state:
-                return  # the owner took the row back (our connection ended): nothing of ours is there
-            if not ok and name >= 0 and taken:
-                index.restore(name, taken, cache_slot, generation)
-            if taken or index.cache_flags(cache_slot) & CACHE_PENDING:
-                # The owner unbinds what this pin consumed, and frees what only the pin kept, at its next
-                # look (its next call, or its server thread within half a second).
-                index.bump_epoch()
-            index.clear_row(link.index_row, link.index_ticket)
-        finally:
-            index.unlock()
     except ShmError as exc:
+        _unpins.owe(index, link.index_row, link.index_ticket, ok)
         link.fail(f"could not unpin in the peer's index: {exc}")
         if ok:
             raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
+        return
+    try:
+        revoked = not _unpin_locked(index, link.index_row, link.index_ticket, ok)
+    finally:
+        index.unlock()
+    if revoked and ok:
+        link.fail("the peer took back our pin")
+        raise StatusError(
+            LLMStatusCode.LLM_LINK_FAILED,
+            f"cluster {link.peer.cluster_id} revoked the pin before the transfer ended (it was finalizing)",
+        )
+
+
+def _unpin_locked(index: Index, row: int, ticket: int, ok: bool) -> bool:
+    """False if the row is no longer ours or pins nothing (the owner took it back)."""
+    holder, state, cache_slot, generation, name, taken = index.row(row)
+    if holder != ticket or not state:
+        return False
+    if not ok and name >= 0 and taken:
+        index.restore(name, taken, cache_slot, generation)
+    if taken or index.cache_flags(cache_slot) & CACHE_PENDING:
+        # The owner unbinds what this pin consumed, and frees what only the pin kept, at its next look
+        # (its next call, or its server thread within half a second).
+        index.bump_epoch()
+    index.clear_row(row, ticket)
+    return True
+
+
+def settle_owed(timeout_s: float) -> int:
+    """Do the unpins that could not get their lock in time (housekeeping); how many are still owed."""
+    return _unpins.settle(timeout_s, _unpin_locked)

@@ -42,15 +42,16 @@ from llm_datadist._shm.index import (
     NAME_CONSUMED,
     NAME_LIVE,
     CacheEntry,
-    Index,
-    IndexCorrupt,
     IndexLockTimeout,
 )
+from llm_datadist._shm.index_owner import OwnerIndex
 from llm_datadist._shm.pool import Block, Pool
 from llm_datadist._shm.segment import Segment
 
-from ._errors import StatusError
+from ._errors import IndexBusy, StatusError
+from ._rows import Holder, Rows
 from .status import LLMStatusCode
+from .utils.log import log
 
 KEY_REQ = 1
 KEY_PREFIX = 2
@@ -65,11 +66,15 @@ TENSOR_ALIGN_NBYTES = 4096
 # A well-behaved link holds one lease at a time (one transfer at a time per link); this bounds a peer that
 # asks for leases and never releases them.
 MAX_LEASES_PER_OWNER = 1024
-# The owner waits this long for the index lock (a puller holds it for microseconds; only a stopped puller
-# holds it longer).
+# The owner's calls wait this long for the index lock by default (a puller holds it for microseconds; only a
+# stopped process holds it longer); an instance waits its `sync_kv_timeout`.
 INDEX_LOCK_TIMEOUT_S = 5.0
-# The server thread never waits that long: what it cannot do at once it retries at its next housekeeping.
-SERVER_LOCK_TIMEOUT_S = 0.05
+# The server thread never waits that long: what it cannot do at once it retries at its next housekeeping
+# (a request waits in its connection's queue meanwhile; see `_transport.Server`).
+SERVER_LOCK_TIMEOUT_S = 0.005
+# Housekeeping runs about twice a second; every this many times it also looks for stray writes into the
+# index (a few milliseconds for the default capacities).
+AUDIT_EVERY = 4
 # Index header flags: some key or cache is not in the index (more tensors than a mask holds, a full index):
 # a puller that does not find a name asks the owner instead; with caches missing, the one-sided table
 # comes from the owner too.
@@ -247,7 +252,14 @@ class WriteGrant:
 class CacheTable:
     """Caches, keys and leases of one process, backed by one `shm.pool.Pool`."""
 
-    def __init__(self, pools: dict[int, Pool], *, oom_code: LLMStatusCode, incarnation: int = 0) -> None:
+    def __init__(
+        self,
+        pools: dict[int, Pool],
+        *,
+        oom_code: LLMStatusCode,
+        incarnation: int = 0,
+        lock_timeout_s: float = INDEX_LOCK_TIMEOUT_S,
+    ) -> None:
         # Pools by placement (Placement.DEVICE = 1, HOST = 0); a placement without a pool cannot allocate.
         self._pools = pools
         # Called (under the table's lock) with a registered cache once it is forgotten, before `unregister`
@@ -269,34 +281,58 @@ class CacheTable:
         self._leases_by_owner: dict[int, int] = {}  # id(owner) -> leases held
         # Signalled whenever a lease ends (unregister waits for the leases on memory its caller will reuse).
         self._lease_ended = threading.Condition(self._lock)
-        self.index = Index.create(os.getpid(), incarnation, generations=self._generations.name)
+        self.index = OwnerIndex.create(os.getpid(), incarnation, generations=self._generations.name)
         self._addr_free: list[tuple[int, int]] = [(0, self.index.addr_words)]  # (first word, count)
         self._free_names = list(range(self.index.names - 1, -1, -1))
         self._key_by_name: dict[int, KeyId] = {}
         self._blocks_names: dict[int, int] = {}  # model_id -> KIND_BLOCKS name
-        self._free_rows = list(range(self.index.rows - 1, -1, -1))
-        self._rows: dict[int, int] = {}  # id(connection) -> its row
+        self._rows = Rows(self.index)
         self._pending: dict[int, CacheRecord] = {}  # cache_id -> a record whose free waits for a row
         self._epoch_seen = 0
         self._flags = 0
-        self._lock_timeout_s = INDEX_LOCK_TIMEOUT_S
-        self._rows_to_release: list[int] = []  # rows of ended connections the server could not clear yet
+        # What could not be done when it was asked because the index lock was held elsewhere, done at the
+        # next housekeeping (`sync`) instead, never dropped: connections that ended (with the leases they
+        # released in messages not yet read), frees of caches whose last local pin ended, pushes that
+        # ended, deallocations from finalizers, and names by id to publish again.
+        self._ended: list[tuple[object, frozenset[int]]] = []
+        self._to_free: dict[int, CacheRecord] = {}
+        self._busy_deltas: list[tuple[int, int]] = []
+        self._to_deallocate: list[int] = []
+        self._to_republish: dict[int, CacheRecord] = {}
+        self._to_release: list[tuple[int, bool, object]] = []
+        self._syncs = 0
+        self._lock_timeout_s = lock_timeout_s  # the owner's own calls wait this long for the index lock
 
     # ----------------------------------------------------------------- the index (lock held)
 
     @contextlib.contextmanager
-    def _indexed(self) -> Iterator[Index]:
+    def _indexed(self, timeout_s: float | None = None) -> Iterator[OwnerIndex]:
+        """Hold the index lock (re-entrant: an operation takes it once, first, so that what it does is
+        done whole or not at all); IndexBusy when it cannot be had within `timeout_s` (default: the owner's
+        own calls' wait)."""
+        if timeout_s is None:
+            timeout_s = self._lock_timeout_s
+        index = self.index
+        if index.lock_depth:
+            with index.locked(timeout_s):
+                yield index
+            return
         try:
-            with self.index.locked(self._lock_timeout_s):
-                yield self.index
+            index.lock(timeout_s)
         except IndexLockTimeout as exc:
-            raise StatusError(LLMStatusCode.LLM_TIMEOUT, str(exc)) from exc
+            raise IndexBusy(LLMStatusCode.LLM_TIMEOUT, str(exc)) from exc
+        try:
+            # What waited for the lock comes first, in order, before anything asked after it.
+            if self._ended or self._to_release or self._busy_deltas or self._to_deallocate:
+                self._apply_queued()
+            yield index
+        finally:
+            index.unlock()
 
     def _unpublished(self, flags: int = FLAG_UNPUBLISHED) -> None:
         if self._flags & flags != flags:
             self._flags |= flags
-            with self._indexed() as index:
-                index.set_flags(self._flags)
+            self.index.set_flags(self._flags)
 
     def _new_name(
         self, kind: int, key_id: int, model_id: int, record: CacheRecord, slot: int, target: int = -1
@@ -305,25 +341,23 @@ class CacheTable:
             self._unpublished()
             return -1
         name = self._free_names.pop()
-        with self._indexed() as index:
-            index.insert_name(
-                name,
-                kind,
-                key_id,
-                model_id,
-                record.gen_slot,
-                slot,
-                record.generation,
-                target=target,
-                num_tensors=record.num_tensors,
-            )
+        self.index.insert_name(
+            name,
+            kind,
+            key_id,
+            model_id,
+            record.gen_slot,
+            slot,
+            record.generation,
+            target=target,
+            num_tensors=record.num_tensors,
+        )
         return name
 
     def _drop_name(self, name: int) -> None:
         if name < 0:
             return
-        with self._indexed() as index:
-            index.remove_name(name)
+        self.index.remove_name(name)
         self._free_names.append(name)
 
     def _publish_cache(self, record: CacheRecord) -> None:
@@ -343,26 +377,26 @@ class CacheTable:
                 record.block.segment.name,
                 record.block.segment.nbytes,
             )
-        with self._indexed() as index:
-            if record.block is None:
-                index.put_addresses(record.addr_words, record.addrs)
-            index.put_cache(
-                CacheEntry(
-                    record.gen_slot,
-                    record.generation,
-                    record.cache_id,
-                    _flags_of(record),
-                    record.batch_size,
-                    where,
-                    record.pitch_nbytes,
-                    record.tensor_nbytes,
-                    record.num_tensors,
-                    segment_name,
-                    segment_nbytes,
-                )
+        index = self.index
+        if record.block is None:
+            index.put_addresses(record.addr_words, record.addrs)
+        index.put_cache(
+            CacheEntry(
+                record.gen_slot,
+                record.generation,
+                record.cache_id,
+                _flags_of(record),
+                record.batch_size,
+                where,
+                record.pitch_nbytes,
+                record.tensor_nbytes,
+                record.num_tensors,
+                segment_name,
+                segment_nbytes,
             )
-            record.cache_name = self._new_name(KIND_CACHE, record.cache_id, 0, record, 0)
-            record.published = True
+        )
+        record.cache_name = self._new_name(KIND_CACHE, record.cache_id, 0, record, 0)
+        record.published = True
 
     def _take_words(self, count: int) -> int:
         """First fit in the index's address words: the first of `count` free words, or -1."""
@@ -391,8 +425,8 @@ class CacheTable:
             return
         self._drop_name(record.cache_name)
         record.cache_name = -1
-        with self._indexed() as index:
-            index.clear_cache(record.gen_slot)
+        index = self.index
+        index.clear_cache(record.gen_slot)
         if record.addr_words >= 0:
             self._give_words(record.addr_words, record.num_tensors)
             record.addr_words = -1
@@ -410,8 +444,8 @@ class CacheTable:
         self._key_by_name[name] = key_record.key
         if kind == KEY_REQ:
             if key_record.unpulled != set(range(record.num_tensors)):
-                with self._indexed() as index:
-                    index.set_name_state(name, NAME_LIVE, _mask(key_record.unpulled))
+                index = self.index
+                index.set_name_state(name, NAME_LIVE, _mask(key_record.unpulled))
             key_record.slot_name = self._new_name(
                 KIND_SLOT, record.cache_id, key_record.slot, record, key_record.slot, target=name
             )
@@ -423,112 +457,134 @@ class CacheTable:
         key_record.name = key_record.slot_name = -1
 
     def _sync(self) -> None:
-        """Catch up with what pullers did in the index: unbind the keys they consumed (once no row still
-        refers to them) and free the caches whose rows let go."""
-        with self._indexed() as index:
-            epoch = index.epoch
-            if epoch == self._epoch_seen:
-                return
-            self._epoch_seen = epoch
-            consumed = index.consumed_names()
-            if consumed:
-                referenced = {index.row(row)[4] for row in index.pinned(self._rows.values())}
-                for name in consumed:
-                    key = self._key_by_name.get(name)
-                    if key is not None and name not in referenced:
-                        self._unbind(key)
-            for record in list(self._pending.values()):
-                self._maybe_free(record)
-
-    @contextlib.contextmanager
-    def _impatient(self) -> Iterator[None]:
-        """For the server thread (lock held): index waits of SERVER_LOCK_TIMEOUT_S only."""
-        saved, self._lock_timeout_s = self._lock_timeout_s, SERVER_LOCK_TIMEOUT_S
-        try:
-            yield
-        finally:
-            self._lock_timeout_s = saved
+        """Catch up with what pullers did in the index (lock held): unbind the keys they consumed (once no
+        row still refers to them) and free the caches whose rows let go."""
+        index = self.index
+        epoch = index.epoch
+        if epoch == self._epoch_seen:
+            return
+        self._epoch_seen = epoch
+        consumed = index.consumed_names()
+        if consumed:
+            referenced = {index.row(row)[4] for row in index.pinned(self._rows.all())}
+            for name in consumed:
+                key = self._key_by_name.get(name)
+                if key is not None and name not in referenced:
+                    self._unbind(key)
+        for record in list(self._pending.values()):
+            self._maybe_free(record)
 
     def sync(self) -> None:
-        """The server thread's housekeeping: clear the rows of ended connections not cleared yet and catch
-        up with the index; skipped (until the next time) while the lock is held elsewhere."""
-        with self._lock, self._impatient(), contextlib.suppress(StatusError):
-            while self._rows_to_release:
-                self._clear_row(self._rows_to_release[-1])
-                self._rows_to_release.pop()
+        """The server thread's housekeeping: what waited for the index lock (connections that ended, frees,
+        pushes that ended, deallocations, names to publish again), orphaned rows whose holder let go, what
+        pullers did in the index, and every few times a look for stray writes into it (repaired at once).
+        Skipped, to the next time, while the lock is held elsewhere."""
+        with self._lock:
+            try:
+                with self._indexed(SERVER_LOCK_TIMEOUT_S):
+                    self._catch_up()
+            except IndexBusy:
+                return
+
+    def _catch_up(self) -> None:
+        self._apply_queued()
+        for record in list(self._to_republish.values()):
+            self._republish_by_id(record)
+        for record in list(self._to_free.values()):
+            del self._to_free[record.cache_id]
+            self._maybe_free(record)
+        if self._rows.sweep():
+            self._epoch_seen = -1  # what those pins consumed or kept is looked at now
+        self._sync()
+        self._syncs += 1
+        if self._syncs % AUDIT_EVERY == 0 and self.index.repair():
+            log.warning(
+                "the index %s held bytes nobody of ours wrote there: republished from this process's own "
+                "record (%d repairs so far)",
+                self.index.name,
+                self.index.repairs,
+            )
+            self._epoch_seen = -1
             self._sync()
+
+    def _apply_queued(self) -> None:
+        """What was asked while the lock was busy, in the order it was asked (lock held)."""
+        ended, self._ended = self._ended, []
+        for owner, released in ended:
+            self._connection_ended(owner, released)
+        deltas, self._busy_deltas = self._busy_deltas, []
+        for cluster_id, delta in deltas:
+            self.index.set_busy(cluster_id, delta)
+        releases, self._to_release = self._to_release, []
+        for lease_id, ok, owner in releases:
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.owner is owner:
+                self._end_lease(lease, restore=not ok)
+        deallocations, self._to_deallocate = self._to_deallocate, []
+        for cache_id in deallocations:
+            self._deallocate(cache_id)
 
     def _pin_count(self) -> int:
         """How many rows pin a cache now (two pullers pinning one cache are two pins)."""
-        with self._indexed() as index:
-            return len(index.pinned(self._rows.values()))
+        return len(self.index.pinned(self._rows.all()))
 
-    # ----------------------------------------------------------------- rows (server thread)
+    # ----------------------------------------------------------------- rows and connections (server thread)
 
-    def assign_row(self, owner: object, incarnation: int) -> tuple[int, int]:
-        """A row of the index for a new connection of a puller of `incarnation` to pin through, and the
-        ticket that names the connection in it; (-1, 0) if none is free or the lock is busy (the connection
-        then asks for what it pulls). The ticket is drawn per connection: a puller's earlier connection
-        that got the same row never touches it again."""
-        with self._lock, self._impatient():
-            if not self._free_rows:
+    def assign_row(self, owner: object, incarnation: int, holder: Holder) -> tuple[int, int]:
+        """A row of the index for a new connection of a puller of `incarnation` (process `holder`) to pin
+        through, and the ticket that names the connection in it; (-1, 0) if none is free or the lock is
+        busy (the connection then asks for what it pulls). The ticket is drawn per connection: a puller's
+        earlier connection that got the same row never touches it again."""
+        with self._lock:
+            if not self._rows.available():
                 return -1, 0
-            row = self._free_rows[-1]
             ticket = secrets.randbits(64) or 1
             try:
-                with self._indexed() as index:
-                    index.assign_row(row, ticket, incarnation)
-            except StatusError:
+                with self._indexed(SERVER_LOCK_TIMEOUT_S):
+                    return self._rows.assign(owner, ticket, incarnation, holder), ticket
+            except IndexBusy:
                 return -1, 0
-            self._free_rows.pop()
-            self._rows[id(owner)] = row
-            return row, ticket
 
-    def release_row(self, owner: object) -> bool:
-        """The connection ended: give back what its pin consumed (as `drop_owner` does for leases), clear
-        its row and free what only that row kept; later (housekeeping) if the lock is busy now. True if
-        the row pinned something."""
-        with self._lock, self._impatient():
-            row = self._rows.pop(id(owner), None)
-            if row is None:
-                return False
+    def connection_ended(self, owner: object, released: frozenset[int] = frozenset()) -> None:
+        """A connection ended: its leases end (`released`: those its peer released well in messages never
+        read; the others give back what they consumed), and its row is freed or, while its live holder
+        still pins through it, orphaned. Done at the next housekeeping if the lock is busy now."""
+        with self._lock:
             try:
-                pinned = self._clear_row(row)
-                self._sync()
-            except StatusError:
-                self._rows_to_release.append(row)
-                return False
-            return pinned
+                with self._indexed(SERVER_LOCK_TIMEOUT_S):
+                    self._connection_ended(owner, released)
+            except IndexBusy:
+                self._ended.append((owner, released))
 
-    def _clear_row(self, row: int) -> bool:
-        with self._indexed() as index:
-            _, state, cache_slot, generation, name, mask = index.row(row)
-            if state and name >= 0 and mask:
-                # The row is the puller's to write: a name it made up gives nothing back.
-                with contextlib.suppress(IndexCorrupt):
-                    index.restore(name, mask, cache_slot, generation)
-            index.assign_row(row, 0, 0)
-            index.bump_epoch()
-        self._free_rows.append(row)
-        return bool(state)
+    def _connection_ended(self, owner: object, released: frozenset[int]) -> None:
+        for lease in [lease for lease in self._leases.values() if lease.owner is owner]:
+            self._end_lease(lease, restore=lease.lease_id not in released)
+        if self._rows.end(owner):
+            self._epoch_seen = -1
+        self._sync()
 
     def start_push(self, clusters: set[int], connections: Callable[[int], list[object]]) -> int | None:
         """Mark pushes into `clusters` in the index unless one of them is pulling from us: the busy cluster
         then (nothing marked), else None. Pullers check the mark under the same lock."""
         with self._lock, self._indexed() as index:
-            pinning = index.pinned(self._rows.values())
+            pinning = index.pinned(self._rows.all())
             for cluster_id in sorted(clusters):
                 for conn in connections(cluster_id):
-                    if id(conn) in self._leases_by_owner or self._rows.get(id(conn), -1) in pinning:
+                    if id(conn) in self._leases_by_owner or self._rows.of(conn) in pinning:
                         return cluster_id
             for cluster_id in clusters:
                 index.set_busy(cluster_id, 1)
             return None
 
     def end_push(self, clusters: set[int]) -> None:
-        with self._lock, self._indexed() as index:
-            for cluster_id in clusters:
-                index.set_busy(cluster_id, -1)
+        """Unmark pushes into `clusters` (at the next housekeeping if the lock is busy: never lost)."""
+        with self._lock:
+            try:
+                with self._indexed(SERVER_LOCK_TIMEOUT_S) as index:
+                    for cluster_id in clusters:
+                        index.set_busy(cluster_id, -1)
+            except IndexBusy:
+                self._busy_deltas.extend((cluster_id, -1) for cluster_id in clusters)
 
     # ----------------------------------------------------------------- local operations (owner side)
 
@@ -543,14 +599,16 @@ class CacheTable:
         placement: int = 1,
         remote_accessible: bool = True,
         unique_keys: bool = False,
+        blocks_model_id: int | None = None,
     ) -> CacheRecord:
-        """Carve a cache from the placement's pool and bind `keys[i]` (None: padding) to batch slot i.
+        """Carve a cache from the placement's pool and bind `keys[i]` (None: padding) to batch slot i, and
+        `blocks_model_id` (a BlocksCacheKey) to the whole cache, in one step: all of it or nothing.
 
         `unique_keys` (v2): the same key twice in one call is refused; otherwise the last slot wins (v1).
         """
         bindings = self._bindings(num_tensors, tensor_nbytes, batch_size, keys, unique_keys)
         pitch = _align_up(tensor_nbytes, TENSOR_ALIGN_NBYTES)
-        with self._lock:
+        with self._lock, self._indexed():
             self._sync()
             self._check_unbound(bindings)
             pool = self._pools.get(placement)
@@ -581,7 +639,7 @@ class CacheTable:
                 gen_slot=gen_slot,
                 generation=generation,
             )
-            return self._add(record, bindings)
+            return self._add(record, bindings, blocks_model_id)
 
     def register(
         self,
@@ -594,15 +652,16 @@ class CacheTable:
         is_blocks: bool,
         placement: int,
         remote_accessible: bool,
+        blocks_model_id: int | None = None,
     ) -> CacheRecord:
-        """Record a cache over memory the user owns at `addrs` (one address per tensor). Its keys are never
-        consumed by pulls; overlapping another registered cache is refused."""
+        """Record a cache over memory the user owns at `addrs` (one address per tensor), with its keys, in
+        one step. Its keys are never consumed by pulls; overlapping another registered cache is refused."""
         bindings = self._bindings(num_tensors, tensor_nbytes, batch_size, keys, True)
         if len(addrs) != num_tensors:
             raise StatusError(
                 LLMStatusCode.LLM_PARAM_INVALID, f"{len(addrs)} addresses for {num_tensors} tensors"
             )
-        with self._lock:
+        with self._lock, self._indexed():
             self._sync()
             self._check_unbound(bindings)
             spans = sorted((addr, addr + tensor_nbytes) for addr in addrs)
@@ -628,7 +687,7 @@ class CacheTable:
                 gen_slot=gen_slot,
                 generation=generation,
             )
-            return self._add(record, bindings)
+            return self._add(record, bindings, blocks_model_id)
 
     def _acquire_generation(self) -> tuple[int, int]:
         try:
@@ -640,54 +699,75 @@ class CacheTable:
         """Forget a registered cache and its keys; False if `cache_id` is not a registered cache.
 
         The caller may reuse the memory as soon as this returns, so a peer's transfer that pins the cache
-        (a lease) must end first: this waits for it up to `timeout_s`, then raises StatusError(LLM_TIMEOUT)
-        and leaves the cache registered. New leases cannot start meanwhile: the keys go first.
+        (a lease, or a pin in the index, whether or not its connection still exists) must end first: this
+        waits for it up to `timeout_s`, then raises StatusError(LLM_TIMEOUT) and leaves the cache
+        registered. New pins cannot start meanwhile: the keys go first (and stay gone).
         """
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             record = self._caches.get(cache_id)
             if record is None or not record.registered:
                 return False
-            self._sync()
-            for key in list(record.keys):
-                self._unbind(key)
-            self._drop_blocks_keys(cache_id)
-            # Refuse new leases and pins by id while waiting (resolve checks `external`; the index's name
-            # by id goes), then wait out the old ones.
-            record.external = False
-            if record.published:
-                self._drop_name(record.cache_name)
-                record.cache_name = -1
-                with self._indexed() as index:
-                    index.set_cache_flags(record.gen_slot, _flags_of(record))
-            deadline = time.monotonic() + timeout_s
-            while record.leases > 0 or self._pinned_in_index(record):
+            with self._indexed():
+                self._sync()
+                for key in list(record.keys):
+                    self._unbind(key)
+                self._drop_blocks_keys(cache_id)
+                # Refuse new leases and pins by id while waiting (resolve checks `external`; the index's
+                # name by id goes), then wait out the old ones.
+                record.external = False
+                self._to_republish.pop(cache_id, None)
+                if record.published:
+                    self._drop_name(record.cache_name)
+                    record.cache_name = -1
+                    self.index.set_cache_flags(record.gen_slot, _flags_of(record))
+            while True:
                 remaining = deadline - time.monotonic()
+                try:
+                    # A lease's end is signalled; a pin's end is not (the puller writes only the index):
+                    # look again every few milliseconds.
+                    with self._indexed(min(max(remaining, 0.0), SERVER_LOCK_TIMEOUT_S)):
+                        if record.leases <= 0 and not self._pinned_in_index(record):
+                            self._forget_registered(record)
+                            return True
+                except IndexBusy:
+                    pass  # not known to be free: wait on
                 if remaining <= 0:
-                    record.external = True
-                    if record.published:
-                        record.cache_name = self._new_name(KIND_CACHE, record.cache_id, 0, record, 0)
-                        with self._indexed() as index:
-                            index.set_cache_flags(record.gen_slot, _flags_of(record))
+                    self._give_back_registered(record)
                     raise StatusError(
                         LLMStatusCode.LLM_TIMEOUT,
                         f"cache {cache_id} is still pinned by a peer's transfer; its keys were removed",
                     )
-                # A lease's end is signalled; a pin's end is not (the puller writes only the index): look
-                # again every few milliseconds.
-                self._lease_ended.wait(min(remaining, 0.005) if record.published else remaining)
-            if self._caches.get(cache_id) is record:
-                self._withdraw(record)
-                del self._caches[cache_id]
-                self._generations.retire(record.gen_slot)
-            if self.on_unregistered is not None:
-                self.on_unregistered(record)  # before the user may reuse the memory
-            return True
+                self._lease_ended.wait(min(remaining, 0.005))
+
+    def _forget_registered(self, record: CacheRecord) -> None:
+        if self._caches.get(record.cache_id) is record:
+            self._withdraw(record)
+            del self._caches[record.cache_id]
+            self._generations.retire(record.gen_slot)
+        if self.on_unregistered is not None:
+            self.on_unregistered(record)  # before the user may reuse the memory
+
+    def _give_back_registered(self, record: CacheRecord) -> None:
+        """An unregister that timed out: the cache is the user's again, reachable by id (at the next
+        housekeeping if the lock is busy now)."""
+        record.external = True
+        try:
+            with self._indexed(SERVER_LOCK_TIMEOUT_S):
+                self._republish_by_id(record)
+        except IndexBusy:
+            self._to_republish[record.cache_id] = record
+
+    def _republish_by_id(self, record: CacheRecord) -> None:
+        self._to_republish.pop(record.cache_id, None)
+        if record.published and record.external and record.cache_name < 0:
+            record.cache_name = self._new_name(KIND_CACHE, record.cache_id, 0, record, 0)
+            self.index.set_cache_flags(record.gen_slot, _flags_of(record))
 
     def _pinned_in_index(self, record: CacheRecord) -> bool:
         if not record.published:
             return False
-        with self._indexed() as index:
-            return (record.gen_slot, record.generation) in set(index.pinned(self._rows.values()).values())
+        return (record.gen_slot, record.generation) in set(self.index.pinned(self._rows.all()).values())
 
     @staticmethod
     def _bindings(
@@ -716,7 +796,9 @@ class CacheTable:
                     LLMStatusCode.LLM_PARAM_INVALID, f"cache key {_key_text(key)} is already bound"
                 )
 
-    def _add(self, record: CacheRecord, bindings: dict[KeyId, int]) -> CacheRecord:
+    def _add(
+        self, record: CacheRecord, bindings: dict[KeyId, int], blocks_model_id: int | None
+    ) -> CacheRecord:
         self._next_cache_id += 1
         self._caches[record.cache_id] = record
         self._publish_cache(record)
@@ -727,27 +809,31 @@ class CacheTable:
             if key[0] == KEY_REQ:
                 self._slot_req_key[(record.cache_id, slot)] = key
             self._publish_key(key_record, record)
+        if blocks_model_id is not None:
+            self._bind_blocks_key(blocks_model_id, record.cache_id)
         return record
 
     def bind_blocks_key(self, model_id: int, cache_id: int) -> None:
-        with self._lock:
-            if model_id in self._blocks_keys:
-                # Peers' copies of the table name the old cache under this model id: make them refetch.
-                self._generations.bump_version()
-            self._blocks_keys[model_id] = cache_id
-            record = self._caches.get(cache_id)
-            name = self._blocks_names.get(model_id, -1)
-            if record is None or not record.published:
-                self._drop_name(name)
-                self._blocks_names.pop(model_id, None)
-                self._unpublished()
-            elif name >= 0:
-                with self._indexed() as index:
-                    index.retarget_name(name, record.gen_slot, record.generation)
-            else:
-                name = self._new_name(KIND_BLOCKS, 0, model_id, record, 0)
-                if name >= 0:
-                    self._blocks_names[model_id] = name
+        with self._lock, self._indexed():
+            self._bind_blocks_key(model_id, cache_id)
+
+    def _bind_blocks_key(self, model_id: int, cache_id: int) -> None:
+        if model_id in self._blocks_keys:
+            # Peers' copies of the table name the old cache under this model id: make them refetch.
+            self._generations.bump_version()
+        self._blocks_keys[model_id] = cache_id
+        record = self._caches.get(cache_id)
+        name = self._blocks_names.get(model_id, -1)
+        if record is None or not record.published:
+            self._drop_name(name)
+            self._blocks_names.pop(model_id, None)
+            self._unpublished()
+        elif name >= 0:
+            self.index.retarget_name(name, record.gen_slot, record.generation)
+        else:
+            name = self._new_name(KIND_BLOCKS, 0, model_id, record, 0)
+            if name >= 0:
+                self._blocks_names[model_id] = name
 
     def _drop_blocks_keys(self, cache_id: int) -> None:
         for model_id in [m for m, c in self._blocks_keys.items() if c == cache_id]:
@@ -761,20 +847,33 @@ class CacheTable:
             return self._generations.version
 
     def deallocate(self, cache_id: int) -> None:
-        """Drop the user's reference; the memory goes back once no key, lease or pin remains."""
+        """Drop the user's reference; the memory goes back once no key, lease or pin remains. All or
+        nothing: IndexBusy (LLM_TIMEOUT) leaves the cache as it was, to be deallocated again."""
+        with self._lock, self._indexed():
+            self._deallocate(cache_id)
+
+    def deallocate_later(self, cache_id: int) -> None:
+        """`deallocate` from a finalizer, which cannot wait or fail: now if the lock is free, else at the
+        next housekeeping."""
         with self._lock:
-            record = self._caches.get(cache_id)
-            if record is None or not record.external:
-                return
-            record.external = False
-            self._drop_blocks_keys(cache_id)
-            if record.published:
-                with self._indexed() as index:
-                    index.set_cache_flags(record.gen_slot, _flags_of(record))
-            self._maybe_free(record)
+            try:
+                with self._indexed(SERVER_LOCK_TIMEOUT_S):
+                    self._deallocate(cache_id)
+            except IndexBusy:
+                self._to_deallocate.append(cache_id)
+
+    def _deallocate(self, cache_id: int) -> None:
+        record = self._caches.get(cache_id)
+        if record is None or not record.external:
+            return
+        record.external = False
+        self._drop_blocks_keys(cache_id)
+        if record.published:
+            self.index.set_cache_flags(record.gen_slot, _flags_of(record))
+        self._maybe_free(record)
 
     def remove_key(self, key: KeyId) -> None:
-        with self._lock:
+        with self._lock, self._indexed():
             self._sync()
             self._unbind(key)
 
@@ -784,13 +883,13 @@ class CacheTable:
 
     def key_on_registered(self, key: KeyId) -> bool:
         """True if `key` is bound to a registered cache (whose keys nothing removes)."""
-        with self._lock:
+        with self._lock, self._indexed():
             self._sync()
             key_record = self._keys.get(key)
             return key_record is not None and self._caches[key_record.cache_id].registered
 
     def has_key(self, key: KeyId) -> bool:
-        with self._lock:
+        with self._lock, self._indexed():
             self._sync()
             return key in self._keys
 
@@ -804,9 +903,19 @@ class CacheTable:
             return record
 
     def unpin(self, record: CacheRecord) -> None:
+        """End a local pin; a cache only it kept is freed now, or at the next housekeeping if the index
+        lock is busy (a transfer's end never waits for it)."""
         with self._lock:
             record.pins -= 1
-            self._maybe_free(record)
+            if record.referenced or self._caches.get(record.cache_id) is not record:
+                self._lease_ended.notify_all()
+                return
+            try:
+                with self._indexed(SERVER_LOCK_TIMEOUT_S):
+                    self._maybe_free(record)
+            except IndexBusy:
+                self._to_free[record.cache_id] = record
+            self._lease_ended.notify_all()
 
     def hold(self, record: CacheRecord) -> Callable[[], None]:
         """Pin `record` (which the caller holds pinned already) until the returned release is called: a
@@ -821,6 +930,22 @@ class CacheTable:
                 self.unpin(record)
 
         return release
+
+    def local_pins(self) -> int:
+        """How many local pins (transfers of this process into or out of its caches) are running."""
+        with self._lock:
+            return sum(record.pins for record in self._caches.values())
+
+    def wait_for_local_pins(self, timeout_s: float) -> bool:
+        """Wait until no local pin is held (every transfer of this process ended); False at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while any(record.pins for record in self._caches.values()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._lease_ended.wait(min(remaining, 0.05))
+            return True
 
     def pools(self) -> list[Pool]:
         return list(self._pools.values())
@@ -857,7 +982,7 @@ class CacheTable:
         owner: object,
     ) -> Grant:
         """Find the slot a pull names, check the ranges against it and pin it with a lease."""
-        with self._lock:
+        with self._lock, self._indexed(SERVER_LOCK_TIMEOUT_S):
             self._sync()
             record, slot, consume_key = self._find(key_kind, key_id, model_id, batch_index)
             if key_kind == KEY_CACHE_ID and record.is_blocks:
@@ -886,7 +1011,7 @@ class CacheTable:
         self, *, model_id: int, tensor_start: int, tensor_count: int, whole: bool, owner: object
     ) -> BlocksGrant:
         """Pin the blocks cache a BlocksCacheKey's model_id names (blocks keys are never consumed)."""
-        with self._lock:
+        with self._lock, self._indexed(SERVER_LOCK_TIMEOUT_S):
             self._sync()
             record, _, _ = self._find(KEY_BLOCKS, 0, model_id, 0)
             check_tensors(record.num_tensors, tensor_start, tensor_count, whole)
@@ -908,7 +1033,7 @@ class CacheTable:
         Each range must lie inside one tensor of a live cache (one the user still holds); otherwise the
         whole request is refused and nothing is pinned.
         """
-        with self._lock:
+        with self._lock, self._indexed(SERVER_LOCK_TIMEOUT_S):
             live = [record for record in self._caches.values() if record.external]
             segments: dict[str, int] = {}
             segment_nbytes: list[int] = []
@@ -955,7 +1080,7 @@ class CacheTable:
         """Cache-manager mode: pin the cache a key names and say where its tensors are (segment offsets
         for pool caches, addresses for registered memory). Keys on registered memory are never consumed.
         A write (a peer's push) only reaches a cache its user still holds."""
-        with self._lock:
+        with self._lock, self._indexed(SERVER_LOCK_TIMEOUT_S):
             self._sync()
             record, slot, consume_key = self._find(key_kind, key_id, model_id, batch_index)
             if for_write and not record.external:
@@ -977,7 +1102,7 @@ class CacheTable:
     def table(self, start_cache_id: int = 0) -> list[tuple[CacheRecord, LocationData, tuple[int, ...]]]:
         """Remote-accessible live caches with ids from `start_cache_id` on, in id order: each with its whole
         location and the blocks model ids naming it."""
-        with self._lock:
+        with self._lock, self._indexed(SERVER_LOCK_TIMEOUT_S):
             self._sync()
             entries = []
             for cache_id in sorted(c for c in self._caches if c >= start_cache_id):
@@ -990,12 +1115,24 @@ class CacheTable:
 
     def release(self, lease_id: int, *, ok: bool, owner: object) -> None:
         """End a lease. The key's tensors were consumed when the lease was taken (so a second pull of a
-        key in flight already sees it gone); a failed transfer gives them back."""
-        with self._lock:
+        key in flight already sees it gone); a failed transfer gives them back. IndexBusy (nothing done)
+        when the lock is busy: the server retries."""
+        with self._lock, self._indexed(SERVER_LOCK_TIMEOUT_S):
             lease = self._leases.get(lease_id)
             if lease is None or lease.owner is not owner:
                 raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"unknown lease {lease_id}")
             self._end_lease(lease, restore=not ok)
+
+    def release_soon(self, lease_id: int, *, ok: bool, owner: object) -> None:
+        """`release` that never fails for a busy lock: done at the next housekeeping then."""
+        with self._lock:
+            try:
+                with self._indexed(SERVER_LOCK_TIMEOUT_S):
+                    lease = self._leases.get(lease_id)
+                    if lease is not None and lease.owner is owner:
+                        self._end_lease(lease, restore=not ok)
+            except IndexBusy:
+                self._to_release.append((lease_id, ok, owner))
 
     def wait_for_lease_end(self, timeout_s: float) -> None:
         """Block until some lease ends or `timeout_s` passed (callers re-check what they wait for)."""
@@ -1003,21 +1140,14 @@ class CacheTable:
             self._lease_ended.wait(timeout_s)
 
     def holds_leases(self, owner: object) -> bool:
-        """Whether a connection holds a lease or pins a cache through its row."""
+        """Whether a connection holds a lease (what it pins through its row is the index's to say)."""
         with self._lock:
-            if id(owner) in self._leases_by_owner:
-                return True
-            row = self._rows.get(id(owner))
-            if row is None:
-                return False
-            with self._indexed() as index:
-                return bool(index.pinned((row,)))
+            return id(owner) in self._leases_by_owner
 
     def drop_owner(self, owner: object) -> int:
-        """Release every lease a (dead or departed) connection held, consuming nothing."""
-        with self._lock:
-            if id(owner) not in self._leases_by_owner:
-                return 0
+        """End every lease a connection holds, giving back what they consumed (a connection that ends
+        goes through `connection_ended`, which does this and its row too)."""
+        with self._lock, self._indexed():
             dropped = [lease for lease in self._leases.values() if lease.owner is owner]
             for lease in dropped:
                 self._end_lease(lease, restore=True)
@@ -1026,7 +1156,7 @@ class CacheTable:
     # ----------------------------------------------------------------- introspection and teardown
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
+        with self._lock, self._indexed():
             self._sync()
             return {
                 "caches": len(self._caches),
@@ -1036,9 +1166,34 @@ class CacheTable:
                 "pool_used_nbytes": sum(pool.used_nbytes for pool in self._pools.values()),
             }
 
-    def close(self) -> None:
-        """Forget everything and give the pool's segments back (unlinked)."""
+    def wait_for_pins(self, timeout_s: float) -> bool:
+        """Wait until no row of the index pins a cache (orphans included); False at the timeout."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    with self._indexed(min(max(remaining, 0.0), SERVER_LOCK_TIMEOUT_S)):
+                        self._rows.sweep()
+                        if not self._pin_count():
+                            return True
+                except IndexBusy:
+                    pass
+                if remaining <= 0:
+                    return False
+                self._lease_ended.wait(min(remaining, 0.005))
+
+    def close(self) -> None:
+        """Forget everything and give the pool's segments back (unlinked). Rows that still pin are taken
+        back first, so that their holders' unpins fail (`wait_for_pins` gives them their chance)."""
+        with self._lock:
+            try:
+                with self._indexed(SERVER_LOCK_TIMEOUT_S):
+                    revoked = self._rows.revoke_all()
+                if revoked:
+                    log.warning("closing with %d pins of peers still held: their transfers fail", revoked)
+            except IndexBusy:
+                log.warning("closing while the index lock is held elsewhere: its rows stay as they are")
             self._caches.clear()
             self._keys.clear()
             self._slot_req_key.clear()
@@ -1047,6 +1202,7 @@ class CacheTable:
             self._leases_by_owner.clear()
             self._lease_ended.notify_all()
             self._pending.clear()
+            self._to_free.clear()
             for pool in self._pools.values():
                 pool.close()
             self._generations.close()
@@ -1075,9 +1231,9 @@ class CacheTable:
         key_record = self._keys.get(key)
         if key_record is not None and key_record.name >= 0:
             # A puller consumed it in the index and still pins it: gone, though not unbound here yet.
-            with self._indexed() as index:
-                if index.name_entry(key_record.name).state == NAME_CONSUMED:
-                    key_record = None
+            index = self.index
+            if index.name_entry(key_record.name).state == NAME_CONSUMED:
+                key_record = None
         if key_record is None:
             raise not_found(key_kind, key_id, model_id)
         return self._caches[key_record.cache_id], key_record.slot, key if key_kind == KEY_REQ else None
@@ -1103,9 +1259,9 @@ class CacheTable:
             if key_record is not None and key_record.cache_id == records[0].cache_id:
                 wanted = set(range(tensor_start, tensor_start + tensor_count))
                 if key_record.name >= 0:
-                    with self._indexed() as index:
-                        before = index.name_entry(key_record.name).mask
-                        taken = index.consume(key_record.name, _mask(wanted))
+                    index = self.index
+                    before = index.name_entry(key_record.name).mask
+                    taken = index.consume(key_record.name, _mask(wanted))
                     consumed = frozenset(_tensors(taken))
                     # Emptied by this lease; one a puller's pin emptied is unbound when that pin ends.
                     emptied = bool(taken) and not before & ~taken
@@ -1157,8 +1313,8 @@ class CacheTable:
             return
         if key_record is not None and key_record.cache_id == record.cache_id:
             if key_record.name >= 0:
-                with self._indexed() as index:
-                    index.restore(key_record.name, _mask(lease.consumed), record.gen_slot, record.generation)
+                index = self.index
+                index.restore(key_record.name, _mask(lease.consumed), record.gen_slot, record.generation)
             else:
                 key_record.unpulled |= lease.consumed
 
@@ -1195,13 +1351,13 @@ class CacheTable:
             # No new pin may start (its last name goes first); one already taken keeps the memory.
             self._drop_name(record.cache_name)
             record.cache_name = -1
-            with self._indexed() as index:
-                if (record.gen_slot, record.generation) in set(index.pinned(self._rows.values()).values()):
-                    if not record.pending:
-                        record.pending = True
-                        index.set_cache_flags(record.gen_slot, _flags_of(record))
-                        self._pending[record.cache_id] = record
-                    return
+            index = self.index
+            if (record.gen_slot, record.generation) in set(index.pinned(self._rows.all()).values()):
+                if not record.pending:
+                    record.pending = True
+                    index.set_cache_flags(record.gen_slot, _flags_of(record))
+                    self._pending[record.cache_id] = record
+                return
             self._pending.pop(record.cache_id, None)
             self._withdraw(record)
         del self._caches[record.cache_id]

@@ -3,7 +3,9 @@
 Rules: internal code raises `StatusError` (a condition that already has an `LLMStatusCode`) or a named
 error of `shm`/`protocol`/the transport; `api_errors(api)` wraps every public call and translates them,
 chaining with `from`, into `LLMException` with the real message shape. Argument errors (TypeError,
-ValueError, LLMException) raised by validation pass through untouched.
+ValueError, LLMException) raised by validation pass through untouched, as does RuntimeError (the real
+library's "not initialized"); anything else is a bug, logged and raised as LLMException(LLM_FAILED), so
+that callers that handle `LLMException.status_code` never meet an internal type.
 """
 
 from __future__ import annotations
@@ -11,7 +13,12 @@ from __future__ import annotations
 from llm_datadist._protocol.errors import ProtocolError
 from llm_datadist._shm.errors import OutOfPoolMemory, ShmError
 
+from ._runtime import RuntimeDirError
 from .status import LLMException, LLMStatusCode, make_error
+from .utils.log import log
+
+# What a public method may raise besides LLMException (documented, and what the real library raises).
+_PUBLIC_TYPES = (LLMException, TypeError, ValueError, RuntimeError)
 
 
 class StatusError(Exception):
@@ -28,6 +35,11 @@ class PeerGone(StatusError):
 
     def __init__(self, detail: str) -> None:
         super().__init__(LLMStatusCode.LLM_LINK_FAILED, detail)
+
+
+class IndexBusy(StatusError):
+    """The index lock could not be had within the caller's budget (a stopped process holds it, or a slow
+    one): the operation changed nothing and may be tried again."""
 
 
 class TransferTimeout(StatusError):
@@ -65,3 +77,8 @@ class api_errors:
             raise make_error(api, LLMStatusCode.LLM_FAILED, f"shared memory: {exc}") from exc
         if isinstance(exc, ProtocolError):
             raise make_error(api, LLMStatusCode.LLM_LINK_FAILED, f"protocol error: {exc}") from exc
+        if isinstance(exc, RuntimeDirError):
+            raise make_error(api, LLMStatusCode.LLM_FAILED, str(exc)) from exc
+        if isinstance(exc, Exception) and not isinstance(exc, _PUBLIC_TYPES):
+            log.error("[%s] failed with an internal error", api, exc_info=exc)
+            raise make_error(api, LLMStatusCode.LLM_FAILED, f"internal error: {exc!r}") from exc

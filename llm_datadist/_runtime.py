@@ -25,7 +25,10 @@ _MAX_SOCKET_PATH_NBYTES = 107
 
 
 class RuntimeDirError(Exception):
-    """The runtime directory is missing, unsafe or unusable."""
+    """The runtime directory is missing, unsafe or unusable (the message says how to choose another)."""
+
+
+_CHOOSE_ANOTHER = f"set {ENV_RUNTIME_DIR} (or XDG_RUNTIME_DIR) to a directory of your own"
 
 
 def runtime_dir() -> Path:
@@ -45,12 +48,15 @@ def ensure_runtime_dir() -> Path:
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
-        raise RuntimeDirError(f"cannot create runtime directory {path}: {exc}") from exc
+        raise RuntimeDirError(f"cannot create runtime directory {path}: {exc}; {_CHOOSE_ANOTHER}") from exc
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise RuntimeDirError(f"runtime directory {path} is not a plain directory")
+        raise RuntimeDirError(f"runtime directory {path} is not a plain directory; {_CHOOSE_ANOTHER}")
     if info.st_uid != os.getuid():
-        raise RuntimeDirError(f"runtime directory {path} belongs to uid {info.st_uid}, not to us")
+        raise RuntimeDirError(
+            f"runtime directory {path} belongs to uid {info.st_uid}, not to us (another user may have "
+            f"created it first, to intercept our sockets): refused; {_CHOOSE_ANOTHER}"
+        )
     if stat.S_IMODE(info.st_mode) != 0o700:
         # mkdir's mode is filtered by the umask and an existing directory keeps its own: set it explicitly.
         os.chmod(path, 0o700)

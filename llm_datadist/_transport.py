@@ -21,6 +21,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,9 +61,10 @@ from llm_datadist._shm.index import Index
 from llm_datadist._shm.mappings import MappingCache
 from llm_datadist._shm.segment import Segment
 
-from . import _auth
+from . import _auth, _unpins
 from ._engine import CacheTable
-from ._errors import PeerGone, StatusError, TransferTimeout
+from ._errors import IndexBusy, PeerGone, StatusError, TransferTimeout
+from ._rows import Holder
 from ._runtime import TEMP_SOCKET_PREFIX, remove_stale_socket
 from .status import LLMStatusCode, code_2_status
 from .utils.log import log
@@ -84,6 +86,10 @@ MAX_UNAUTHENTICATED = 32
 _KEEPALIVE = (5, 2, 3)
 _KEEPALIVE_S = _KEEPALIVE[0] + _KEEPALIVE[1] * _KEEPALIVE[2]
 _HANGUP_EVENTS = select.POLLRDHUP | select.POLLHUP | select.POLLERR
+# Requests of one connection waiting for the index lock (a stopped process holds it); past this the
+# connection is dropped. The server looks again this often while any wait.
+MAX_PARKED = 64
+_PARKED_RETRY_S = 0.01
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -142,6 +148,12 @@ class _ServerConn:
         self.peer: PeerInfo | None = None
         self.accepted_at = time.monotonic()
         self.handling = "its traffic"  # the message being handled, for the log when handling fails
+        self.holder = Holder(0, -1)  # the peer's process (on this host), which its pins belong to
+        # Messages that wait, in order, for the index lock (the first one found it busy).
+        self.parked: deque[Message] = deque()
+        # This side ended the link while the peer held leases: nothing but their releases is served until
+        # the last one ends, then the connection closes.
+        self.draining = ""
 
 
 class ServerHooks:
@@ -216,6 +228,8 @@ class Server:
         self._pending: list[tuple[str, ListenAddr, socket.socket | None, threading.Event | None]] = []
         self._pending_drops: list[tuple[int, threading.Event]] = []
         self._next_sweep = 0.0
+        self._parked: set[_ServerConn] = set()  # connections with messages waiting for the index lock
+        self._closing = False  # finalizing: no new handshakes, connections drain
 
     def start(self) -> None:
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -319,7 +333,8 @@ class Server:
             return [c.peer for c in self._conns.values() if c.peer is not None]
 
     def drop_cluster(self, cluster_id: int) -> bool:
-        """Close every connection from `cluster_id` (an unlink from the serving side); True if any."""
+        """End every connection from `cluster_id` (an unlink from the serving side); True if any. One that
+        holds leases drains first: its peer's transfers in flight end as they would, then it closes."""
         done = threading.Event()
         with self._lock:
             self._pending_drops.append((cluster_id, done))
@@ -342,7 +357,22 @@ class Server:
             ]
         return any(self._table.holds_leases(conn) for conn in conns)
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, timeout_s: float = 5.0, *, drain_s: float = 0.0) -> None:
+        """Stop serving. With `drain_s`, first refuse new links and end every connection the way an unlink
+        does, waiting up to `drain_s` for those that hold leases to drain (their peers' transfers end)."""
+        if drain_s > 0 and self._thread is not None and self._thread.is_alive() and self.failure is None:
+            self._closing = True
+            deadline = time.monotonic() + drain_s
+            with self._lock:
+                clusters = {c.peer.cluster_id for c in self._conns.values() if c.peer is not None}
+            for cluster_id in clusters:
+                self.drop_cluster(cluster_id)
+            while time.monotonic() < deadline:
+                with self._lock:
+                    draining = [c for c in self._conns.values() if c.draining]
+                if not draining:
+                    break
+                time.sleep(0.005)
         self._stop.set()
         self._wake()
         if self._thread is not None:
@@ -374,9 +404,11 @@ class Server:
         try:
             while not self._stop.is_set():
                 self._apply_pending()
-                events = self._selector.select(timeout=1.0)
+                events = self._selector.select(timeout=_PARKED_RETRY_S if self._parked else 1.0)
                 for key, mask in events:
                     self._dispatch(key, mask)
+                if self._parked:
+                    self._retry_parked()
                 self._sweep()
         except BaseException as exc:
             # Not one peer's fault (those are handled in _dispatch): the loop itself broke. Say so to every
@@ -444,7 +476,7 @@ class Server:
         clusters = {cluster_id for cluster_id, _ in drops}
         for sconn in list(self._conns.values()):
             if sconn.peer is not None and sconn.peer.cluster_id in clusters:
-                self._drop(sconn, "unlinked by this side")
+                self._drop(sconn, "unlinked by this side", drain=True)
         for _, done in drops:
             done.set()
         for action, path, listener, listener_done in pending:
@@ -512,7 +544,10 @@ class Server:
                     self._drop(sconn, event.reason or "peer closed")
                     return
                 sconn.handling = type(event).__name__
-                self._handle(sconn, event)
+                if sconn.parked:
+                    self._park(sconn, event)  # behind the one waiting for the lock: in order
+                else:
+                    self._handle(sconn, event)
                 sconn.handling = "its traffic"
                 if sconn.closing or sconn.sock.fileno() == -1:
                     return
@@ -523,30 +558,90 @@ class Server:
         self._flush(sconn)
 
     def _handle(self, sconn: _ServerConn, msg: Message) -> None:
+        """Serve one message; one that needs the index lock while it is held elsewhere waits (parked) and
+        is served, in order with the connection's later messages, as soon as the lock is free."""
+        try:
+            self._serve_one(sconn, msg)
+        except IndexBusy:
+            self._park(sconn, msg)
+
+    def _park(self, sconn: _ServerConn, msg: Message) -> None:
+        if len(sconn.parked) >= MAX_PARKED:
+            self._drop(sconn, f"more than {MAX_PARKED} requests waiting for the index lock")
+            return
+        sconn.parked.append(msg)
+        self._parked.add(sconn)
+
+    def _retry_parked(self) -> None:
+        """Serve what waits for the index lock, each connection in order; stop at the first that still
+        finds it busy (it is busy for every connection alike)."""
+        for sconn in list(self._parked):
+            try:
+                while sconn.parked and not sconn.closing:
+                    sconn.handling = type(sconn.parked[0]).__name__
+                    try:
+                        self._serve_one(sconn, sconn.parked[0])
+                    except IndexBusy:
+                        return
+                    sconn.parked.popleft()
+                self._parked.discard(sconn)
+                self._flush(sconn)
+            except Exception as exc:  # as in _dispatch: only this peer's connection goes
+                log.error(
+                    "server %d: dropping the connection of pid %d: %r while handling %s",
+                    self.cluster_id,
+                    sconn.pid,
+                    exc,
+                    sconn.handling,
+                    exc_info=True,
+                )
+                self._drop(sconn, f"internal error while handling {sconn.handling}: {exc!r}")
+
+    def _serve_one(self, sconn: _ServerConn, msg: Message) -> None:
+        """IndexBusy (nothing done) when what the message needs waits for the index lock."""
         self.handled += 1
         if isinstance(msg, Hello):
             self._on_hello(sconn, msg)
             return
         if isinstance(msg, Ping):
-            self._send(sconn, Pong(msg.seq))
+            self._send(sconn, Pong(msg.seq) if not sconn.draining else self._ended_error(sconn, msg.seq))
             return
         if isinstance(msg, Release):
             # One way: nothing to answer. A lease this connection does not hold is the peer's bug, and
             # releasing nothing is the only safe response.
             try:
                 self._table.release(msg.lease_id, ok=msg.ok, owner=sconn)
+            except IndexBusy:
+                raise
             except StatusError as exc:
                 log.warning("server %d: pid %d: %s", self.cluster_id, sconn.pid, exc.detail)
+            self._drained(sconn)
             return
         if sconn.peer is None:
             # The connection state machine admits nothing but Hello before Welcome; never trust it alone.
             raise ProtocolError(f"{type(msg).__name__} before the handshake")
         seq = getattr(msg, "seq", 0)
+        if sconn.draining and not isinstance(msg, PullDone):
+            self._send(sconn, self._ended_error(sconn, seq))
+            return
         try:
             reply = self._answer(sconn, sconn.peer, msg)
+        except IndexBusy:
+            raise
         except StatusError as exc:
             reply = Error(seq, int(exc.code), exc.detail)
         self._send(sconn, reply)
+        self._drained(sconn)
+
+    @staticmethod
+    def _ended_error(sconn: _ServerConn, seq: int) -> Error:
+        return Error(seq, int(LLMStatusCode.LLM_LINK_FAILED), f"this side ended the link ({sconn.draining})")
+
+    def _drained(self, sconn: _ServerConn) -> None:
+        """A draining connection whose last lease just ended closes now."""
+        if sconn.draining and not self._table.holds_leases(sconn):
+            self._flush(sconn)
+            self._drop(sconn, sconn.draining)
 
     def _answer(self, sconn: _ServerConn, peer: PeerInfo, msg: Message) -> Message:
         """The reply to one request of a linked peer; StatusError becomes an Error reply."""
@@ -630,7 +725,7 @@ class Server:
                 try:
                     self._hooks.expose_ranges(loc.tensor_bases, loc.unit_nbytes * loc.num_units)
                 except StatusError:
-                    self._table.release(loc.lease_id, ok=False, owner=sconn)
+                    self._table.release_soon(loc.lease_id, ok=False, owner=sconn)
                     raise
             return Location(
                 msg.seq,
@@ -710,12 +805,15 @@ class Server:
             reason = f"hello claims pid {hello.pid}, socket says {sconn.pid}"
         elif hello.nonce or hello.proof or hello.engine:
             reason = "a peer on this host sends no proof and no engine"
+        elif self._closing:
+            reason = "this side is finalizing"
         if reason:
             self._refuse(sconn, reason)
             return
         sconn.peer = PeerInfo(hello.cluster_id, hello.role, hello.pid, hello.incarnation)
+        sconn.holder = Holder.of(sconn.pid)
         # A row of the published index to pin through; with none free the peer asks us instead.
-        row, ticket = self._table.assign_row(sconn, hello.incarnation)
+        row, ticket = self._table.assign_row(sconn, hello.incarnation, sconn.holder)
         index = self._table.index.name if row >= 0 else ""
         welcome = Welcome(
             PROTOCOL_VERSION,
@@ -824,9 +922,19 @@ class Server:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.modify(sconn.sock, events, sconn)
 
-    def _drop(self, sconn: _ServerConn, reason: str) -> None:
+    def _drop(self, sconn: _ServerConn, reason: str, *, drain: bool = False) -> None:
+        """End a connection. `drain` (this side ends the link): one that holds leases first drains, so that
+        its peer's transfers in flight end as they would; it closes when its last lease ends (or its peer
+        goes). Whatever it still pins in the index stays pinned until its holder lets go or dies."""
         fd = sconn.sock.fileno()
         if fd == -1:
+            return
+        if drain and not sconn.closing and self._table.holds_leases(sconn):
+            if not sconn.draining:
+                sconn.draining = reason
+                log.info(
+                    "server %d: pid %d: %s; waiting for its leases to end", self.cluster_id, sconn.pid, reason
+                )
             return
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(sconn.sock)
@@ -834,17 +942,15 @@ class Server:
             self._conns.pop(fd, None)
         sconn.closing = True
         sconn.sock.close()
-        # Neither may take the server down: the connection is gone whatever they raise.
+        # Releases the peer sent that were never served (the lock was busy): their transfers ended well.
+        released = frozenset(
+            msg.lease_id for msg in sconn.parked if isinstance(msg, Release | PullDone) and msg.ok
+        )
+        sconn.parked.clear()
+        self._parked.discard(sconn)
+        # Nothing may take the server down: the connection is gone whatever this raises.
         try:
-            released = self._table.drop_owner(sconn) + self._table.release_row(sconn)
-            if released:
-                log.info(
-                    "server %d: pid %d gone (%s), released %d leases",
-                    self.cluster_id,
-                    sconn.pid,
-                    reason,
-                    released,
-                )
+            self._table.connection_ended(sconn, released)
             if sconn.peer is not None:
                 self._hooks.peer_gone(sconn.peer)
         except Exception:
@@ -881,7 +987,11 @@ class ClientLink:
         self.index_ticket = 0  # names this connection in its row of the peer's index
         self.index: Index | None = None  # mapped on first use (see llm_datadist._dataplane)
         self._poller: select.poll | None = None  # check_peer_alive's, registered once
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by the one transfer using the link (`exclusive`)
+        # `close` while a transfer holds the link: the transfer's end closes it (say_bye), so that what the
+        # transfer still sends (its release) reaches the peer.
+        self._close_mutex = threading.Lock()
+        self._close_pending: bool | None = None
         self._seq = 0
         self.broken: str | None = None
         # Called once when the link breaks (the owner of the link uses it to clean up after a dead peer).
@@ -1022,6 +1132,10 @@ class ClientLink:
         return _Exclusive(self, deadline, busy_fails)
 
     def check_usable(self) -> None:
+        if self._close_pending is not None:
+            raise StatusError(
+                LLMStatusCode.LLM_LINK_FAILED, f"link to cluster {self.peer.cluster_id} is closing"
+            )
         if self.broken is not None:
             raise StatusError(
                 LLMStatusCode.LLM_LINK_FAILED,
@@ -1066,6 +1180,18 @@ class ClientLink:
             raise PeerGone(f"link to cluster {self.peer.cluster_id} failed: {exc}") from exc
 
     def close(self, *, say_bye: bool) -> None:
+        """Say goodbye (`say_bye`) and close. While a transfer holds the link, no new one may start, and
+        the running one closes the link when it ends."""
+        with self._close_mutex:
+            if not self._lock.acquire(blocking=False):
+                self._close_pending = say_bye or bool(self._close_pending)
+                return
+        try:
+            self._close_now(say_bye=say_bye)
+        finally:
+            self._lock.release()
+
+    def _close_now(self, *, say_bye: bool) -> None:
         if say_bye and self.broken is None and self._conn.state is ConnState.READY:
             with contextlib.suppress(OSError, ProtocolError):
                 self._sock.settimeout(0.5)
@@ -1077,7 +1203,7 @@ class ClientLink:
         self.remote_table = None
         index, self.index = self.index, None
         if index is not None:
-            index.close()
+            _unpins.release(index)  # closed now, or once the unpins owed through it are done
 
     def check_peer_alive(self) -> None:
         """PeerGone if the peer's end of the socket is closed (it exited or died), without waiting or
@@ -1171,7 +1297,17 @@ class _Exclusive:
             raise
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        self._link._lock.release()
+        link = self._link
+        if link._close_pending is None:  # the common case, without the mutex
+            link._lock.release()
+            return
+        with link._close_mutex:
+            say_bye, link._close_pending = link._close_pending, None
+            try:
+                if say_bye is not None:
+                    link._close_now(say_bye=say_bye)
+            finally:
+                link._lock.release()
 
 
 def tune_tcp(sock: socket.socket) -> None:

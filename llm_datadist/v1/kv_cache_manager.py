@@ -139,11 +139,10 @@ class KvCacheManager:
         # As the real code: only a DECODER is refused a key (PROMPT and MIX may index their blocks).
         if blocks_cache_key is not None and self._role == LLMRole.DECODER:
             _param_invalid(api, "blocks_cache_key is not supported by DECODER")
-        cache = self._allocate(api, core, cache_desc, [], is_blocks=True)
+        model_id = None if blocks_cache_key is None else blocks_cache_key.model_id
+        cache = self._allocate(api, core, cache_desc, [], is_blocks=True, blocks_model_id=model_id)
         # The real library marks the descriptor object itself as a blocks descriptor.
         cache_desc._is_blocks = True
-        if blocks_cache_key is not None:
-            core.table.bind_blocks_key(blocks_cache_key.model_id, cache.cache_id)
         return cache
 
     def _check_desc(self, api: str, cache_desc: CacheDesc) -> None:
@@ -156,7 +155,14 @@ class KvCacheManager:
             _param_invalid(api, f"shape {shape} must have positive dimensions")
 
     def _allocate(
-        self, api: str, core: Core, cache_desc: CacheDesc, keys: list[KeyId | None], *, is_blocks: bool
+        self,
+        api: str,
+        core: Core,
+        cache_desc: CacheDesc,
+        keys: list[KeyId | None],
+        *,
+        is_blocks: bool,
+        blocks_model_id: int | None = None,
     ) -> KvCache:
         # With several devices in one process each device gets its own tensors: device d's tensor t is
         # tensor d * num_tensors + t of the record, so transfers move every device's copy one to one.
@@ -168,6 +174,7 @@ class KvCacheManager:
                 batch_size=cache_desc.shape[0],
                 keys=keys,
                 is_blocks=is_blocks,
+                blocks_model_id=blocks_model_id,
             )
         addrs = record.tensor_addrs()
         per_device = [
@@ -184,8 +191,16 @@ class KvCacheManager:
             _param_invalid(api, "host (cpu) caches are not deallocated by the manager")
         if not cache._is_valid:
             return
-        cache._invalidate()
-        core.table.deallocate(cache.cache_id)
+        with api_errors(api):
+            core.table.deallocate(cache.cache_id)
+        cache._invalidate()  # only once it is done: a call that failed can be made again
+
+    def _deallocate_later(self, cache: KvCache) -> None:
+        """`KvCache.__del__`'s deallocate: it cannot wait for the index lock, nor fail."""
+        core = self._core
+        if core is not None and cache._is_valid and cache.cache_id != -1:
+            cache._invalidate()
+            core.table.deallocate_later(cache.cache_id)
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Unbind a key (PROMPT only); unknown keys are ignored."""
@@ -195,7 +210,8 @@ class KvCacheManager:
         check_isinstance("cache_key", cache_key, CacheKey)
         key = owner_key(cache_key)
         if key is not None:
-            core.table.remove_key(key)
+            with api_errors(api):
+                core.table.remove_key(key)
 
     # ------------------------------------------------------------------ pull
 

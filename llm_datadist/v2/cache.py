@@ -117,7 +117,8 @@ class KvCache:
             return
         try:
             if manager.is_initialized():
-                manager.deallocate_cache(self)
+                # Not `deallocate_cache`: a finalizer may neither wait for the owner's index lock nor fail.
+                manager._deallocate_later(self)
         except Exception:
             pass
 

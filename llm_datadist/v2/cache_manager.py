@@ -205,7 +205,13 @@ class CacheManager:
             _invalid(api, f"shape {shape} must have positive dimensions")
 
     def _pool_allocate(
-        self, api: str, desc: CacheDesc, keys: list[KeyId | None], *, is_blocks: bool
+        self,
+        api: str,
+        desc: CacheDesc,
+        keys: list[KeyId | None],
+        *,
+        is_blocks: bool,
+        blocks_model_id: int | None = None,
     ) -> Cache:
         core = self._require_core(api)
         placement = int(desc.placement)
@@ -227,6 +233,7 @@ class CacheManager:
                 placement=placement,
                 remote_accessible=placement == PLACEMENT_DEVICE,
                 unique_keys=True,
+                blocks_model_id=blocks_model_id,
             )
         return self._handle(record, desc)
 
@@ -256,13 +263,12 @@ class CacheManager:
     ) -> Cache:
         """A pool-backed paged cache (`shape[0]` blocks), indexed by `blocks_cache_key.model_id` if given."""
         api = "allocate_blocks_cache"
-        core = self._require_core(api)
+        self._require_core(api)
         self._check_desc(api, cache_desc)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
-        cache = self._pool_allocate(api, cache_desc, [], is_blocks=True)
+        model_id = None if blocks_cache_key is None else blocks_cache_key.model_id
+        cache = self._pool_allocate(api, cache_desc, [], is_blocks=True, blocks_model_id=model_id)
         cache_desc._is_blocks = True
-        if blocks_cache_key is not None:
-            core.table.bind_blocks_key(blocks_cache_key.model_id, cache.cache_id)
         return cache
 
     def deallocate_cache(self, cache: Cache) -> None:
@@ -273,7 +279,7 @@ class CacheManager:
         check_isinstance("cache", cache, Cache)
         if cache.is_blocks_cache:
             _invalid(api, "deallocate_cache does not take a blocks cache; use deallocate_blocks_cache")
-        self._release(core, cache)
+        self._release(api, core, cache)
 
     def deallocate_blocks_cache(self, cache: Cache) -> None:
         """Free a pool blocks cache at once and drop its model_id index entry."""
@@ -282,14 +288,15 @@ class CacheManager:
         check_isinstance("cache", cache, Cache)
         if not cache.is_blocks_cache:
             _invalid(api, "deallocate_blocks_cache takes a blocks cache only")
-        self._release(core, cache)
+        self._release(api, core, cache)
 
-    def _release(self, core: Core, cache: Cache) -> None:
+    def _release(self, api: str, core: Core, cache: Cache) -> None:
         record = core.table.get(cache.cache_id)
         if record is None or record.registered or getattr(cache, "_manager", None) is not self:
             return
-        core.table.deallocate(cache.cache_id)
-        cache._tensor_addrs = []
+        with self._timeout_errors(api):
+            core.table.deallocate(cache.cache_id)
+        cache._tensor_addrs = []  # only once it is done: a call that failed can be made again
 
     # ------------------------------------------------------------------ registration
 
@@ -302,6 +309,7 @@ class CacheManager:
         remote_accessible: object,
         *,
         is_blocks: bool,
+        blocks_model_id: int | None = None,
     ) -> Cache:
         core = self._require_core(api)
         self._check_desc(api, desc)
@@ -323,7 +331,7 @@ class CacheManager:
             self._registered_addrs += len(addrs)
         try:
             return self._register_reserved(
-                api, core, desc, addrs, keys, remote_accessible, is_blocks=is_blocks
+                api, core, desc, addrs, keys, remote_accessible, is_blocks, blocks_model_id
             )
         except BaseException:
             with self._lock:
@@ -338,8 +346,8 @@ class CacheManager:
         addrs: list[int] | tuple[int, ...],
         keys: list[KeyId | None],
         remote_accessible: object,
-        *,
         is_blocks: bool,
+        blocks_model_id: int | None,
     ) -> Cache:
         linked = core.comms.two_sided_links_made
         if remote_accessible is None:
@@ -363,6 +371,7 @@ class CacheManager:
                 is_blocks=is_blocks,
                 placement=int(desc.placement),
                 remote_accessible=bool(remote_accessible),
+                blocks_model_id=blocks_model_id,
             )
         return self._handle(record, desc)
 
@@ -395,10 +404,11 @@ class CacheManager:
         """The paged form of `register_cache`; `blocks_cache_key.model_id` indexes it."""
         api = "register_blocks_cache"
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
-        cache = self._register(api, cache_desc, addrs, [], remote_accessible, is_blocks=True)
+        model_id = None if blocks_cache_key is None else blocks_cache_key.model_id
+        cache = self._register(
+            api, cache_desc, addrs, [], remote_accessible, is_blocks=True, blocks_model_id=model_id
+        )
         cache_desc._is_blocks = True
-        if blocks_cache_key is not None:
-            self._require_core(api).table.bind_blocks_key(blocks_cache_key.model_id, cache.cache_id)
         return cache
 
     def unregister_cache(self, cache_id: int) -> None:
@@ -427,8 +437,9 @@ class CacheManager:
         core = self._require_core(api)
         check_isinstance("cache_key", cache_key, CacheKey)
         key = _owner_key(cache_key)
-        if key is not None and not core.table.key_on_registered(key):
-            core.table.remove_key(key)
+        with self._timeout_errors(api):
+            if key is not None and not core.table.key_on_registered(key):
+                core.table.remove_key(key)
 
     def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
         """Validated as the real one: a list or one MemInfo, each a MemInfo of device memory with addr != 0

@@ -1,6 +1,9 @@
 """A model-based test of the published index's protocol: an owner's cache table and two pullers that pin,
 check, unpin and disconnect through their own open file descriptions of the owner's index, in any order
-hypothesis finds, against a model of what the reference semantics promise.
+hypothesis finds, against a model of what the reference semantics promise. The owner also ends
+connections from its side while their pullers still pin (a live holder's pin outlives its connection; a
+dead holder's is cleared), and another process stops while it holds the index lock (the owner's calls then
+change nothing and fail with LLM_TIMEOUT, what ends meanwhile is done once the lock is back).
 
 Everything here is the shipped code (the cache table, the index, `_dataplane.pin` / `unpin`) in one
 process: the pullers' links are stood in for by their rows and tickets, which is all pinning uses of a
@@ -22,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from llm_datadist._dataplane import pin, unpin
 from llm_datadist._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheTable
 from llm_datadist._errors import StatusError
+from llm_datadist._rows import Holder
 from llm_datadist._shm.index import Index
 from llm_datadist._shm.pool import Pool
 from llm_datadist._transport import PeerInfo
@@ -57,6 +61,8 @@ class _Puller:
     index: Index
     pinned: tuple[int, int, tuple[int, ...]] | None = None  # cache id, slot, tensors it pinned
     consumed: tuple[tuple[int, int], frozenset[int]] | None = None  # the key and what the pin took
+    alive: bool = True  # the process the row was handed to lives (its pins outlive its connection)
+    dropped: bool = False  # the owner ended its connection; it may still unpin, then it reconnects
 
 
 @dataclass
@@ -71,9 +77,13 @@ class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.table = CacheTable(
-            {1: Pool(capacity_nbytes=1 << 20)}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
+            {1: Pool(capacity_nbytes=1 << 20)},
+            oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY,
+            lock_timeout_s=0.01,
         )
         self.pullers: list[_Puller] = []
+        self.stalled: Index | None = None  # another process's description of the index, holding its lock
+        self.connections = 0
         for i in range(2):
             self.pullers.append(self._connect(i))
         self.caches: dict[int, _MCache] = {}
@@ -83,13 +93,18 @@ class IndexMachine(RuleBasedStateMachine):
 
     def _connect(self, i: int) -> _Puller:
         conn = object()
-        row, ticket = self.table.assign_row(conn, 100 + i)
+        # Every other connection's process is "dead" by the time it ends (a start time that is not ours).
+        self.connections += 1
+        alive = self.connections % 2 == 0
+        holder = Holder.of(os.getpid()) if alive else Holder(os.getpid(), -2)
+        row, ticket = self.table.assign_row(conn, 100 + i, holder)
         assert row >= 0
         index = Index.attach(self.table.index.name, pid=os.getpid(), incarnation=0)
-        return _Puller(conn, _Row(row, ticket), index)
+        return _Puller(conn, _Row(row, ticket), index, alive=alive)
 
     # ------------------------------------------------------------------ owner
 
+    @precondition(lambda self: self.stalled is None)
     @rule(slot_keys=st.lists(st.sampled_from([None, *KEYS]), min_size=0, max_size=BATCH))
     def alloc(self, slot_keys: list[tuple[int, int] | None]) -> None:
         wire = [None if k is None else (k[0], k[1], 0) for k in slot_keys]
@@ -124,6 +139,9 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 2**16))
     def dealloc(self, pick: int) -> None:
         cache = self.caches[sorted(self.caches)[pick % len(self.caches)]]
+        if self.stalled is not None:
+            self._refused(lambda: self.table.deallocate(cache.cache_id))
+            return
         self.table.deallocate(cache.cache_id)
         cache.external = False
         self._maybe_gone(cache)
@@ -132,31 +150,37 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 2**16))
     def remove_key(self, pick: int) -> None:
         key = sorted(self.keys)[pick % len(self.keys)]
+        if self.stalled is not None:
+            self._refused(lambda: self.table.remove_key((key[0], key[1], 0)))
+            return
         self.table.remove_key((key[0], key[1], 0))
         self._unbind(key)
 
+    @precondition(lambda self: self.stalled is None)
     @rule()
     def push_starts(self) -> None:
         """transfer_cache_async into the pullers' cluster: refused while one of them pins (a pull is in
         flight); once started, their pulls get LLM_LINK_BUSY until it ends."""
-        busy = self.table.start_push({9}, lambda cluster_id: [p.conn for p in self.pullers])
-        if any(p.pinned is not None for p in self.pullers):
+        busy = self.table.start_push({9}, lambda cluster_id: [p.conn for p in self.pullers if not p.dropped])
+        # A pin whose connection the owner ended belongs to no link of that cluster any more.
+        if any(p.pinned is not None and not p.dropped for p in self.pullers):
             assert busy == 9
         else:
             assert busy is None
             self.pushing += 1
 
-    @precondition(lambda self: self.pushing)
+    @precondition(lambda self: self.pushing and self.stalled is None)
     @rule()
     def push_ends(self) -> None:
         self.table.end_push({9})
         self.pushing -= 1
 
+    @precondition(lambda self: self.stalled is None)
     @rule(p=st.integers(0, 1), pick=st.integers(0, 2**16))
     def write_pin(self, p: int, pick: int) -> None:
         """A v2 push into a cache by id pins it for writing: only a cache its user still holds."""
         puller = self.pullers[p]
-        if puller.pinned is not None:
+        if puller.pinned is not None or puller.dropped:
             return
         cache_ids = [*sorted(self.caches), 99]
         cache_id = cache_ids[pick % len(cache_ids)]
@@ -183,6 +207,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ pullers
 
+    @precondition(lambda self: self.stalled is None)
     @rule(
         p=st.integers(0, 1),
         pick=st.integers(0, 2**16),
@@ -192,7 +217,7 @@ class IndexMachine(RuleBasedStateMachine):
     )
     def pull_pin(self, p: int, pick: int, by_id: bool, layer: int | None, consume: bool) -> None:
         puller = self.pullers[p]
-        if puller.pinned is not None:
+        if puller.pinned is not None or puller.dropped:
             return
         tensors = tuple(range(NUM_TENSORS)) if layer is None else (layer,)
         if by_id:
@@ -268,6 +293,7 @@ class IndexMachine(RuleBasedStateMachine):
             got = block.segment.array[start : start + SLOT_NBYTES]
             assert np.all(got == self.caches[cache_id].fill), f"cache {cache_id} was reused under a pin"
 
+    @precondition(lambda self: self.stalled is None)
     @rule(p=st.integers(0, 1), ok=st.booleans())
     def pull_unpin(self, p: int, ok: bool) -> None:
         puller = self.pullers[p]
@@ -275,15 +301,74 @@ class IndexMachine(RuleBasedStateMachine):
             return
         unpin(puller.link, puller.index, ok=ok)
         self._ended(puller, ok)
+        if puller.dropped:  # its connection is gone: it links again for its next pull
+            self.table.sync()  # housekeeping frees the orphaned row its holder let go of
+            puller.index.close()
+            self.pullers[p] = self._connect(p)
 
+    @precondition(lambda self: self.stalled is None)
     @rule(p=st.integers(0, 1))
     def puller_disconnects(self, p: int) -> None:
-        """The connection ends (the puller died or unlinked): the owner clears its row, consuming nothing."""
+        """The connection ends with its process (the puller died): the owner clears its row, giving back
+        what its pin consumed."""
         puller = self.pullers[p]
-        self.table.release_row(puller.conn)
+        if puller.dropped or puller.alive:
+            return
+        self.table.connection_ended(puller.conn)
         puller.index.close()
         self._ended(puller, False)
         self.pullers[p] = self._connect(p)
+
+    @rule(p=st.integers(0, 1))
+    def owner_drops(self, p: int) -> None:
+        """The owner ends a connection (an unlink from the serving side, a drop, its finalize) while the
+        puller may pin: a live holder's pin stays until it unpins; a dead holder's is cleared. During a
+        stall the end waits for the lock and is done once it is back."""
+        puller = self.pullers[p]
+        if puller.dropped:
+            return
+        self.table.connection_ended(puller.conn)
+        if puller.alive and puller.pinned is not None:
+            puller.dropped = True
+            return
+        self.ended_in_stall = getattr(self, "ended_in_stall", 0) + (self.stalled is not None)
+        puller.index.close()
+        self._ended(puller, False)
+        self.pullers[p] = self._connect(p) if self.stalled is None else self._connect_later(p)
+
+    def _connect_later(self, p: int) -> _Puller:
+        """During a stall no row can be assigned: a puller with no connection yet (it pins nothing)."""
+        puller = _Puller(object(), _Row(-1, 0), self.pullers[p].index, dropped=True)
+        puller.index = Index.attach(self.table.index.name, pid=os.getpid(), incarnation=0)
+        return puller
+
+    @precondition(lambda self: self.stalled is None)
+    @rule()
+    def lock_holder_stops(self) -> None:
+        self.stalled = Index.attach(self.table.index.name, pid=os.getpid(), incarnation=0)
+        self.stalled.lock(1.0)
+
+    @precondition(lambda self: self.stalled is not None)
+    @rule()
+    def lock_holder_dies(self) -> None:
+        """The kernel drops a dead holder's lock; the owner's housekeeping does what waited for it."""
+        assert self.stalled is not None
+        self.stalled.close()
+        self.stalled = None
+        self.table.sync()
+        for p, puller in enumerate(self.pullers):
+            if puller.link.index_row < 0:  # it could not connect during the stall
+                puller.index.close()
+                self.pullers[p] = self._connect(p)
+
+    def _refused(self, call: object) -> None:
+        """An owner's call during a stall: LLM_TIMEOUT, and nothing changed (the model stays)."""
+        try:
+            call()  # type: ignore[operator]
+        except StatusError as exc:
+            assert exc.code == LLMStatusCode.LLM_TIMEOUT, exc
+            return
+        raise AssertionError("an owner's call succeeded without the index lock")
 
     def _ended(self, puller: _Puller, ok: bool) -> None:
         if puller.consumed is not None:
@@ -320,6 +405,8 @@ class IndexMachine(RuleBasedStateMachine):
 
     @invariant()
     def owner_counters_match_the_model(self) -> None:
+        if self.stalled is not None:
+            return  # the owner cannot look now; it catches up when the lock is back
         stats = self.table.stats()
         pins = sum(p.pinned is not None for p in self.pullers)
         # A key a pin emptied stays bound at the owner until that pin ends.
@@ -330,6 +417,8 @@ class IndexMachine(RuleBasedStateMachine):
         assert (stats["pool_used_nbytes"] == 0) == (not self.caches)
 
     def teardown(self) -> None:
+        if self.stalled is not None:
+            self.stalled.close()
         for _ in range(self.pushing):
             self.table.end_push({9})
         for puller in self.pullers:

@@ -183,13 +183,14 @@ def test_a_key_a_pin_consumed_is_gone_for_a_request_too(table: CacheTable) -> No
     the pin ends. The pin is made through a second open file description of the index, as a puller's."""
     import os
 
+    from llm_datadist._rows import Holder
     from llm_datadist._shm.index import KIND_REQ, Index
 
     record = table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 9, 0)])
     puller = Index.attach(table.index.name, pid=os.getpid(), incarnation=0)
     try:
         owner = object()
-        row, ticket = table.assign_row(owner, 5)
+        row, ticket = table.assign_row(owner, 5, Holder(0, -1))
         with puller.locked(1.0):
             name = puller.lookup(KIND_REQ, 9, 0)
             assert name is not None
@@ -208,6 +209,6 @@ def test_a_key_a_pin_consumed_is_gone_for_a_request_too(table: CacheTable) -> No
             puller.clear_row(row, ticket)
             puller.bump_epoch()
         assert table.stats()["keys"] == 0 and not table.has_key((KEY_REQ, 9, 0))
-        table.release_row(owner)
+        table.connection_ended(owner)
     finally:
         puller.close()

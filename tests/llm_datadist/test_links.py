@@ -244,3 +244,26 @@ def test_check_link_status_and_unlink_are_busy_during_a_pull(seed: int, _runtime
         puller.join(10)
         assert not errors  # the lock came free in time: the pull itself succeeded
         dd.check_link_status(P)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another uid needs root")
+def test_a_runtime_directory_another_user_made_first_is_refused_with_advice(tmp_path: Path) -> None:
+    """Another local user who creates the runtime directory first could intercept our sockets: `init`
+    refuses it, as an LLMException that says how to choose another directory."""
+    from llm_datadist import LLMConfig, LLMDataDist, LLMRole
+
+    squatted = tmp_path / "squatted"
+    squatted.mkdir(mode=0o700)
+    os.chown(squatted, 65534, 65534)  # nobody
+    datadist = LLMDataDist(LLMRole.PROMPT, 1)
+    config = LLMConfig()
+    config.device_id = 0
+    config.listen_ip_info = f"{PROMPT_IP}:26999"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLM_DATADIST_RUNTIME_DIR", str(squatted))
+        with pytest.raises(LLMException) as exc_info:
+            datadist.init(config.generate_options())
+    assert exc_info.value.status_code == LLMStatusCode.LLM_FAILED
+    assert "belongs to uid 65534" in str(exc_info.value) and "LLM_DATADIST_RUNTIME_DIR" in str(exc_info.value)
+    with pytest.raises(RuntimeError):
+        _ = datadist.kv_cache_manager  # not initialised: the failed init left nothing behind
