@@ -853,14 +853,10 @@ class CacheTable:
             self._deallocate(cache_id)
 
     def deallocate_later(self, cache_id: int) -> None:
-        """`deallocate` from a finalizer, which cannot wait or fail: now if the lock is free, else at the
-        next housekeeping."""
-        with self._lock:
-            try:
-                with self._indexed(SERVER_LOCK_TIMEOUT_S):
-                    self._deallocate(cache_id)
-            except IndexBusy:
-                self._to_deallocate.append(cache_id)
+        """`deallocate` from a finalizer, which may neither wait nor fail, and may run inside any call of
+        this thread (the garbage collector runs it where it likes): done first thing in the next operation
+        that takes the index lock, or at the next housekeeping."""
+        self._to_deallocate.append(cache_id)  # a list's append is atomic: no lock needed
 
     def _deallocate(self, cache_id: int) -> None:
         record = self._caches.get(cache_id)

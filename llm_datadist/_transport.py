@@ -1300,6 +1300,10 @@ class _Exclusive:
         link = self._link
         if link._close_pending is None:  # the common case, without the mutex
             link._lock.release()
+            if link._close_pending is None:
+                return
+            # A close came between the look and the release, found the link held and left it to us.
+            link.close(say_bye=link._close_pending)
             return
         with link._close_mutex:
             say_bye, link._close_pending = link._close_pending, None
