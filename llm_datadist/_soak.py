@@ -164,6 +164,7 @@ class OwnerSpec:
     ref: OwnerRef
     incarnation: int
     seed: int
+    debug_memory_s: float = 0.0  # > 0: dump where the memory is to the log this often (long-lived only)
 
     @property
     def label(self) -> str:
@@ -178,6 +179,7 @@ class PullerSpec:
     seed: int
     owners: tuple[OwnerRef, ...]
     ip: str = IP  # this puller's own address (its namespace's with --hosts)
+    debug_memory_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -459,6 +461,14 @@ def _redirect_output(log_path: str) -> None:
     os.close(fd)
 
 
+def _memory_probe(label: str, interval_s: float) -> Any:
+    if interval_s <= 0:
+        return None
+    from ._soak_memdebug import MemoryProbe
+
+    return MemoryProbe(label, interval_s)
+
+
 def _owner_main(conn: Connection, spec: OwnerSpec, log_path: str) -> None:
     _redirect_output(log_path)
     pipe = _ChildPipe(conn)
@@ -466,11 +476,14 @@ def _owner_main(conn: Connection, spec: OwnerSpec, log_path: str) -> None:
     v2 = spec.ref.mode == "v2"
     datadist = LLMDataDist(LLMRole.PROMPT, spec.ref.cluster_id)
     code = 0
+    probe = _memory_probe(spec.label, 0.0 if spec.ref.restarting else spec.debug_memory_s)
     try:
         datadist.init(_options(spec.ref.mode, (spec.ref.ip, spec.ref.port)))
         owner: _Owner = _V2Owner(spec, pipe, datadist) if v2 else _V1Owner(spec, pipe, datadist)
         pipe.send("up", os.getpid())
         owner.run()
+        if probe is not None:
+            probe.final()
     except BaseException:
         pipe.send("fail", f"{spec.label}: {traceback.format_exc().strip()}")
         code = 1
@@ -833,10 +846,13 @@ def _puller_main(conn: Connection, spec: PullerSpec, log_path: str) -> None:
     datadist = LLMDataDist(LLMRole.DECODER, spec.cluster_id)
     code = 0
     puller: _Puller | None = None
+    probe = _memory_probe(spec.name, spec.debug_memory_s)
     try:
         datadist.init(_options(spec.mode, None))
         puller = _Puller(spec, pipe, datadist)
         puller.run()
+        if probe is not None:
+            probe.final()
     except BaseException:
         pipe.send("fail", f"{spec.name}: {traceback.format_exc().strip()}")
         code = 1
@@ -1001,8 +1017,18 @@ class _Child:
 
 class Soak:
     def __init__(
-        self, duration_s: float, seed: int, log_dir: str, out: Any = sys.stdout, hosts: Hosts | None = None
+        self,
+        duration_s: float,
+        seed: int,
+        log_dir: str,
+        out: Any = sys.stdout,
+        hosts: Hosts | None = None,
+        debug_memory_s: float = 0.0,
     ) -> None:
+        self.debug_memory_s = debug_memory_s
+        # The memory dumps slow the children down, their last one (at stop, no heartbeat meanwhile) most.
+        self.stop_timeout_s = STOP_TIMEOUT_S * (4 if debug_memory_s > 0 else 1)
+        self.hang_s = HANG_S * (4 if debug_memory_s > 0 else 1)
         self.log_dir = log_dir  # each child's stdout and stderr
         self.hosts = hosts  # owners on one "host", pullers on the other; None: all on this host
         self.duration_s = duration_s
@@ -1054,7 +1080,7 @@ class Soak:
         return child
 
     def start_owner(self, ref: OwnerRef, incarnation: int) -> _Child:
-        spec = OwnerSpec(ref, incarnation, self.seed)
+        spec = OwnerSpec(ref, incarnation, self.seed, self.debug_memory_s)
         child = self._spawn(spec.label, "owner", _owner_main, spec)
         child.ref, child.incarnation = ref, incarnation
         self.owners[ref.name] = child
@@ -1085,7 +1111,13 @@ class Soak:
         if command in ("pub", "ret"):
             mode = child.ref.mode if child.ref is not None else ""
             for puller in self.pullers:
-                if puller.puller is not None and puller.puller.mode.startswith(mode) and not puller.exited:
+                # Not to a puller told to stop: it reads no more, and a full pipe would block the driver.
+                if (
+                    puller.puller is not None
+                    and puller.puller.mode.startswith(mode)
+                    and not puller.exited
+                    and not puller.expected_exit
+                ):
                     self.send(puller, *message)
         elif command in ("up", "ready"):
             child.up_at = time.monotonic()
@@ -1157,8 +1189,9 @@ class Soak:
     def _watch(self) -> None:
         now = time.monotonic()
         for child in self.live():
-            if now - child.last_seen > HANG_S:
-                self.failure(f"{child.label} (pid {child.pid}) silent for {HANG_S:.0f} s: hung", abort=True)
+            if now - child.last_seen > self.hang_s:
+                silent = f"silent for {self.hang_s:.0f} s: hung"
+                self.failure(f"{child.label} (pid {child.pid}) {silent}", abort=True)
                 child.expected_exit = True
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(child.pid, signal.SIGKILL)
@@ -1276,7 +1309,7 @@ class Soak:
         for index, mode in enumerate(("v1", "v2", "v2-leased")):
             name = f"puller-{index + 1}"
             sources = tuple(r for r in refs if mode.startswith(r.mode))
-            spec = PullerSpec(name, mode, 11 + index, self.seed, sources, puller_ip)
+            spec = PullerSpec(name, mode, 11 + index, self.seed, sources, puller_ip, self.debug_memory_s)
             self.start_puller(spec)
         if not self.wait_for("pullers to link", self.pullers, lambda c: c.up_at is not None, START_TIMEOUT_S):
             return
@@ -1325,11 +1358,11 @@ class Soak:
                 child.expected_exit = True
                 child.down_at = child.down_at or time.monotonic()
                 self.send(child, "stop")
-            self.pump(STOP_TIMEOUT_S, lambda members=members: all(c.exited for c in members))  # type: ignore[misc]
+            self.pump(self.stop_timeout_s, lambda members=members: all(c.exited for c in members))  # type: ignore[misc]
             for child in members:
                 if not child.exited:
                     self.failure(
-                        f"{child.label} (pid {child.pid}) did not stop within {STOP_TIMEOUT_S:.0f} s"
+                        f"{child.label} (pid {child.pid}) did not stop within {self.stop_timeout_s:.0f} s"
                     )
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(child.pid, signal.SIGKILL)
@@ -1583,7 +1616,14 @@ def _environment() -> Iterator[str]:
             shutil.rmtree(created, ignore_errors=True)
 
 
-def soak(duration_s: float, seed: int, out: Any = sys.stdout, *, hosts: bool = False) -> int:
+def soak(
+    duration_s: float,
+    seed: int,
+    out: Any = sys.stdout,
+    *,
+    hosts: bool = False,
+    debug_memory_s: float = 0.0,
+) -> int:
     """Run the soak; 0 when nothing failed and every figure is flat, 1 otherwise. With `hosts`, the owners
     run in one fresh network namespace and the pullers in another (deleted before this returns)."""
     with contextlib.ExitStack() as stack:
@@ -1595,7 +1635,7 @@ def soak(duration_s: float, seed: int, out: Any = sys.stdout, *, hosts: bool = F
         rng = random.Random(seed)
         ports = _pick_ports(rng, 4, where.prompt_ip if where else IP)
         log_dir = tempfile.mkdtemp(prefix="llmdd-soak-logs-")
-        runner = Soak(duration_s, seed, log_dir, out, where)
+        runner = Soak(duration_s, seed, log_dir, out, where, debug_memory_s)
         runner.log(f"soak: {duration_s:.0f} s of churn, seed {seed}, runtime dir {runtime}, ports {ports}")
         if where is not None:
             runner.log(
@@ -1629,7 +1669,10 @@ def soak(duration_s: float, seed: int, out: Any = sys.stdout, *, hosts: bool = F
         print(f"output of every process: {log_dir}", file=out)
         print(f"soak: FAIL ({len(runner.failures)} failure(s), {len(not_flat)} figure(s) not flat)", file=out)
         return 1
-    shutil.rmtree(log_dir, ignore_errors=True)
+    if debug_memory_s > 0:
+        print(f"output of every process (memory dumps in the long-lived ones'): {log_dir}", file=out)
+    else:
+        shutil.rmtree(log_dir, ignore_errors=True)
     print("soak: PASS (no failure, every figure flat)", file=out)
     return 0
 
@@ -1645,6 +1688,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="owners and pullers on two hosts: two network namespaces made for the run (root, iproute2 "
         "and the multihost extra)",
     )
+    # For finding what grows: the long-lived children dump tracemalloc, gc and malloc figures to their logs
+    # every this many seconds (slows them down; docs/soak.md).
+    parser.add_argument("--debug-memory", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1665,4 +1711,4 @@ def run(args: argparse.Namespace) -> int:
             print(f"soak --hosts: {reason}", file=sys.stderr)
             return 2
     seed = args.seed if args.seed is not None else random.randrange(2**32)
-    return soak(duration_s, seed, hosts=args.hosts)
+    return soak(duration_s, seed, hosts=args.hosts, debug_memory_s=args.debug_memory)
