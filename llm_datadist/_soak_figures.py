@@ -1,0 +1,142 @@
+"""The soak's figures of a process: what one sample says, how it is read, and the rule that judges them.
+
+Rules: a sample reads /proc and psutil only, never stops or asks the process. The rule compares a figure at
+the last quiescent checkpoint with the first; the reasons for every tolerance are in docs/soak.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import psutil
+
+from ._soak_spec import PORT_RANGE
+
+# Tolerances, the reasons for them in docs/soak.md: RSS may wander by what glibc and pymalloc keep for
+# reuse; everything else counts objects the library owns and must be back where it was.
+RSS_TOLERANCE_NBYTES = 24 << 20
+
+
+@dataclass(frozen=True)
+class Figures:
+    rss_nbytes: int
+    fds: int
+    threads: int
+    shm_live_nbytes: int  # /dev/shm files mapped that still exist
+    shm_deleted_nbytes: int  # /dev/shm files mapped after they were unlinked
+    segments: int  # /dev/shm entries this process created (its pid in the name)
+    fd_kinds: tuple[str, ...] = ()  # what each fd is ("socket", "pipe", a path...), to explain a change
+    # Across hosts: the transfer engine's TCP connections (Mooncake pools up to MOONCAKE_LANES_PER_PEER a
+    # peer), counted apart from the fds that are ours; of those, the ones to engines that are gone
+    # (CLOSE_WAIT), which Mooncake never closes.
+    engine_sockets: int = 0
+    stale_engine_sockets: int = 0
+
+    @property
+    def own_fds(self) -> int:
+        return self.fds - self.engine_sockets
+
+
+def segment_pid(name: str) -> int | None:
+    from llm_datadist._shm.names import parse_segment_name
+
+    owner = parse_segment_name(name)
+    return None if owner is None else owner.pid
+
+
+def shm_entries() -> list[str]:
+    try:
+        return os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return []
+
+
+def sample(pid: int, entries: list[str]) -> Figures:
+    process = psutil.Process(pid)
+    with process.oneshot():
+        rss, fds, threads = process.memory_info().rss, process.num_fds(), process.num_threads()
+    live = deleted = 0
+    with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or not parts[5].startswith("/dev/shm/"):
+                continue
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            if parts[5].rstrip("\n").endswith(" (deleted)"):
+                deleted += end - start
+            else:
+                live += end - start
+    segments = sum(1 for name in entries if segment_pid(name) == pid)
+    engine, stale = _engine_sockets(pid)
+    return Figures(rss, fds, threads, live, deleted, segments, _fd_kinds(pid), engine, stale)
+
+
+_TCP_CLOSE_WAIT = "08"  # the state column of /proc/net/tcp
+# Mooncake 0.3.13's TCP transport keeps up to this many pooled connections to each peer engine.
+MOONCAKE_LANES_PER_PEER = 4
+
+
+def _engine_sockets(pid: int) -> tuple[int, int]:
+    """The connected TCP sockets of `pid` with neither end on one of the soak's listen ports: the transfer
+    engine's connections (our links always have an owner's listen port at one end); and of those, the ones
+    in CLOSE_WAIT (the peer engine went, Mooncake's pool never closes its end). Read from the tables of the
+    process's own network namespace; (0, 0) on one host, where no engine runs."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+    engine = stale = 0
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}", encoding="ascii") as lines:
+            next(lines, None)  # the header
+            for line in lines:
+                fields = line.split()
+                ports = [int(field.rsplit(":", 1)[1], 16) for field in fields[1:3]]
+                if fields[9] not in inodes or ports[1] == 0:  # not ours, or a listener
+                    continue
+                if not any(PORT_RANGE[0] <= port <= PORT_RANGE[1] for port in ports):
+                    engine += 1
+                    stale += fields[3] == _TCP_CLOSE_WAIT
+    return engine, stale
+
+
+def _fd_kinds(pid: int) -> tuple[str, ...]:
+    kinds = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                kinds.append(target.split(":[")[0] if ":[" in target else target)
+    return tuple(sorted(kinds))
+
+
+@dataclass(frozen=True)
+class Rule:
+    title: str
+    attribute: str
+    unit: int  # divide by this to print
+    tolerance: int  # end may exceed start by this much
+    exact: bool = False  # end must equal start (a drop is as telling as a rise: a thread died, a link went)
+    zero: bool = False  # 0 at both checkpoints (a retired segment must not stay mapped, contract 7)
+
+
+RULES = (
+    Rule("RSS MiB", "rss_nbytes", 1 << 20, RSS_TOLERANCE_NBYTES),
+    Rule("fds", "own_fds", 1, 0, exact=True),
+    Rule("threads", "threads", 1, 0, exact=True),
+    Rule("shm live MiB", "shm_live_nbytes", 1 << 20, 0),
+    Rule("shm deleted MiB", "shm_deleted_nbytes", 1 << 20, 0, zero=True),
+    Rule("own segs", "segments", 1, 0),
+)
+
+
+def is_flat(rule: Rule, start: Figures, end: Figures) -> bool:
+    a, b = getattr(start, rule.attribute), getattr(end, rule.attribute)
+    if rule.zero:
+        return bool(a == 0 and b == 0)
+    return bool(b == a) if rule.exact else bool(b <= a + rule.tolerance)
