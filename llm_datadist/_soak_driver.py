@@ -36,6 +36,7 @@ from ._soak_figures import (
 )
 from ._soak_owners import owner_main
 from ._soak_pullers import PullerSummary, puller_main
+from ._soak_sampler import Member, RunSampler
 from ._soak_spec import IP, START_TIMEOUT_S, OwnerRef, OwnerSpec, PullerSpec
 
 HANG_S = 30.0  # a process silent this long is hung
@@ -70,6 +71,8 @@ class _Child:
     last_seen: float = 0.0
     summary: PullerSummary | None = None
     samples: dict[str, Figures] = field(default_factory=dict)
+    pulls: int = 0  # a puller's verified pulls and bytes so far, from its heartbeats
+    pulled_nbytes: int = 0
 
 
 class Soak:
@@ -105,6 +108,7 @@ class Soak:
         self.leftover: list[str] = []
         self.churn_from = math.inf  # churn runs between the two checkpoints
         self.churn_until = math.inf
+        self.sampler = RunSampler(engine_sockets=hosts is not None)
 
     # -- output
 
@@ -176,6 +180,8 @@ class Soak:
                     and not puller.expected_exit
                 ):
                     self.send(puller, *message)
+        elif command == "beat" and len(message) == 3:
+            child.pulls, child.pulled_nbytes = int(message[1]), int(message[2])
         elif command in ("up", "ready"):
             child.up_at = time.monotonic()
         elif command == "warm":
@@ -242,6 +248,26 @@ class Soak:
                 else:
                     self._drain(child)
             self._watch()
+            self._tick()
+
+    def _tick(self) -> None:
+        """Through the churn: every long-lived process's figures every few seconds, and the progress line."""
+        members = [
+            Member(c.label, c.pid)
+            for c in [*self.owners.values(), *self.pullers]
+            if not c.exited and not (c.ref is not None and c.ref.restarting)
+        ]
+        now = time.monotonic()
+        if self.sampler.tick(now, [Member("driver", os.getpid()), *members]):
+            self.log(
+                self.sampler.progress(
+                    now,
+                    sum(c.pulls for c in self.pullers),
+                    sum(c.pulled_nbytes for c in self.pullers),
+                    sum(self.restarts.values()),
+                    len(self.failures),
+                )
+            )
 
     def _watch(self) -> None:
         now = time.monotonic()
@@ -380,6 +406,7 @@ class Soak:
         if self.aborted:
             return
         self.churn_from = time.monotonic()
+        self.sampler.start(self.churn_from)
         rng = random.Random(self.seed)
         now = time.monotonic()
         end = now + self.duration_s
@@ -404,6 +431,7 @@ class Soak:
                 self.restart(name, how)
                 next_restart[name] = time.monotonic() + rng.uniform(*RESTART_INTERVAL_S)
         self.churn_until = time.monotonic()
+        self.sampler.stop()
         if not self.aborted:
             self.checkpoint("end")
 

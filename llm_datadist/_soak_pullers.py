@@ -103,7 +103,8 @@ class _Puller:
     def beat(self) -> None:
         now = time.monotonic()
         if now >= self.next_beat:
-            self.pipe.send("beat")
+            # The counts so far, for the driver's progress line.
+            self.pipe.send("beat", self.summary.verified, self.summary.verified_nbytes)
             self.next_beat = now + HEARTBEAT_S
 
     def handle(self, message: tuple[Any, ...]) -> str | None:

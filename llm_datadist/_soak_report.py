@@ -15,6 +15,8 @@ from ._soak_figures import RSS_TOLERANCE_NBYTES, RULES, Figures, is_flat
 if TYPE_CHECKING:
     from ._soak_driver import Soak
 
+COLUMN = 14  # characters a figure's column takes
+
 
 def report(run: Soak) -> list[str]:
     """Prints the tables; returns the figures that are not flat."""
@@ -23,13 +25,13 @@ def report(run: Soak) -> list[str]:
     print("", file=out)
     legend = (
         "Resource figures at two quiescent checkpoints (after warm-up, at the end). Flat means: "
-        f"RSS within +{RSS_TOLERANCE_NBYTES >> 20} MiB;",
+        f"RSS and its anonymous part within +{RSS_TOLERANCE_NBYTES >> 20} MiB;",
         "fds and threads exactly equal; /dev/shm bytes mapped (live) and own segments back to at most "
         "the start;",
         "/dev/shm bytes mapped of deleted (retired) segments 0 at both.",
     )
     print("\n".join(legend), file=out)
-    header = f"{'process':<28}{'pid':>8}  {'sample':<8}" + "".join(f"{r.title:>17}" for r in RULES)
+    header = f"{'process':<28}{'pid':>8}  {'sample':<8}" + "".join(f"{r.title:>{COLUMN}}" for r in RULES)
     print(header, file=out)
     print("-" * len(header), file=out)
     rows: list[tuple[str, int, dict[str, Figures]]] = [("driver", os.getpid(), run.driver_samples)]
@@ -59,7 +61,7 @@ def report(run: Soak) -> list[str]:
                 not_flat.append(
                     f"{label}: {rule.title} {_format(a, rule.unit)} -> {_format(b, rule.unit)}{detail}"
                 )
-        print(f"{'':<38}{'verdict':<8}" + "".join(f"{v:>17}" for v in verdicts), file=out)
+        print(f"{'':<38}{'verdict':<8}" + "".join(f"{v:>{COLUMN}}" for v in verdicts), file=out)
     if run.hosts is not None:
         print("", file=out)
         print(
@@ -131,7 +133,7 @@ def _print_rows(out: Any, label: str, pid: int, samples: dict[str, Figures]) -> 
     for when in ("start", "end"):
         figures = samples.get(when)
         cells = "".join(
-            f"{_format(getattr(figures, r.attribute), r.unit):>17}" if figures else f"{'-':>17}"
+            f"{_format(getattr(figures, r.attribute), r.unit):>{COLUMN}}" if figures else f"{'-':>{COLUMN}}"
             for r in RULES
         )
         first = when == "start"

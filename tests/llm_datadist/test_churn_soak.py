@@ -37,6 +37,7 @@ def _soak_passes(seed: int, *options: str, timeout_s: float) -> str:
     for process in PROCESSES:
         assert process in result.stdout, f"{process!r} missing from the table:\n{output}"
     assert "pulls verified:" in result.stdout
+    assert " churned: " in result.stdout, f"no progress line:\n{output}"  # one every 5 s of the 8
     assert "NOT FLAT" not in result.stdout
     return result.stdout
 
