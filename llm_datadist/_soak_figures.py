@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 
@@ -176,28 +177,36 @@ def is_flat(rule: Rule, start: Figures, end: Figures) -> bool:
     return b == a if rule.exact else b <= a + rule.tolerance
 
 
-@dataclass
 class Series:
-    """One process's samples through the churn: (seconds since the churn began, figures), in order."""
+    """One process's samples through the churn, kept compact (8 bytes a figure: a long run's driver must
+    not grow by what it measures): seconds since the churn began, and each rule's figure."""
 
-    samples: list[tuple[float, Figures]] = field(default_factory=list)
+    ATTRIBUTES = tuple(dict.fromkeys([*(r.attribute for r in RULES), STALE_ENGINE_SOCKETS.attribute]))
+
+    def __init__(self) -> None:
+        self.times_s = array("d")
+        self._values = {name: array("q") for name in self.ATTRIBUTES}
+
+    def __len__(self) -> int:
+        return len(self.times_s)
 
     def add(self, at_s: float, figures: Figures) -> None:
-        self.samples.append((at_s, figures))
+        self.times_s.append(at_s)
+        for name, values in self._values.items():
+            values.append(value(figures, name))
 
-    def values(self, attribute: str) -> tuple[list[float], list[int]]:
-        return [t for t, _ in self.samples], [value(f, attribute) for _, f in self.samples]
+    def values(self, attribute: str) -> array[int]:
+        return self._values[attribute]
 
     def trend(self, rule: Rule, churn_s: float) -> Trend:
-        times, values = self.values(rule.attribute)
-        return judge(rule.trend, times, values, churn_s)
+        return judge(rule.trend, self.times_s, self._values[rule.attribute], churn_s)
 
     def growth(self, attribute: str, span: int = 6) -> tuple[float, float] | None:
         """(baseline, now): the medians of the first and of the latest `span` samples, None before there are
         `span`. Medians, so that one sample taken while many buffers were live is not called growth."""
-        if len(self.samples) < span:
+        values = self._values[attribute]
+        if len(values) < span:
             return None
-        _, values = self.values(attribute)
         return _median(values[:span]), _median(values[-span:])
 
 

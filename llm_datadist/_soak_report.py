@@ -10,7 +10,18 @@ import os
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from ._soak_figures import RSS_TOLERANCE_NBYTES, RULES, Figures, is_flat
+from ._soak_figures import (
+    MEMORY_TREND,
+    RSS_TOLERANCE_NBYTES,
+    RULES,
+    STALE_ENGINE_SOCKETS,
+    Figures,
+    Rule,
+    Series,
+    is_flat,
+)
+from ._soak_sampler import SAMPLE_EVERY_S
+from ._soak_trend import Trend
 
 if TYPE_CHECKING:
     from ._soak_driver import Soak
@@ -23,14 +34,8 @@ def report(run: Soak) -> list[str]:
     out = run.out
     not_flat: list[str] = []
     print("", file=out)
-    legend = (
-        "Resource figures at two quiescent checkpoints (after warm-up, at the end). Flat means: "
-        f"RSS and its anonymous part within +{RSS_TOLERANCE_NBYTES >> 20} MiB;",
-        "fds and threads exactly equal; /dev/shm bytes mapped (live) and own segments back to at most "
-        "the start;",
-        "/dev/shm bytes mapped of deleted (retired) segments 0 at both.",
-    )
-    print("\n".join(legend), file=out)
+    churn_s = max(0.0, run.churn_until - run.churn_from) if run.churn_from < run.churn_until else 0.0
+    print("\n".join(_legend(churn_s)), file=out)
     header = f"{'process':<28}{'pid':>8}  {'sample':<8}" + "".join(f"{r.title:>{COLUMN}}" for r in RULES)
     print(header, file=out)
     print("-" * len(header), file=out)
@@ -42,14 +47,24 @@ def report(run: Soak) -> list[str]:
         rows.append((f"{child.label} ({mode} {role})", child.pid, child.samples))
     for label, pid, samples in rows:
         _print_rows(out, label, pid, samples)
+        series = run.sampler.series.get(label.split(" (")[0], Series())
+        trends = [series.trend(rule, churn_s) for rule in RULES]
+        print(
+            f"{'':<38}{'trend/h':<8}"
+            + "".join(f"{_slope(t, r):>{COLUMN}}" for t, r in zip(trends, RULES, strict=True)),
+            file=out,
+        )
         start, end = samples.get("start"), samples.get("end")
         if start is None or end is None:
             not_flat.append(f"{label}: not sampled at both checkpoints (the run stopped early)")
             continue
         verdicts = []
-        for rule in RULES:
-            if is_flat(rule, start, end):
+        for rule, trend in zip(RULES, trends, strict=True):
+            if is_flat(rule, start, end) and not trend.growing:
                 verdicts.append("flat")
+            elif is_flat(rule, start, end):
+                verdicts.append("GROWING")
+                not_flat.append(f"{label}: {rule.title} {_growing(trend, rule)}")
             else:
                 verdicts.append("NOT FLAT")
                 a, b = getattr(start, rule.attribute), getattr(end, rule.attribute)
@@ -73,9 +88,12 @@ def report(run: Soak) -> list[str]:
         for child in [*long_lived, *run.pullers]:
             start, end = child.samples.get("start"), child.samples.get("end")
             if start is not None and end is not None:
+                trend = run.sampler.series.get(child.label, Series()).trend(STALE_ENGINE_SOCKETS, churn_s)
+                rate = "" if trend.slope is None else f" trend {_slope(trend, STALE_ENGINE_SOCKETS)} an hour"
                 print(
                     f"  {child.label:<26} {start.engine_sockets:>4} -> {end.engine_sockets:<4} of which "
-                    f"to engines gone {start.stale_engine_sockets:>4} -> {end.stale_engine_sockets}",
+                    f"to engines gone {start.stale_engine_sockets:>4} -> {end.stale_engine_sockets:<4}"
+                    + rate,
                     file=out,
                 )
     restarted = [c for c in run.incarnations if c.ref is not None and c.ref.restarting]
@@ -142,3 +160,46 @@ def _print_rows(out: Any, label: str, pid: int, samples: dict[str, Figures]) -> 
 
 def _format(value: int, unit: int) -> str:
     return f"{value / unit:.1f}" if unit > 1 else str(value)
+
+
+def _legend(churn_s: float) -> tuple[str, ...]:
+    rule = MEMORY_TREND
+    skip_s = max(rule.min_skip_s, rule.skip_fraction * churn_s)
+    window_s = churn_s - skip_s
+    judged = (
+        f"this run's {window_s / 60:.1f} min are judged"
+        if window_s >= rule.min_window_s
+        else f"this run has {max(0.0, window_s) / 60:.1f} min of them: not judged, the checkpoints decide"
+    )
+    return (
+        "Resource figures at two quiescent checkpoints (after warm-up, at the end). Flat means: RSS and its "
+        f"anonymous part within +{RSS_TOLERANCE_NBYTES >> 20} MiB;",
+        "fds and threads exactly equal; /dev/shm bytes mapped (live) and own segments back to at most the "
+        "start;",
+        "/dev/shm bytes mapped of deleted (retired) segments 0 at both.",
+        f"trend/h: the Theil-Sen slope an hour of the samples taken every {SAMPLE_EVERY_S:.0f} s through the "
+        f"churn, after its first third (at least {rule.min_skip_s / 60:.0f} min), +- half its 95% interval;",
+        f"anon MiB is GROWING when the whole interval lies above +{rule.max_per_h / (1 << 20):.0f} MiB/h, "
+        f"once those samples span {rule.min_window_s / 60:.0f} min ({judged}).",
+    )
+
+
+def _slope(trend: Trend, rule: Rule) -> str:
+    slope = trend.slope
+    if slope is None:
+        return "-"
+    per_h, half = slope.per_h / rule.unit, (slope.high_per_s - slope.low_per_s) * 1800.0 / rule.unit
+    return f"{per_h:+.1f}+-{half:.1f}" if rule.unit > 1 else f"{per_h:+.0f}+-{half:.0f}"
+
+
+def _growing(trend: Trend, rule: Rule) -> str:
+    slope = trend.slope
+    assert slope is not None
+    unit = "MiB/h" if rule.unit > 1 else "/h"
+    low, high = slope.low_per_s * 3600 / rule.unit, slope.high_per_s * 3600 / rule.unit
+    bound = rule.trend.max_per_h / rule.unit
+    return (
+        f"grows {slope.per_h / rule.unit:+.1f} {unit} (95% interval {low:+.1f} to {high:+.1f}) over the "
+        f"last {slope.window_s / 60:.1f} min of the churn, faster than the {bound:.0f} {unit} a process "
+        "that runs for weeks can afford"
+    )

@@ -18,6 +18,8 @@ import numpy as np
 Z_95 = 1.959964
 # Theil-Sen takes every pair: beyond this many samples, every k-th sample is taken (still minutes apart).
 MAX_TREND_SAMPLES = 720
+# Fewer samples than this after the warm-up give no slope at all.
+MIN_TREND_SAMPLES = 10
 
 
 @dataclass(frozen=True)
@@ -82,12 +84,12 @@ class Trend:
 def judge(rule: TrendRule, times_s: Sequence[float], values: Sequence[float], churn_s: float) -> Trend:
     """The trend of a figure sampled at `times_s` (seconds since the churn began) over a churn of
     `churn_s` seconds: the samples before the skip are warm-up (caches and the allocator's heap fill up
-    first) and left out."""
+    first) and left out. Judged when the rest of the churn spans the rule's minimum window."""
     skip_s = max(rule.min_skip_s, rule.skip_fraction * churn_s)
     kept = [(t, v) for t, v in zip(times_s, values, strict=True) if skip_s <= t <= churn_s]
-    if len(kept) < 3 or kept[-1][0] - kept[0][0] <= 0:
+    if len(kept) < MIN_TREND_SAMPLES or kept[-1][0] - kept[0][0] <= 0:
         return Trend(None, False, False)
     slope = theil_sen([t for t, _ in kept], [v for _, v in kept])
-    judged = slope.window_s >= rule.min_window_s
+    judged = churn_s - skip_s >= rule.min_window_s
     growing = judged and slope.low_per_s * 3600.0 > rule.max_per_h
     return Trend(slope, judged, growing)
