@@ -291,7 +291,11 @@ class Soak:
 
     def _sample_child(self, child: _Child, when: str, entries: list[str] | None = None) -> None:
         try:
-            child.samples[when] = sample(child.pid, shm_entries() if entries is None else entries)
+            child.samples[when] = sample(
+                child.pid,
+                shm_entries() if entries is None else entries,
+                engine_sockets=self.hosts is not None,
+            )
         except (psutil.Error, OSError) as exc:
             if not child.expected_exit:
                 self.failure(f"{child.label}: cannot sample its figures: {exc}")
@@ -354,8 +358,9 @@ class Soak:
         members = [*owners, *self.pullers]
         while True:
             entries = shm_entries()
-            current = {c.pid: sample(c.pid, entries) for c in members if not c.exited}
-            current[os.getpid()] = sample(os.getpid(), entries)
+            engine = self.hosts is not None
+            current = {c.pid: sample(c.pid, entries, engine_sockets=engine) for c in members if not c.exited}
+            current[os.getpid()] = sample(os.getpid(), entries, engine_sockets=engine)
             stable = previous and all(
                 _without_rss(current[pid]) == _without_rss(previous.get(pid, current[pid])) for pid in current
             )

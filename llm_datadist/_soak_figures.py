@@ -74,9 +74,11 @@ def _anon_nbytes(pid: int) -> int:
     return 0
 
 
-def sample(pid: int, entries: list[str]) -> Figures:
-    """The figures of `pid` now; `entries` is a listing of /dev/shm (one for all processes sampled at once).
-    Raises psutil.Error or OSError when the process is gone."""
+def sample(pid: int, entries: list[str], *, engine_sockets: bool) -> Figures:
+    """The figures of `pid` now; `entries` is a listing of /dev/shm (one for all processes sampled at once);
+    `engine_sockets`: read the transfer engine's connections too (--hosts; reading the TCP tables is most of
+    a sample's cost, and on one host no engine runs). Raises psutil.Error or OSError when the process is
+    gone."""
     process = psutil.Process(pid)
     with process.oneshot():
         rss, fds, threads = process.memory_info().rss, process.num_fds(), process.num_threads()
@@ -92,7 +94,7 @@ def sample(pid: int, entries: list[str]) -> Figures:
             else:
                 live += end - start
     segments = sum(1 for name in entries if segment_pid(name) == pid)
-    engine, stale = _engine_sockets(pid)
+    engine, stale = _engine_sockets(pid) if engine_sockets else (0, 0)
     anon = _anon_nbytes(pid)
     return Figures(rss, anon, fds, threads, live, deleted, segments, _fd_kinds(pid), engine, stale)
 

@@ -59,6 +59,7 @@ class Growth:
 
 class RunSampler:
     def __init__(self, *, engine_sockets: bool) -> None:
+        self.engine_sockets = engine_sockets
         rules = (*RULES, STALE_ENGINE_SOCKETS) if engine_sockets else RULES
         self.rules = tuple(r for r in rules if r.attribute not in _FOLLOW_THE_POOLS)
         self.series: dict[str, Series] = {}
@@ -83,7 +84,7 @@ class RunSampler:
             entries = shm_entries()
             for member in members:
                 try:
-                    figures = sample(member.pid, entries)
+                    figures = sample(member.pid, entries, engine_sockets=self.engine_sockets)
                 except (psutil.Error, OSError):
                     continue
                 self.series.setdefault(member.label, Series()).add(now - self.churn_from, figures)
