@@ -83,7 +83,9 @@ class _Puller:
         self.turn = 0
         self.catalogue: dict[int, dict[tuple[int, int], Entry]] = {c: {} for c in self.owners}
         self.newest: dict[int, int] = dict.fromkeys(self.owners, 0)
-        self.consumed: set[tuple[int, int]] = set()  # (cluster, req key id) this puller consumed
+        # The req_id keys this puller saw consumed, by the entry they belong to (cluster, incarnation,
+        # serial): forgotten with the entry, or a long run's puller grows by every key it ever pulled.
+        self.consumed: dict[tuple[int, int, int], set[int]] = {}
         self.linked: dict[int, bool] = dict.fromkeys(self.owners, False)
         self.next_link: dict[int, float] = dict.fromkeys(self.owners, 0.0)
         self.summary = PullerSummary()
@@ -91,7 +93,8 @@ class _Puller:
         self.big_pull = False
         self.warm = False
         self.next_beat = 0.0
-        self.last_key: tuple[int, int] | None = None  # the req_id key of the v1 pull in progress
+        # The req_id key of the v1 pull in progress: (its entry, as `consumed` names it; the key id).
+        self.last_key: tuple[tuple[int, int, int], int] | None = None
 
     # -- bookkeeping
 
@@ -115,6 +118,7 @@ class _Puller:
             if entry.incarnation > self.newest[cluster]:  # the owner restarted: its old catalogue is void
                 self.newest[cluster] = entry.incarnation
                 self.catalogue[cluster].clear()
+                self.consumed = {e: k for e, k in self.consumed.items() if e[0] != cluster}
             if entry.incarnation == self.newest[cluster]:
                 self.catalogue[cluster][(entry.incarnation, entry.serial)] = entry
         elif command == "ret":
@@ -122,6 +126,7 @@ class _Puller:
             for cluster, ref in self.owners.items():
                 if ref.name == name:
                     self.catalogue[cluster].pop((incarnation, serial), None)
+                    self.consumed.pop((cluster, incarnation, serial), None)
         return str(command)
 
     def drain(self, timeout_s: float) -> str | None:
@@ -198,12 +203,15 @@ class _Puller:
     def pull_v1(self, entry: Entry) -> tuple[int, list[tuple[np.ndarray, int, int]], Callable[[], None]]:
         kvm = self.datadist.kv_cache_manager
         rng = self.rng
-        choices = [k for k in entry.keys if k[1] or (entry.cluster_id, k[2]) not in self.consumed]
+        entry_id = (entry.cluster_id, entry.incarnation, entry.serial)
+        consumed = self.consumed.get(entry_id, set())
+        choices = [k for k in entry.keys if k[1] or k[2] not in consumed]
         if not choices:
             self.catalogue[entry.cluster_id].pop((entry.incarnation, entry.serial), None)
+            self.consumed.pop(entry_id, None)
             return 0, [], lambda: None
         slot, is_prefix, key_id = rng.choice(choices)
-        self.last_key = None if is_prefix else (entry.cluster_id, key_id)
+        self.last_key = None if is_prefix else (entry_id, key_id)
         key = (
             CacheKey(entry.cluster_id, U64_MAX, prefix_id=key_id)
             if is_prefix
@@ -225,7 +233,7 @@ class _Puller:
             kvm.deallocate_cache(dst)
             raise
         if not is_prefix and not kwargs:
-            self.consumed.add((entry.cluster_id, key_id))
+            self.consumed.setdefault(entry_id, set()).add(key_id)
         units = [
             (memory_at(address, entry.unit_nbytes), t, slot)
             for address, t in zip(dst.per_device_tensor_addrs[0], tensors, strict=True)
@@ -294,7 +302,8 @@ class _Puller:
                 if entry.kind != "v1":
                     self.catalogue[entry.cluster_id].pop((entry.incarnation, entry.serial), None)
                 elif self.last_key is not None:  # another puller consumed it, or the owner retired it
-                    self.consumed.add(self.last_key)
+                    entry_id, key_id = self.last_key
+                    self.consumed.setdefault(entry_id, set()).add(key_id)
             elif code in LINK_CODES and ref.restarting:
                 self.summary.expected[f"{api} {code.name}"] += 1
                 self.unlink(entry.cluster_id)
@@ -349,6 +358,7 @@ class _Puller:
                 self.beat()
         for entries in self.catalogue.values():
             entries.clear()
+        self.consumed.clear()
         if self.spec.mode == "v1":
             settle_pool(self.datadist.kv_cache_manager)
         self.pipe.send("quiet")
