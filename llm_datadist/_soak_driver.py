@@ -9,6 +9,7 @@ every child is gone (SIGKILL last) and every segment of the run's processes is c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import multiprocessing as mp
 import os
@@ -54,7 +55,7 @@ MAX_LOGGED_FAILURES = 10  # printed as they happen; all are listed, grouped, at 
 class _Child:
     label: str
     kind: str  # "owner" or "puller"
-    process: BaseProcess
+    process: BaseProcess | None  # None once it exited and was reaped (a run has hundreds of incarnations)
     conn: Connection | None
     started_at: float
     ref: OwnerRef | None = None
@@ -209,10 +210,12 @@ class Soak:
 
     def _on_exit(self, child: _Child) -> None:
         self._drain(child)
-        child.process.join(1)
+        process = child.process
+        assert process is not None  # only live children exit
+        process.join(1)
         child.exited = True
         child.down_at = child.down_at or time.monotonic()
-        code = child.process.exitcode
+        code = process.exitcode
         if not child.expected_exit:
             self.failure(f"{child.label} (pid {child.pid}) exited unexpectedly, exit code {code}", abort=True)
         elif code not in (0, -signal.SIGKILL):
@@ -220,7 +223,8 @@ class Soak:
         if child.conn is not None:
             child.conn.close()
             child.conn = None
-        child.process.close()
+        process.close()
+        child.process = None
 
     def pump(self, seconds: float, until: Callable[[], bool] | None = None) -> bool:
         """Serve every pipe and watch every process for `seconds` or until `until()` holds."""
@@ -235,6 +239,7 @@ class Soak:
             for child in self.live():
                 if child.conn is not None:
                     by_object[child.conn] = (child, False)
+                assert child.process is not None  # live
                 by_object[child.process.sentinel] = (child, True)
             if not by_object:
                 time.sleep(min(0.1, deadline - now))
@@ -291,11 +296,13 @@ class Soak:
 
     def _sample_child(self, child: _Child, when: str, entries: list[str] | None = None) -> None:
         try:
-            child.samples[when] = sample(
+            figures = sample(
                 child.pid,
                 shm_entries() if entries is None else entries,
                 engine_sockets=self.hosts is not None,
             )
+            # Shown for information, in hundreds of rows: without the descriptors' names, which no rule reads.
+            child.samples[when] = dataclasses.replace(figures, fd_kinds=())
         except (psutil.Error, OSError) as exc:
             if not child.expected_exit:
                 self.failure(f"{child.label}: cannot sample its figures: {exc}")
@@ -468,7 +475,8 @@ class Soak:
             child.expected_exit = True
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(child.pid, signal.SIGKILL)
-            child.process.join(10)
+            if child.process is not None:
+                child.process.join(10)
             if child.conn is not None:
                 child.conn.close()
                 child.conn = None
