@@ -2,10 +2,11 @@
 
 Rules: four owners (v1 and v2, one of each long-lived, one of each restarted at the same address by SIGKILL
 or `finalize()`) allocate, register, free and unregister caches while three pullers pull and verify every
-byte; the driver (`_soak_driver`) relays the owners' catalogues, samples every process's RSS, fds, threads
-and /dev/shm mappings at two quiescent checkpoints, and this exits 0 only when nothing failed and every
-figure is flat. With `--hosts` the owners run in one network namespace and the pullers in another (two
-"hosts" joined by a veth pair), linked over TCP with a fresh secret, the bytes moved by the transfer engine.
+byte; the driver (`_soak_driver`) relays the owners' catalogues, samples every long-lived process's RSS,
+fds, threads and /dev/shm mappings every few seconds (`_soak_sampler`) and at two quiescent checkpoints,
+and this exits 0 only when nothing failed, every figure is back at the end and no memory grows. With
+`--hosts` the owners run in one network namespace and the pullers in another (two "hosts" joined by a veth
+pair), linked over TCP with a fresh secret, the bytes moved by the transfer engine.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ Rules: it only prints what the driver gathered, and returns what is not flat; th
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +36,9 @@ def report(run: Soak) -> list[str]:
     out = run.out
     not_flat: list[str] = []
     print("", file=out)
-    churn_s = max(0.0, run.churn_until - run.churn_from) if run.churn_from < run.churn_until else 0.0
+    # A run that stopped early never ended its churn: its samples run to now.
+    churn_end = run.churn_until if math.isfinite(run.churn_until) else time.monotonic()
+    churn_s = max(0.0, churn_end - run.churn_from) if math.isfinite(run.churn_from) else 0.0
     print("\n".join(_legend(churn_s)), file=out)
     header = f"{'process':<28}{'pid':>8}  {'sample':<8}" + "".join(f"{r.title:>{COLUMN}}" for r in RULES)
     print(header, file=out)
@@ -51,7 +55,7 @@ def report(run: Soak) -> list[str]:
         trends = [series.trend(rule, churn_s) for rule in RULES]
         print(
             f"{'':<38}{'trend/h':<8}"
-            + "".join(f"{_slope(t, r):>{COLUMN}}" for t, r in zip(trends, RULES, strict=True)),
+            + "".join(f" {_slope(t, r):>{COLUMN - 1}}" for t, r in zip(trends, RULES, strict=True)),
             file=out,
         )
         start, end = samples.get("start"), samples.get("end")
@@ -189,7 +193,11 @@ def _slope(trend: Trend, rule: Rule) -> str:
     if slope is None:
         return "-"
     per_h, half = slope.per_h / rule.unit, (slope.high_per_s - slope.low_per_s) * 1800.0 / rule.unit
-    return f"{per_h:+.1f}+-{half:.1f}" if rule.unit > 1 else f"{per_h:+.0f}+-{half:.0f}"
+
+    def short(x: float, sign: str = "") -> str:  # a decimal only where it fits and matters
+        return f"{x:{sign}.1f}" if rule.unit > 1 and abs(x) < 100 else f"{x:{sign}.0f}"
+
+    return f"{short(per_h, '+')}+-{short(half)}"
 
 
 def _growing(trend: Trend, rule: Rule) -> str:
