@@ -1,5 +1,6 @@
 """The soak's driver: starts the owners and pullers, relays the owners' catalogues to the pullers,
-restarts the restarting owners, takes the quiescent checkpoints, watches every process and reaps it.
+restarts the restarting owners, stops a process holding one of their index locks now and then, takes the
+quiescent checkpoints, watches every process and reaps it.
 
 Rules: the driver is one thread; `pump` serves every pipe and notices every exit, and every wait has a
 deadline. A child that exits on its own, goes silent or does not stop in time is a failure; at the end
@@ -38,7 +39,7 @@ from ._soak_figures import (
 from ._soak_owners import owner_main
 from ._soak_pullers import PullerSummary, puller_main
 from ._soak_sampler import Member, RunSampler
-from ._soak_spec import IP, START_TIMEOUT_S, OwnerRef, OwnerSpec, PullerSpec
+from ._soak_spec import IP, PULLER_CLUSTER_BASE, START_TIMEOUT_S, OwnerRef, OwnerSpec, PullerSpec
 
 HANG_S = 30.0  # a process silent this long is hung
 WARM_TIMEOUT_S = 60.0
@@ -49,6 +50,21 @@ MIN_LIFE_S = 2.5  # a restarted owner up this long must have served at least one
 INCARNATION_SAMPLE_AFTER_S = 1.0
 SETTLE_S = 1.0
 MAX_LOGGED_FAILURES = 10  # printed as they happen; all are listed, grouped, at the end
+# Now and then a process takes a restarting owner's index lock and stops (a stalled lock holder), for a
+# moment: that owner's server must go on answering, and what waits for the lock is done once it is back.
+STALL_INTERVAL_S = (4.0, 8.0)
+STALL_S = (0.2, 1.0)
+
+
+def _stalled_lock_holder(conn: Connection, index_name: str, pid: int, incarnation: int) -> None:
+    """Take the owner's index lock and stop (SIGSTOP) holding it; the driver kills it."""
+    from llm_datadist._shm.index import Index
+
+    index = Index.attach(index_name, pid=pid, incarnation=incarnation)
+    index.lock(10.0)
+    conn.send("locked")
+    os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(60)
 
 
 @dataclass
@@ -72,6 +88,7 @@ class _Child:
     last_seen: float = 0.0
     summary: PullerSummary | None = None
     samples: dict[str, Figures] = field(default_factory=dict)
+    index: tuple[str, int] | None = None  # an owner's index name and incarnation
     pulls: int = 0  # a puller's verified pulls and bytes so far, from its heartbeats
     pulled_nbytes: int = 0
 
@@ -104,6 +121,7 @@ class Soak:
         self.failures: list[str] = []
         self.aborted = False
         self.restarts: Counter[str] = Counter()
+        self.events: Counter[str] = Counter()  # owner-side unlinks, stalled lock holders
         self.driver_samples: dict[str, Figures] = {}
         self.system_shm: dict[str, int] = {}
         self.leftover: list[str] = []
@@ -185,6 +203,10 @@ class Soak:
             child.pulls, child.pulled_nbytes = int(message[1]), int(message[2])
         elif command in ("up", "ready"):
             child.up_at = time.monotonic()
+            if command == "up" and len(message) == 4:
+                child.index = (str(message[2]), int(message[3]))
+        elif command == "event":
+            self.events[str(message[1])] += 1
         elif command == "warm":
             child.warm = True
         elif command == "quiet":
@@ -344,6 +366,36 @@ class Soak:
         if self.wait_for(f"{new.label} to come up", [new], lambda c: c.up_at is not None, START_TIMEOUT_S):
             self.log(f"{old.label} {'killed (SIGKILL)' if how == 'SIGKILL' else 'finalized'}; {new.label} up")
 
+    def stall(self, name: str, seconds: float) -> None:
+        """A process takes owner `name`'s index lock and stops for `seconds`, then dies (the kernel drops
+        the lock). A stalled holder that cannot start is a failure; one of an owner that is restarting
+        meanwhile is nothing (the index went with its owner)."""
+        owner = self.owners[name]
+        if owner.index is None or owner.up_at is None or owner.exited:
+            return
+        parent, child_end = self.ctx.Pipe()
+        process = self.ctx.Process(
+            target=_stalled_lock_holder,
+            args=(child_end, owner.index[0], owner.pid, owner.index[1]),
+            daemon=True,
+        )
+        process.start()
+        child_end.close()
+        try:
+            if parent.poll(START_TIMEOUT_S):
+                parent.recv()
+                self.events["stalled lock holder"] += 1
+                self.pump(seconds)
+            elif not owner.exited:
+                self.failure(f"a stalled lock holder of {owner.label} did not take the lock", abort=True)
+        except EOFError:
+            pass  # it could not attach: the owner just restarted
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid or 0, signal.SIGKILL)
+            process.join(10)
+            parent.close()
+
     def checkpoint(self, when: str) -> None:
         owners = list(self.owners.values())
         for child in owners:
@@ -404,7 +456,8 @@ class Soak:
         for index, mode in enumerate(("v1", "v2", "v2-leased")):
             name = f"puller-{index + 1}"
             sources = tuple(r for r in refs if mode.startswith(r.mode))
-            spec = PullerSpec(name, mode, 11 + index, self.seed, sources, puller_ip, self.debug_memory_s)
+            cluster_id = PULLER_CLUSTER_BASE + index
+            spec = PullerSpec(name, mode, cluster_id, self.seed, sources, puller_ip, self.debug_memory_s)
             self.start_puller(spec)
         if not self.wait_for("pullers to link", self.pullers, lambda c: c.up_at is not None, START_TIMEOUT_S):
             return
@@ -425,6 +478,7 @@ class Soak:
         restarting = [r.name for r in refs if r.restarting]
         next_restart = {name: now + rng.uniform(*RESTART_INTERVAL_S) for name in restarting}
         next_how = {name: rng.choice(("SIGKILL", "finalize")) for name in restarting}
+        next_stall = now + rng.uniform(*STALL_INTERVAL_S)
         self.log(
             f"churn for {self.duration_s:.0f} s (owners restart every {RESTART_INTERVAL_S[0]:.0f}-"
             f"{RESTART_INTERVAL_S[1]:.0f} s)"
@@ -433,9 +487,13 @@ class Soak:
             now = time.monotonic()
             if now >= end:
                 break
+            if next_stall <= now:
+                self.stall(rng.choice(restarting), rng.uniform(*STALL_S))
+                next_stall = time.monotonic() + rng.uniform(*STALL_INTERVAL_S)
+                continue
             due = [name for name in restarting if next_restart[name] <= now]
             if not due:
-                self.pump(min(end, *next_restart.values()) - now)
+                self.pump(min(end, next_stall, *next_restart.values()) - now)
                 continue
             for name in due:
                 how = next_how[name]

@@ -18,10 +18,21 @@ from typing import Any
 
 import numpy as np
 
-from llm_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMDataDist, LLMRole
+from llm_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMClusterInfo,
+    LLMDataDist,
+    LLMRole,
+    LLMStatusCode,
+)
 
 from ._soak_spec import (
     HEARTBEAT_S,
+    OWNER_UNLINK_CHANCE,
+    PULLER_CLUSTER_BASE,
     U64_MAX,
     ChildPipe,
     Entry,
@@ -171,8 +182,21 @@ class _V2Owner(_Owner):
 
     def __init__(self, spec: OwnerSpec, pipe: ChildPipe, datadist: LLMDataDist) -> None:
         super().__init__(spec, pipe)
+        self.datadist = datadist
         self.manager = datadist.cache_manager
         self.live: list[tuple[Entry, list[np.ndarray]]] = []
+
+    def unlink_a_puller(self) -> None:
+        """End a v2 puller's link from the serving side, while it may be pulling."""
+        info = LLMClusterInfo()
+        info.remote_cluster_id = PULLER_CLUSTER_BASE + self.rng.choice((1, 2))
+        ret, codes = self.datadist.unlink_clusters([info])
+        if codes[0] == LLMStatusCode.LLM_SUCCESS:
+            self.pipe.send("event", "owner-side unlink")
+        elif codes[0] != LLMStatusCode.LLM_NOT_YET_LINK:  # that puller is relinking now
+            self.pipe.send(
+                "fail", f"{self.spec.label}: unlink_clusters from the serving side gave {ret.name}"
+            )
 
     def _retire(self, index: int) -> None:
         entry, arrays = self.live.pop(index)
@@ -186,6 +210,8 @@ class _V2Owner(_Owner):
 
     def step(self) -> None:
         rng = self.rng
+        if self.spec.ref.restarting and rng.random() < OWNER_UNLINK_CHANCE:
+            self.unlink_a_puller()
         while len(self.live) >= self.WINDOW:
             self._retire(0)
         self.serial += 1
@@ -242,7 +268,8 @@ def owner_main(conn: Connection, spec: OwnerSpec, log_path: str) -> None:
     try:
         datadist.init(options(spec.ref.mode, (spec.ref.ip, spec.ref.port)))
         owner: _Owner = _V2Owner(spec, pipe, datadist) if v2 else _V1Owner(spec, pipe, datadist)
-        pipe.send("up", os.getpid())
+        core = datadist._require_core()  # where its index is: the driver stalls its lock now and then
+        pipe.send("up", os.getpid(), core.table.index.name, core.incarnation)
         owner.run()
         if probe is not None:
             probe.final()

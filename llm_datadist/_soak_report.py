@@ -129,7 +129,9 @@ def report(run: Soak) -> list[str]:
     print(
         f"pulls verified: {verified} ({nbytes / (1 << 30):.2f} GiB, every byte checked); "
         f"restarts: {sum(run.restarts.values())} ({run.restarts['SIGKILL']} SIGKILL, "
-        f"{run.restarts['finalize']} finalize); owner incarnations: {len(run.incarnations)}",
+        f"{run.restarts['finalize']} finalize); owner incarnations: {len(run.incarnations)}; "
+        f"owner-side unlinks: {run.events['owner-side unlink']}; "
+        f"stalled lock holders: {run.events['stalled lock holder']}",
         file=out,
     )
     for child in run.pullers:

@@ -34,6 +34,11 @@ START_TIMEOUT_S = 60.0  # spawn + imports + init under load
 BIG_PULL_NBYTES = 8 << 20  # the copy threads start at 8 MiB: warm-up waits for one such pull
 MAX_FAILURE_LINES = 20  # per puller; later ones are only counted
 U64_MAX = 2**64 - 1
+# The pullers' cluster ids are PULLER_CLUSTER_BASE + 0, 1, 2 (v1, v2 one-sided, v2 leased).
+PULLER_CLUSTER_BASE = 11
+# A restarting v2 owner unlinks one of its pullers from the serving side in about this share of its steps
+# (the puller's transfer in flight, if any, ends as it would; the puller relinks).
+OWNER_UNLINK_CHANCE = 0.05
 # A growing v1 pool keeps its most recent segment when it falls empty, so which segment survives a
 # checkpoint depends on the last allocation. Two caches larger than any the soak allocates, both held, then
 # freed, leave every v1 pool in the same state at each checkpoint: one fresh segment no peer has mapped.
