@@ -21,6 +21,7 @@ import socket
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -61,6 +62,7 @@ from llm_datadist._shm.mappings import MappingCache
 from llm_datadist._shm.segment import Segment
 
 from . import _auth
+from ._admission import AdmissionLimits, make_room
 from ._engine import CacheTable
 from ._errors import PeerGone, StatusError, TransferTimeout
 from ._runtime import TEMP_SOCKET_PREFIX, remove_stale_socket
@@ -68,6 +70,7 @@ from .status import LLMStatusCode, code_2_status
 from .utils.log import log
 
 _RECV_NBYTES = 256 * 1024
+# A peer on this host has this long to say Hello; a TCP peer has `AdmissionLimits.proof_timeout_s`.
 _HANDSHAKE_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 512
 # Replies a peer has not read yet; a peer that sends requests without reading the answers is dropped.
@@ -75,11 +78,9 @@ MAX_OUTBUF_NBYTES = 16 << 20
 # A page of a Table reply stays well under the frame limit (1 MiB), whatever the caches look like.
 _TABLE_PAGE_NBYTES = 512 << 10
 _PEERCRED = struct.Struct("3i")
-# TCP: a peer that has not proved it knows the secret sends small frames (a Hello is under 400 bytes), at
-# most this many such connections are open at once (more are closed at accept), and each has
-# `_HANDSHAKE_TIMEOUT_S` to prove itself.
+# TCP: a peer that has not proved it knows the secret sends small frames (a Hello is under 400 bytes);
+# how many such peers may be open, and for how long, is `AdmissionLimits`.
 _UNAUTHENTICATED_FRAME_NBYTES = 4096
-MAX_UNAUTHENTICATED = 32
 # TCP keepalive (idle s, interval s, probes): a vanished peer host is given up within `_KEEPALIVE_S`.
 _KEEPALIVE = (5, 2, 3)
 _KEEPALIVE_S = _KEEPALIVE[0] + _KEEPALIVE[1] * _KEEPALIVE[2]
@@ -193,9 +194,11 @@ class Server:
         hooks: ServerHooks | None = None,
         incarnation: int = 0,
         secret: bytes | None = None,
+        admission: AdmissionLimits | None = None,
     ) -> None:
         self.cluster_id = cluster_id
         self._secret = secret  # TCP links prove they know it; None: no TCP listener is allowed
+        self._admission = admission or AdmissionLimits()  # for TCP peers that have not proved it yet
         self.role = role
         self.incarnation = incarnation
         # Why the server thread stopped serving, if it died (a bug): API calls report it at once.
@@ -318,6 +321,12 @@ class Server:
         with self._lock:
             return [c.peer for c in self._conns.values() if c.peer is not None]
 
+    def unproven_by_address(self) -> dict[str, int]:
+        """How many TCP connections each source address holds that have not proved the secret yet."""
+        with self._lock:
+            hosts = [c.host for c in self._conns.values() if c.host and c.peer is None]
+        return dict(Counter(hosts))
+
     def drop_cluster(self, cluster_id: int) -> bool:
         """Close every connection from `cluster_id` (an unlink from the serving side); True if any."""
         done = threading.Event()
@@ -374,10 +383,11 @@ class Server:
         try:
             while not self._stop.is_set():
                 self._apply_pending()
+                selected_at = time.monotonic()
                 events = self._selector.select(timeout=1.0)
                 for key, mask in events:
                     self._dispatch(key, mask)
-                self._sweep()
+                self._sweep(selected_at)
         except BaseException as exc:
             # Not one peer's fault (those are handled in _dispatch): the loop itself broke. Say so to every
             # later API call rather than leaving peers to time out.
@@ -421,14 +431,23 @@ class Server:
             )
             self._drop(sconn, f"internal error while handling {sconn.handling}: {exc!r}")
 
-    def _sweep(self) -> None:
+    def _sweep(self, selected_at: float) -> None:
+        """Close the connections that did not complete their handshake in time. Their age is taken at
+        `selected_at`, when the last select began: whatever a peer had sent by then was handled before
+        this runs, so a Hello that waited while the server was busy still counts."""
         # At most twice a second: the limits are seconds long, and this loop runs after every event.
         now = time.monotonic()
         if now < self._next_sweep:
             return
         self._next_sweep = now + 0.5
         for sconn in list(self._conns.values()):
-            if sconn.peer is None and now - sconn.accepted_at > _HANDSHAKE_TIMEOUT_S:
+            if sconn.peer is not None:
+                continue
+            if sconn.host and selected_at - sconn.accepted_at > self._admission.proof_timeout_s:
+                self._refuse(
+                    sconn, f"no proof of the shared secret within {self._admission.proof_timeout_s:g} s"
+                )
+            elif not sconn.host and selected_at - sconn.accepted_at > _HANDSHAKE_TIMEOUT_S:
                 self._drop(sconn, "no handshake within the time limit")
         try:
             self._hooks.housekeeping()
@@ -471,17 +490,17 @@ class Server:
             if tcp:
                 pid, uid, host = 0, -1, str(address[0])
                 who = f"{host}:{address[1]}"
-                unauthenticated = sum(1 for c in self._conns.values() if c.host and c.peer is None)
-                full = unauthenticated >= MAX_UNAUTHENTICATED
             else:
                 pid, uid, _ = peer_credentials(sock)
-                host, who, full = "", f"pid {pid}", False
-            if full or len(self._conns) >= MAX_CONNECTIONS:
+                host, who = "", f"pid {pid}"
+            if len(self._conns) >= MAX_CONNECTIONS:
                 log.warning(
                     "server %d: refusing %s, %d connections open", self.cluster_id, who, len(self._conns)
                 )
                 sock.close()
                 continue
+            if tcp:
+                self._make_room(host)
             sock.setblocking(False)
             sconn = _ServerConn(sock, pid, uid, host=host)
             if tcp:
@@ -493,6 +512,21 @@ class Server:
             self._selector.register(sock, selectors.EVENT_READ, sconn)
             if tcp:
                 self._flush(sconn)
+
+    def _make_room(self, source: str) -> None:
+        """Before a TCP connection from `source` is admitted: refuse the unproven one it replaces, if any
+        (`make_room`), so a newcomer is never turned away for what other addresses hold."""
+        pending = sorted(
+            (c for c in self._conns.values() if c.host and c.peer is None), key=lambda c: c.accepted_at
+        )
+        victim = make_room([(c.host, c) for c in pending], source, self._admission)
+        if victim is not None:
+            limits = self._admission
+            self._refuse(
+                victim,
+                f"closed to make room for a newer connection ({limits.per_source} per address and "
+                f"{limits.total} in all may be proving the shared secret at once)",
+            )
 
     def _on_readable(self, sconn: _ServerConn) -> None:
         try:
@@ -944,22 +978,25 @@ class ClientLink:
         deadline: float,
         incarnation: int,
     ) -> ClientLink:
-        """Connect to a peer on another host at `host:port` (from `local_ip` when it is one of ours), prove
-        we know the shared secret, check the peer's proof, announce our TCP callback port. `engine(ip)`
-        gives our transfer engine's address for the ip we connect from, `callback_port(ip)` the port we
-        serve TCP on there (both start on first use). Raises StatusError(LLM_LINK_FAILED)."""
+        """Connect to a peer on another host at `host:port` (from `local_ip` when it is one of ours, else
+        from the address the route to it leaves by), prove we know the shared secret, check the peer's
+        proof, announce our TCP callback port. `engine(ip)` gives our transfer engine's address for the ip
+        we connect from, `callback_port(ip)` the port we serve TCP on there (both start on first use).
+        Raises StatusError(LLM_LINK_FAILED)."""
         where = f"{host}:{port}"
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         with _handshake_errors(sock, where):
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             try:
-                if local_ip:
-                    sock.bind((local_ip, 0))
+                our_ip = local_ip or _source_ip(host, port)
+                # Before connecting: starting the engine can take a second, and the peer gives a connection
+                # that has not proved the secret only a round trip's worth of that.
+                our_engine = engine(our_ip)
+                sock.bind((our_ip, 0))
                 sock.connect((host, port))
             except OSError as exc:
                 raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"cannot connect to {where}: {exc}") from exc
             tune_tcp(sock)
-            our_ip = str(sock.getsockname()[0])
             conn = Connection(ConnRole.CLIENT, challenge=True)
             challenge = _receive(sock, conn, deadline)
             if isinstance(challenge, Error):
@@ -972,7 +1009,6 @@ class ClientLink:
                 raise StatusError(
                     LLMStatusCode.LLM_LINK_FAILED, f"{where} speaks protocol version {challenge.version}"
                 )
-            our_engine = engine(our_ip)
             nonce = _auth.new_nonce()
             client = (cluster_id, incarnation, our_engine)
             proof = _auth.client_proof(secret, challenge.nonce, nonce, client, remote_cluster_id)
@@ -1218,6 +1254,14 @@ def _welcome(reply: Message, remote_cluster_id: int, where: str) -> Welcome:
             LLMStatusCode.LLM_LINK_FAILED, f"{where} is cluster {reply.cluster_id}, not {remote_cluster_id}"
         )
     return reply
+
+
+def _source_ip(host: str, port: int) -> str:
+    """The address of ours a connection to `host:port` leaves from (the route's source address). A UDP
+    socket's connect only looks the route up: nothing is sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return str(probe.getsockname()[0])
 
 
 def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:

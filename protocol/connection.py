@@ -100,7 +100,8 @@ SENDABLE: dict[tuple[ConnRole, ConnPhase], frozenset[type[Message]]] = {
         }
     ),
     (_SERVER, ConnPhase.AWAIT_CHALLENGE): frozenset({Challenge, Error}),
-    (_SERVER, ConnPhase.AWAIT_HELLO): frozenset(),
+    # An Error here refuses a peer that is slow to say Hello, or whose slot a newer connection needs.
+    (_SERVER, ConnPhase.AWAIT_HELLO): frozenset({Error}),
     (_SERVER, ConnPhase.AWAIT_WELCOME): frozenset({Welcome, Error}),
     (_SERVER, ConnPhase.READY): frozenset(
         {PullGrant, BlocksGrant, WriteGrant, Location, Table, Addresses, Ack, Error, Pong, Bye}

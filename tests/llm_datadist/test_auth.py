@@ -1,6 +1,8 @@
 """The shared secret of TCP links (`_auth`) and what the TCP server does before a peer proved it knows it:
-the secret's sources and their checks, the proofs, and a real `Server` listening on loopback TCP that
-refuses a wrong proof, a Hello before its Challenge, an oversized frame and one connection too many."""
+the secret's sources and their checks, the proofs, which unproven connection makes room for a newcomer
+(`_admission`), and a real `Server` listening on loopback TCP that refuses a wrong proof, a Hello before
+its Challenge, an oversized frame and a peer slow to prove itself, and whose unproven connections from one
+address (loopback has a whole /8 of them) never keep out a peer from another."""
 
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from llm_datadist import _auth
+from llm_datadist._admission import AdmissionLimits, make_room
 from llm_datadist._engine import CacheTable
 from llm_datadist._errors import StatusError
 from llm_datadist._protocol.connection import Connection, ConnRole
-from llm_datadist._protocol.messages import PROTOCOL_VERSION, Challenge, Error, Hello, Message
-from llm_datadist._transport import MAX_UNAUTHENTICATED, Server
+from llm_datadist._protocol.messages import PROTOCOL_VERSION, Challenge, Error, Hello, Message, Ping, Pong
+from llm_datadist._transport import ClientLink, Server, ServerHooks
 from llm_datadist.status import LLMStatusCode
 
 SECRET = b"sixteen-bytes-at-least"
@@ -101,13 +104,53 @@ def test_proofs_bind_every_part_of_the_handshake() -> None:
     assert len({proof, *changed}) == len(changed) + 1
 
 
+# ------------------------------------------------------------------ which unproven connection makes room
+
+LIMITS = AdmissionLimits(per_source=2, total=5)
+
+
+def test_a_newcomer_fits_while_its_address_and_the_pool_have_room() -> None:
+    assert make_room([], "a", LIMITS) is None
+    assert make_room([("a", 1), ("b", 2), ("b", 3), ("c", 4)], "a", LIMITS) is None
+
+
+def test_at_its_address_cap_a_newcomer_replaces_that_address_oldest() -> None:
+    pending = [("b", 1), ("a", 2), ("c", 3), ("a", 4)]
+    assert make_room(pending, "a", LIMITS) == 2
+    assert make_room(pending, "b", LIMITS) is None
+
+
+def test_a_full_pool_gives_up_the_oldest_of_the_busiest_address() -> None:
+    # "x" holds the oldest connection, but "b" holds the most: "b"'s oldest goes, never "x"'s only one.
+    assert make_room([("x", 1), ("b", 2), ("c", 3), ("b", 4), ("d", 5)], "e", LIMITS) == 2
+    # Two addresses hold the most: the older connection of the two goes.
+    assert make_room([("x", 1), ("c", 2), ("b", 3), ("b", 4), ("c", 5)], "e", LIMITS) == 2
+    # The newcomer counts for its own address: with it, "c" holds the most, so "c" pays.
+    roomy = AdmissionLimits(per_source=3, total=5)
+    assert make_room([("b", 1), ("c", 2), ("b", 3), ("c", 4), ("d", 5)], "c", roomy) == 2
+    # One connection per address: the oldest goes.
+    assert make_room([("v", 1), ("w", 2), ("x", 3), ("y", 4), ("z", 5)], "q", LIMITS) == 1
+
+
+def test_admission_limits_are_checked() -> None:
+    for bad in ({"per_source": 0}, {"per_source": 6, "total": 5}, {"proof_timeout_s": 0.0}):
+        with pytest.raises(ValueError):
+            AdmissionLimits(**bad)  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------------ the TCP server before authentication
 
 
-@pytest.fixture
-def tcp_server() -> Iterator[tuple[Server, int]]:
+class _RemoteHooks(ServerHooks):
+    """A server that takes proven peers on other hosts: metadata only, behind a made-up engine address."""
+
+    def serve_remote(self, local_ip: str) -> str:
+        return f"{local_ip}:1"
+
+
+def _tcp_server(admission: AdmissionLimits | None = None) -> Iterator[tuple[Server, int]]:
     table = CacheTable({}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
-    server = Server(cluster_id=1, role=1, table=table, secret=SECRET)
+    server = Server(cluster_id=1, role=1, table=table, secret=SECRET, admission=admission)
     server.start()
     try:
         port = server.listen_tcp("127.0.0.1", 0)
@@ -117,11 +160,23 @@ def tcp_server() -> Iterator[tuple[Server, int]]:
         table.close()
 
 
-class _Raw:
-    """A TCP peer that speaks frames by hand (whatever a hostile client may send)."""
+@pytest.fixture
+def tcp_server() -> Iterator[tuple[Server, int]]:
+    yield from _tcp_server()
 
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+
+@pytest.fixture
+def patient_server() -> Iterator[tuple[Server, int]]:
+    """Unproven connections stay until something else closes them: only the caps are at work."""
+    yield from _tcp_server(AdmissionLimits(proof_timeout_s=600.0))
+
+
+class _Raw:
+    """A TCP peer that speaks frames by hand (whatever a hostile client may send), from `source` (any
+    address of 127.0.0.0/8 is loopback)."""
+
+    def __init__(self, port: int, source: str = "127.0.0.1") -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
         self.conn = Connection(ConnRole.CLIENT, challenge=True)
 
     def receive(self) -> Message | None:
@@ -205,18 +260,96 @@ def test_a_unix_style_hello_without_proof_is_refused_on_tcp(tcp_server: tuple[Se
     assert isinstance(refused, Error) and refused.message == "no proof of the shared secret"
 
 
-def test_unauthenticated_connections_are_capped(tcp_server: tuple[Server, int]) -> None:
+def _challenged(port: int, source: str) -> _Raw:
+    peer = _Raw(port, source)
+    assert isinstance(peer.receive(), Challenge)
+    return peer
+
+
+def _made_room(peer: _Raw) -> bool:
+    """The server told `peer` it was closed for a newer connection, and closed it."""
+    refused = peer.receive()
+    assert isinstance(refused, Error) and refused.status_code == LLMStatusCode.LLM_LINK_FAILED, refused
+    assert "make room" in refused.message, refused.message
+    return peer.receive() is None
+
+
+def _still_open(peer: _Raw) -> bool:
+    peer.sock.setblocking(False)
+    try:
+        return peer.sock.recv(1) != b""  # any byte would be a protocol error of the server's
+    except BlockingIOError:
+        return True
+    finally:
+        peer.sock.setblocking(True)
+
+
+def test_a_flood_from_one_address_closes_only_its_own(patient_server: tuple[Server, int]) -> None:
+    server, port = patient_server
+    limits = AdmissionLimits()
+    flood = [_challenged(port, "127.0.0.2") for _ in range(limits.per_source)]
+    bystander = _challenged(port, "127.0.0.3")
+    for _ in range(3 * limits.total):
+        flood.append(_challenged(port, "127.0.0.2"))
+        assert _made_room(flood.pop(0))
+    assert server.unproven_by_address() == {"127.0.0.2": limits.per_source, "127.0.0.3": 1}
+    assert _still_open(bystander)
+
+
+def test_a_full_pool_closes_the_oldest_of_the_busiest_address(patient_server: tuple[Server, int]) -> None:
+    """127.0.0.10 holds the oldest connection, 127.0.0.11..20 three each: a newcomer from yet another
+    address takes the slot of 127.0.0.11's oldest."""
+    server, port = patient_server
+    oldest = _challenged(port, "127.0.0.10")
+    busiest = [[_challenged(port, f"127.0.0.{11 + i}") for _ in range(3)] for i in range(10)]
+    last = _challenged(port, "127.0.0.21")
+    assert sum(server.unproven_by_address().values()) == AdmissionLimits().total
+    newcomer = _challenged(port, "127.0.0.22")
+    assert _made_room(busiest[0][0])
+    assert all(_still_open(peer) for peer in [oldest, last, newcomer, *busiest[0][1:], *busiest[1]])
+    assert server.unproven_by_address()["127.0.0.11"] == 2
+
+
+def test_a_peer_slow_to_prove_the_secret_is_refused(tcp_server: tuple[Server, int]) -> None:
     _, port = tcp_server
-    pending = [_Raw(port) for _ in range(MAX_UNAUTHENTICATED)]
-    for peer in pending:
-        assert isinstance(peer.receive(), Challenge)
-    extra = _Raw(port)
-    assert extra.receive() is None  # closed at accept, with no challenge
-    pending.pop().sock.close()
-    deadline = time.monotonic() + 5
-    while not isinstance(_Raw(port).receive(), Challenge):  # once the server saw the close, there is room
-        assert time.monotonic() < deadline, "no room after a pending connection closed"
-        time.sleep(0.01)
+    slow = _challenged(port, "127.0.0.4")
+    refused = slow.receive()  # within the socket's timeout (10 s)
+    assert isinstance(refused, Error) and refused.status_code == LLMStatusCode.LLM_LINK_FAILED, refused
+    assert refused.message == f"no proof of the shared secret within {AdmissionLimits().proof_timeout_s:g} s"
+    assert slow.receive() is None
+
+
+def test_a_peer_that_knows_the_secret_links_through_a_flood_from_another_address() -> None:
+    table = CacheTable({}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
+    server = Server(cluster_id=1, role=1, table=table, secret=SECRET, hooks=_RemoteHooks())
+    server.start()
+    flood: list[socket.socket] = []
+    try:
+        port = server.listen_tcp("127.0.0.1", 0)
+        # Twice as many connections as there are slots, from one address, none of them closed here.
+        flood = [socket.create_connection(("127.0.0.1", port), 10, ("127.0.0.5", 0)) for _ in range(64)]
+        link = ClientLink.connect_tcp(
+            "127.0.0.1",
+            port,
+            secret=SECRET,
+            local_ip="127.0.0.6",
+            engine=lambda ip: f"{ip}:2",
+            callback_port=lambda ip: 0,
+            cluster_id=2,
+            remote_cluster_id=1,
+            role=2,
+            deadline=time.monotonic() + 10,
+            incarnation=7,
+        )
+        seq = link.next_seq()
+        assert link.request(Ping(seq), seq, time.monotonic() + 10) == Pong(seq)
+        assert server.unproven_by_address().get("127.0.0.5", 0) <= AdmissionLimits().per_source
+        link.close(say_bye=True)
+    finally:
+        for sock in flood:
+            sock.close()
+        server.close()
+        table.close()
 
 
 def test_no_secret_no_tcp_listener() -> None:

@@ -324,7 +324,7 @@ def test_sendable_tables_as_specified() -> None:
     }
     assert SENDABLE[(c, ConnPhase.AWAIT_HELLO)] == {Hello}
     assert SENDABLE[(s, ConnPhase.AWAIT_WELCOME)] == {Welcome, Error}
-    assert SENDABLE[(s, ConnPhase.AWAIT_HELLO)] == set()
+    assert SENDABLE[(s, ConnPhase.AWAIT_HELLO)] == {Error}
     assert SENDABLE[(s, ConnPhase.AWAIT_CHALLENGE)] == {Challenge, Error}
     assert SENDABLE[(c, ConnPhase.AWAIT_CHALLENGE)] == {Bye}
     every_type = set().union(*SENDABLE.values())
