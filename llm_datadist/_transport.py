@@ -13,6 +13,7 @@ time out.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import select
@@ -62,7 +63,7 @@ from llm_datadist._shm.mappings import MappingCache
 from llm_datadist._shm.segment import Segment
 
 from . import _auth
-from ._admission import AdmissionLimits, make_room
+from ._admission import AdmissionLimits, Refusal, RefusalLog, make_room
 from ._engine import CacheTable
 from ._errors import PeerGone, StatusError, TransferTimeout
 from ._runtime import TEMP_SOCKET_PREFIX, remove_stale_socket
@@ -199,6 +200,8 @@ class Server:
         self.cluster_id = cluster_id
         self._secret = secret  # TCP links prove they know it; None: no TCP listener is allowed
         self._admission = admission or AdmissionLimits()  # for TCP peers that have not proved it yet
+        # Anyone who reaches a TCP port can be refused as often as it likes: one line per address and 10 s.
+        self._refusals = RefusalLog(functools.partial(log.warning, "server %d: %s", cluster_id))
         self.role = role
         self.incarnation = incarnation
         # Why the server thread stopped serving, if it died (a bug): API calls report it at once.
@@ -444,11 +447,13 @@ class Server:
             if sconn.peer is not None:
                 continue
             if sconn.host and selected_at - sconn.accepted_at > self._admission.proof_timeout_s:
+                timeout_s = self._admission.proof_timeout_s
                 self._refuse(
-                    sconn, f"no proof of the shared secret within {self._admission.proof_timeout_s:g} s"
+                    sconn, f"no proof of the shared secret within {timeout_s:g} s", Refusal.OUT_OF_TIME
                 )
             elif not sconn.host and selected_at - sconn.accepted_at > _HANDSHAKE_TIMEOUT_S:
                 self._drop(sconn, "no handshake within the time limit")
+        self._refusals.flush(now)
         try:
             self._hooks.housekeeping()
         except Exception:
@@ -494,9 +499,11 @@ class Server:
                 pid, uid, _ = peer_credentials(sock)
                 host, who = "", f"pid {pid}"
             if len(self._conns) >= MAX_CONNECTIONS:
-                log.warning(
-                    "server %d: refusing %s, %d connections open", self.cluster_id, who, len(self._conns)
-                )
+                full = f"{len(self._conns)} connections open"
+                if tcp:
+                    self._refusals.refused(host, full, Refusal.FULL, time.monotonic())
+                else:
+                    log.warning("server %d: refusing %s, %s", self.cluster_id, who, full)
                 sock.close()
                 continue
             if tcp:
@@ -526,6 +533,7 @@ class Server:
                 victim,
                 f"closed to make room for a newer connection ({limits.per_source} per address and "
                 f"{limits.total} in all may be proving the shared secret at once)",
+                Refusal.MADE_ROOM,
             )
 
     def _on_readable(self, sconn: _ServerConn) -> None:
@@ -551,7 +559,7 @@ class Server:
                 if sconn.closing or sconn.sock.fileno() == -1:
                     return
         except ProtocolError as exc:
-            log.warning("server %d: closing connection from pid %d: %s", self.cluster_id, sconn.pid, exc)
+            self._log_protocol_error(sconn, exc)
             self._drop(sconn, f"protocol error: {exc}")
             return
         self._flush(sconn)
@@ -820,14 +828,23 @@ class Server:
         )
         self._hooks.peer_linked(sconn.peer)
 
-    def _refuse(self, sconn: _ServerConn, reason: str) -> None:
-        """Refuse a handshake: LLM_LINK_FAILED with the reason, then close."""
-        who = sconn.host or f"pid {sconn.pid}"
-        log.warning("server %d: refusing link from %s: %s", self.cluster_id, who, reason)
+    def _refuse(self, sconn: _ServerConn, reason: str, kind: Refusal = Refusal.HANDSHAKE) -> None:
+        """Refuse a handshake: LLM_LINK_FAILED with the reason, then close. Logged at once for a peer on
+        this host, through the refusal log (a line per address and interval) for one on TCP."""
+        if sconn.host:
+            self._refusals.refused(sconn.host, reason, kind, time.monotonic())
+        else:
+            log.warning("server %d: refusing link from pid %d: %s", self.cluster_id, sconn.pid, reason)
         self._send(sconn, Error(0, int(LLMStatusCode.LLM_LINK_FAILED), reason))
         sconn.closing = True
         self._flush(sconn)
         self._drop(sconn, reason)
+
+    def _log_protocol_error(self, sconn: _ServerConn, exc: ProtocolError) -> None:
+        if sconn.host and sconn.peer is None:  # anyone who reaches the port: through the refusal log
+            self._refusals.refused(sconn.host, f"protocol error: {exc}", Refusal.PROTOCOL, time.monotonic())
+        else:
+            log.warning("server %d: closing connection from pid %d: %s", self.cluster_id, sconn.pid, exc)
 
     def _send(self, sconn: _ServerConn, msg: Message) -> None:
         if sconn.closing:

@@ -1,11 +1,13 @@
 """The shared secret of TCP links (`_auth`) and what the TCP server does before a peer proved it knows it:
-the secret's sources and their checks, the proofs, which unproven connection makes room for a newcomer
-(`_admission`), and a real `Server` listening on loopback TCP that refuses a wrong proof, a Hello before
-its Challenge, an oversized frame and a peer slow to prove itself, and whose unproven connections from one
-address (loopback has a whole /8 of them) never keep out a peer from another."""
+the secret's sources and their checks, the proofs, and a real `Server` listening on loopback TCP that
+refuses a wrong proof, a Hello before its Challenge, an oversized frame and a peer slow to prove itself,
+whose unproven connections from one address (loopback has a whole /8 of them) never keep out a peer from
+another, and whose refusals make one log line per address and interval."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
 import struct
@@ -16,13 +18,14 @@ from pathlib import Path
 import pytest
 
 from llm_datadist import _auth
-from llm_datadist._admission import AdmissionLimits, make_room
+from llm_datadist._admission import AdmissionLimits
 from llm_datadist._engine import CacheTable
 from llm_datadist._errors import StatusError
 from llm_datadist._protocol.connection import Connection, ConnRole
 from llm_datadist._protocol.messages import PROTOCOL_VERSION, Challenge, Error, Hello, Message, Ping, Pong
 from llm_datadist._transport import ClientLink, Server, ServerHooks
 from llm_datadist.status import LLMStatusCode
+from llm_datadist.utils.log import log
 
 SECRET = b"sixteen-bytes-at-least"
 
@@ -102,40 +105,6 @@ def test_proofs_bind_every_part_of_the_handshake() -> None:
     ]
     assert not any(_auth.proofs_match(proof, other) for other in changed)
     assert len({proof, *changed}) == len(changed) + 1
-
-
-# ------------------------------------------------------------------ which unproven connection makes room
-
-LIMITS = AdmissionLimits(per_source=2, total=5)
-
-
-def test_a_newcomer_fits_while_its_address_and_the_pool_have_room() -> None:
-    assert make_room([], "a", LIMITS) is None
-    assert make_room([("a", 1), ("b", 2), ("b", 3), ("c", 4)], "a", LIMITS) is None
-
-
-def test_at_its_address_cap_a_newcomer_replaces_that_address_oldest() -> None:
-    pending = [("b", 1), ("a", 2), ("c", 3), ("a", 4)]
-    assert make_room(pending, "a", LIMITS) == 2
-    assert make_room(pending, "b", LIMITS) is None
-
-
-def test_a_full_pool_gives_up_the_oldest_of_the_busiest_address() -> None:
-    # "x" holds the oldest connection, but "b" holds the most: "b"'s oldest goes, never "x"'s only one.
-    assert make_room([("x", 1), ("b", 2), ("c", 3), ("b", 4), ("d", 5)], "e", LIMITS) == 2
-    # Two addresses hold the most: the older connection of the two goes.
-    assert make_room([("x", 1), ("c", 2), ("b", 3), ("b", 4), ("c", 5)], "e", LIMITS) == 2
-    # The newcomer counts for its own address: with it, "c" holds the most, so "c" pays.
-    roomy = AdmissionLimits(per_source=3, total=5)
-    assert make_room([("b", 1), ("c", 2), ("b", 3), ("c", 4), ("d", 5)], "c", roomy) == 2
-    # One connection per address: the oldest goes.
-    assert make_room([("v", 1), ("w", 2), ("x", 3), ("y", 4), ("z", 5)], "q", LIMITS) == 1
-
-
-def test_admission_limits_are_checked() -> None:
-    for bad in ({"per_source": 0}, {"per_source": 6, "total": 5}, {"proof_timeout_s": 0.0}):
-        with pytest.raises(ValueError):
-            AdmissionLimits(**bad)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ the TCP server before authentication
@@ -362,3 +331,50 @@ def test_no_secret_no_tcp_listener() -> None:
     finally:
         server.close()
         table.close()
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _warnings() -> Iterator[_Warnings]:
+    """The library's WARNING lines while inside (its logger says only errors unless configured)."""
+    handler = _Warnings()
+    level = log.level
+    log.setLevel(logging.WARNING)
+    log.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def test_refusals_make_one_line_per_address_and_interval(patient_server: tuple[Server, int]) -> None:
+    _, port = patient_server
+    with _warnings() as warnings:
+        started = time.monotonic()
+        flood = [_challenged(port, "127.0.0.8") for _ in range(AdmissionLimits().per_source)]
+        for _ in range(100):
+            flood.append(_challenged(port, "127.0.0.8"))
+            assert _made_room(flood.pop(0))
+        intruder = _challenged(port, "127.0.0.9")
+        nonce = os.urandom(32)
+        wrong = _auth.client_proof(b"not-the-right-secret", b"x" * 32, nonce, (2, 9, "10.0.0.2:1"), 1)
+        intruder.sock.sendall(intruder.conn.send(Hello(PROTOCOL_VERSION, 2, 1, 2, 1, 9, nonce, wrong, "e:1")))
+        assert isinstance(intruder.receive(), Error)
+        elapsed_s = time.monotonic() - started
+    flooding = [line for line in warnings.lines if "127.0.0.8" in line]
+    # The first at once; then at most one a 10 s interval (none unless this took that long).
+    assert 1 <= len(flooding) <= 2 + elapsed_s // 10, flooding
+    assert flooding[0].startswith("server 1: refusing 127.0.0.8: closed to make room"), flooding
+    assert [line for line in warnings.lines if "127.0.0.9" in line] == [
+        "server 1: refusing 127.0.0.9: wrong shared secret "
+        "(more refusals of 127.0.0.9 are counted, one line per 10 s)"
+    ]
