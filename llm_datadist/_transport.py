@@ -82,6 +82,9 @@ _PEERCRED = struct.Struct("3i")
 # TCP: a peer that has not proved it knows the secret sends small frames (a Hello is under 400 bytes);
 # how many such peers may be open, and for how long, is `AdmissionLimits`.
 _UNAUTHENTICATED_FRAME_NBYTES = 4096
+# A peer that reconnects as soon as it is closed keeps a listener's queue from ever emptying: without a
+# bound, accepting (and closing to make room) would be all the server thread ever did.
+_ACCEPTS_PER_EVENT = 32
 # TCP keepalive (idle s, interval s, probes): a vanished peer host is given up within `_KEEPALIVE_S`.
 _KEEPALIVE = (5, 2, 3)
 _KEEPALIVE_S = _KEEPALIVE[0] + _KEEPALIVE[1] * _KEEPALIVE[2]
@@ -483,8 +486,10 @@ class Server:
                     listener_done.set()
 
     def _accept(self, listener: socket.socket) -> None:
+        """Accept what is queued on `listener`, at most `_ACCEPTS_PER_EVENT` (the listener is reported
+        again by the next select, after every other socket that is ready has been served)."""
         tcp = listener.family == socket.AF_INET
-        while True:
+        for _ in range(_ACCEPTS_PER_EVENT):
             try:
                 sock, address = listener.accept()
             except (BlockingIOError, InterruptedError):

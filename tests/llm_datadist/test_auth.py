@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
+import selectors
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -288,35 +291,93 @@ def test_a_peer_slow_to_prove_the_secret_is_refused(tcp_server: tuple[Server, in
     assert slow.receive() is None
 
 
+def _flood_main(port: int, source: str, count: int, closed: Any, stop: Any) -> None:
+    """`count` connections from `source` that never say a word, each one the server closes replaced at
+    once, until `stop` is set; `closed` counts what the server closed."""
+    selector = selectors.DefaultSelector()
+
+    def open_one() -> None:
+        sock = socket.create_connection(("127.0.0.1", port), 10, (source, 0))
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+
+    for _ in range(count):
+        open_one()
+    while not stop.is_set():
+        for key, _ in selector.select(0.1):
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
+            try:
+                if sock.recv(65536):
+                    continue
+            except BlockingIOError:
+                continue
+            except OSError:
+                pass
+            selector.unregister(sock)
+            sock.close()
+            with closed.get_lock():
+                closed.value += 1
+            open_one()
+
+
+@contextlib.contextmanager
+def _flood(port: int, source: str, count: int) -> Iterator[Any]:
+    """A process running `_flood_main` (its own interpreter: it competes with the server thread for
+    nothing but the CPU, as a flood from another host does); yields the count of closed connections."""
+    ctx = multiprocessing.get_context("spawn")
+    closed, stop = ctx.Value("q", 0), ctx.Event()
+    process = ctx.Process(target=_flood_main, args=(port, source, count, closed, stop), daemon=True)
+    process.start()
+    try:
+        yield closed
+    finally:
+        stop.set()
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_a_peer_that_knows_the_secret_links_through_a_flood_from_another_address() -> None:
+    """The flood replaces each connection the server closes at once, so the listener's queue may never
+    empty: the server still reads the proven peer's Hello and answers its requests."""
     table = CacheTable({}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
     server = Server(cluster_id=1, role=1, table=table, secret=SECRET, hooks=_RemoteHooks())
     server.start()
-    flood: list[socket.socket] = []
     try:
         port = server.listen_tcp("127.0.0.1", 0)
-        # Twice as many connections as there are slots, from one address, none of them closed here.
-        flood = [socket.create_connection(("127.0.0.1", port), 10, ("127.0.0.5", 0)) for _ in range(64)]
-        link = ClientLink.connect_tcp(
-            "127.0.0.1",
-            port,
-            secret=SECRET,
-            local_ip="127.0.0.6",
-            engine=lambda ip: f"{ip}:2",
-            callback_port=lambda ip: 0,
-            cluster_id=2,
-            remote_cluster_id=1,
-            role=2,
-            deadline=time.monotonic() + 10,
-            incarnation=7,
-        )
-        seq = link.next_seq()
-        assert link.request(Ping(seq), seq, time.monotonic() + 10) == Pong(seq)
-        assert server.unproven_by_address().get("127.0.0.5", 0) <= AdmissionLimits().per_source
-        link.close(say_bye=True)
+        # Twice as many connections as there are slots, from one address.
+        with _flood(port, "127.0.0.5", 64) as closed:
+            assert _wait_for(lambda: closed.value >= 128, 60)
+            link = ClientLink.connect_tcp(
+                "127.0.0.1",
+                port,
+                secret=SECRET,
+                local_ip="127.0.0.6",
+                engine=lambda ip: f"{ip}:2",
+                callback_port=lambda ip: 0,
+                cluster_id=2,
+                remote_cluster_id=1,
+                role=2,
+                deadline=time.monotonic() + 20,
+                incarnation=7,
+            )
+            for _ in range(20):
+                seq = link.next_seq()
+                assert link.request(Ping(seq), seq, time.monotonic() + 20) == Pong(seq)
+            assert server.unproven_by_address().get("127.0.0.5", 0) <= AdmissionLimits().per_source
+            link.close(say_bye=True)
     finally:
-        for sock in flood:
-            sock.close()
         server.close()
         table.close()
 
