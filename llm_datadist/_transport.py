@@ -130,14 +130,22 @@ class PeerInfo:
 class _ServerConn:
     """One accepted connection: its socket, protocol state and unsent bytes."""
 
-    def __init__(self, sock: socket.socket, pid: int, uid: int, *, host: str = "") -> None:
+    def __init__(
+        self, sock: socket.socket, pid: int, uid: int, *, host: str = "", secret: bytes | None = None
+    ) -> None:
+        """`host` and `secret` over TCP: the frames after the handshake are tagged, keyed from `secret`."""
         self.sock = sock
         self.pid = pid
         self.uid = uid
         self.host = host  # the peer's ip over TCP; "" on a Unix socket
         self.nonce = b""  # the Challenge's nonce (TCP)
         self.conn = (
-            Connection(ConnRole.SERVER, challenge=True, max_frame_nbytes=_UNAUTHENTICATED_FRAME_NBYTES)
+            Connection(
+                ConnRole.SERVER,
+                challenge=True,
+                secret=secret,
+                max_frame_nbytes=_UNAUTHENTICATED_FRAME_NBYTES,
+            )
             if host
             else Connection(ConnRole.SERVER)
         )
@@ -514,7 +522,7 @@ class Server:
             if tcp:
                 self._make_room(host)
             sock.setblocking(False)
-            sconn = _ServerConn(sock, pid, uid, host=host)
+            sconn = _ServerConn(sock, pid, uid, host=host, secret=self._secret if tcp else None)
             if tcp:
                 tune_tcp(sock)
                 sconn.nonce = _auth.new_nonce()
@@ -1019,7 +1027,7 @@ class ClientLink:
             except OSError as exc:
                 raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"cannot connect to {where}: {exc}") from exc
             tune_tcp(sock)
-            conn = Connection(ConnRole.CLIENT, challenge=True)
+            conn = Connection(ConnRole.CLIENT, challenge=True, secret=secret)
             challenge = _receive(sock, conn, deadline)
             if isinstance(challenge, Error):
                 raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"refused by {where}: {challenge.message}")

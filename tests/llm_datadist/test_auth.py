@@ -13,6 +13,7 @@ import os
 import selectors
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from llm_datadist._admission import AdmissionLimits
 from llm_datadist._engine import CacheTable
 from llm_datadist._errors import StatusError
 from llm_datadist._protocol.connection import Connection, ConnRole
+from llm_datadist._protocol.frames import encode_frame
 from llm_datadist._protocol.messages import PROTOCOL_VERSION, Challenge, Error, Hello, Message, Ping, Pong
 from llm_datadist._transport import ClientLink, Server, ServerHooks
 from llm_datadist.status import LLMStatusCode
@@ -149,7 +151,8 @@ class _Raw:
 
     def __init__(self, port: int, source: str = "127.0.0.1") -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
-        self.conn = Connection(ConnRole.CLIENT, challenge=True)
+        self.conn = Connection(ConnRole.CLIENT, challenge=True, secret=SECRET)
+        self.challenge: Challenge | None = None  # once `_challenged` read it
 
     def receive(self) -> Message | None:
         """The next message, or None once the server closed the connection."""
@@ -223,6 +226,57 @@ def test_an_unauthenticated_peer_is_held_to_small_frames(tcp_server: tuple[Serve
     assert peer.closed_by_server()
 
 
+def test_a_hello_of_another_protocol_version_is_refused(tcp_server: tuple[Server, int]) -> None:
+    _, port = tcp_server
+    peer = _challenged(port, "127.0.0.1")
+    assert peer.challenge is not None
+    nonce = os.urandom(32)
+    right = _auth.client_proof(SECRET, peer.challenge.nonce, nonce, (2, 9, "10.0.0.2:1"), 1)
+    old = PROTOCOL_VERSION - 1
+    peer.sock.sendall(peer.conn.send(Hello(old, 2, 1, 2, 4242, 9, nonce, right, "10.0.0.2:1")))
+    refused = peer.receive()
+    assert isinstance(refused, Error) and refused.status_code == LLMStatusCode.LLM_LINK_FAILED, refused
+    assert refused.message == f"protocol version {old} is not {PROTOCOL_VERSION}"
+
+
+def test_a_client_names_the_servers_other_version_before_it_proves_anything() -> None:
+    """The Challenge carries the version: a server of another version is refused before the Hello."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = bytearray()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(encode_frame(Challenge(PROTOCOL_VERSION - 1, os.urandom(32)).to_wire()))
+            conn.settimeout(10)
+            while data := conn.recv(65536):
+                received.extend(data)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(StatusError) as info:
+            ClientLink.connect_tcp(
+                "127.0.0.1",
+                listener.getsockname()[1],
+                secret=SECRET,
+                local_ip="127.0.0.1",
+                engine=lambda ip: f"{ip}:2",
+                callback_port=lambda ip: 0,
+                cluster_id=2,
+                remote_cluster_id=1,
+                role=2,
+                deadline=time.monotonic() + 10,
+                incarnation=7,
+            )
+        assert info.value.code == LLMStatusCode.LLM_LINK_FAILED
+        assert f"speaks protocol version {PROTOCOL_VERSION - 1}" in info.value.detail
+        thread.join(10)
+        assert received == b""  # no Hello, so no proof either
+    finally:
+        listener.close()
+
+
 def test_a_unix_style_hello_without_proof_is_refused_on_tcp(tcp_server: tuple[Server, int]) -> None:
     _, port = tcp_server
     peer = _Raw(port)
@@ -234,7 +288,9 @@ def test_a_unix_style_hello_without_proof_is_refused_on_tcp(tcp_server: tuple[Se
 
 def _challenged(port: int, source: str) -> _Raw:
     peer = _Raw(port, source)
-    assert isinstance(peer.receive(), Challenge)
+    challenge = peer.receive()
+    assert isinstance(challenge, Challenge)
+    peer.challenge = challenge
     return peer
 
 

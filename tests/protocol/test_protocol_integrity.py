@@ -1,6 +1,7 @@
 """Frame tags of TCP links (`integrity`), without a socket: keys per connection and direction, tags that
-refuse a frame altered, injected, replayed, reordered, dropped or cut short, and decoding of a tagged
-stream whole, one byte at a time, in any chunking and with trailing bytes."""
+refuse a frame altered, injected, replayed, reordered, dropped or cut short, decoding of a tagged stream
+whole, one byte at a time, in any chunking and with trailing bytes, and a Connection that tags exactly
+the frames after the handshake (and nothing on a Unix socket)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_datadist._protocol.errors import FrameTagMismatch
+from llm_datadist._protocol.connection import Closed, Connection, ConnRole, ConnState
+from llm_datadist._protocol.errors import FrameTagMismatch, RemoteProtocolError
 from llm_datadist._protocol.frames import HEADER_NBYTES, FrameDecoder, encode_frame
 from llm_datadist._protocol.integrity import (
     CLIENT_TO_SERVER,
@@ -18,6 +20,20 @@ from llm_datadist._protocol.integrity import (
     TAG_NBYTES,
     FrameTagger,
     derive_frame_keys,
+)
+from llm_datadist._protocol.messages import (
+    KEY_REQ,
+    PROTOCOL_VERSION,
+    Bye,
+    Challenge,
+    Error,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    PullGrant,
+    PullRequest,
+    Welcome,
 )
 
 SECRET = b"the-secret-of-these-tests"
@@ -191,3 +207,114 @@ def test_an_injected_untagged_frame_is_refused() -> None:
     frames = _frames_of(_tagged_stream(OBJECTS))
     # Its would-be tag is the first 16 bytes of the next frame: no match.
     assert _refused(frames[0] + encode_frame(["injected"]) + frames[1]) == OBJECTS[:1]
+
+
+# -- the connection tags what follows the handshake ---------------------------------------------------------
+
+HELLO = Hello(PROTOCOL_VERSION, 11, 22, 2, 4242, 1, CLIENT_NONCE, b"p" * 32, "10.0.0.1:17000")
+WELCOME = Welcome(PROTOCOL_VERSION, 22, 1, 3333, 2, "", 0, 0, b"q" * 32, "10.0.0.2:17001")
+REQUEST = PullRequest(1, KEY_REQ, 7, 0, 0, 0, 3, True, 4097, 0, True)
+GRANT = PullGrant(1, 99, "/llmdd_seg", 3 * 4097, (0, 4097, 8194), 4097)
+
+
+def _deliver(data: bytes, to: Connection) -> list[Message | Closed]:
+    to.receive_data(data)
+    events: list[Message | Closed] = []
+    while (event := to.next_event()) is not None:
+        events.append(event)
+        if isinstance(event, Closed):
+            break
+    return events
+
+
+def _tcp_pair(secret: bytes = SECRET) -> tuple[Connection, Connection]:
+    """A client and a server through a whole TCP handshake; the handshake's frames are not tagged."""
+    client = Connection(ConnRole.CLIENT, challenge=True, secret=secret)
+    server = Connection(ConnRole.SERVER, challenge=True, secret=SECRET)
+    challenge = Challenge(PROTOCOL_VERSION, SERVER_NONCE)
+    for msg, sender, receiver in (
+        (challenge, server, client),
+        (HELLO, client, server),
+        (WELCOME, server, client),
+    ):
+        data = sender.send(msg)
+        assert data == encode_frame(msg.to_wire())
+        assert _deliver(data, receiver) == [msg]
+    return client, server
+
+
+def test_after_the_handshake_every_frame_carries_its_tag_both_ways() -> None:
+    client, server = _tcp_pair()
+    c2s = FrameTagger(KEYS.client_to_server, CLIENT_TO_SERVER)
+    s2c = FrameTagger(KEYS.server_to_client, SERVER_TO_CLIENT)
+    for _ in range(3):
+        data = client.send(REQUEST)
+        frame = encode_frame(REQUEST.to_wire())
+        assert data == frame + c2s.tag(frame)
+        assert _deliver(data, server) == [REQUEST]
+        data = server.send(GRANT)
+        frame = encode_frame(GRANT.to_wire())
+        assert data == frame + s2c.tag(frame)
+        assert _deliver(data, client) == [GRANT]
+    assert _deliver(client.send(Bye("done")), server) == [Closed("done")]
+
+
+def test_a_frame_the_connection_did_not_tag_fails_it_for_good() -> None:
+    _, server = _tcp_pair()
+    server.receive_data(encode_frame(Ping(1).to_wire()) + b"\x00" * TAG_NBYTES)
+    with pytest.raises(RemoteProtocolError, match="tag"):
+        server.next_event()
+    assert server.state is ConnState.FAILED
+    with pytest.raises(RemoteProtocolError):
+        server.next_event()
+
+
+def test_a_tampered_reply_fails_the_client() -> None:
+    client, server = _tcp_pair()
+    data = bytearray(server.send(Pong(1)))
+    data[-1] ^= 1
+    client.receive_data(bytes(data))
+    with pytest.raises(RemoteProtocolError, match="tag"):
+        client.next_event()
+    assert client.state is ConnState.FAILED
+
+
+def test_a_client_without_the_secret_cannot_talk_after_the_handshake() -> None:
+    """The proofs refuse it first in real life; even a Hello let through keys its frames wrongly."""
+    client, server = _tcp_pair(secret=b"not-the-secret-of-these-tests")
+    server.receive_data(client.send(Ping(1)))
+    with pytest.raises(RemoteProtocolError, match="tag"):
+        server.next_event()
+
+
+def test_eof_between_a_frame_and_its_tag_fails_the_connection() -> None:
+    client, server = _tcp_pair()
+    data = client.send(Ping(1))
+    server.receive_data(data[:-TAG_NBYTES])
+    assert server.next_event() is None
+    server.receive_data(b"")
+    with pytest.raises(RemoteProtocolError, match="EOF inside a frame"):
+        server.next_event()
+
+
+def test_a_refusal_of_the_hello_is_not_tagged() -> None:
+    client = Connection(ConnRole.CLIENT, challenge=True, secret=SECRET)
+    server = Connection(ConnRole.SERVER, challenge=True, secret=SECRET)
+    _deliver(server.send(Challenge(PROTOCOL_VERSION, SERVER_NONCE)), client)
+    _deliver(client.send(HELLO), server)
+    refusal = Error(0, -1, "wrong shared secret")
+    data = server.send(refusal)
+    assert data == encode_frame(refusal.to_wire())
+    assert _deliver(data, client) == [refusal, Closed(refusal.message)]
+
+
+def test_a_unix_connection_never_tags_and_a_tcp_one_needs_the_secret() -> None:
+    client, server = Connection(ConnRole.CLIENT), Connection(ConnRole.SERVER)
+    unix_hello = Hello(PROTOCOL_VERSION, 11, 22, 2, 4242, 1)
+    _deliver(client.send(unix_hello), server)
+    _deliver(server.send(Welcome(PROTOCOL_VERSION, 22, 1, 3333, 2)), client)
+    assert client.send(Ping(1)) == encode_frame(Ping(1).to_wire())
+    with pytest.raises(ValueError, match="secret"):
+        Connection(ConnRole.CLIENT, challenge=True)
+    with pytest.raises(ValueError, match="secret"):
+        Connection(ConnRole.SERVER, secret=SECRET)
