@@ -61,7 +61,9 @@ class Flood:
                 key.fileobj.close()
                 with self.changed:
                     self.closed += 1
-                    self.told_why += b"make room" in key.data
+                    # Closed to make room, or (a connection that outlived the others on a slow
+                    # machine) out of time: either way the owner said so before it closed.
+                    self.told_why += b"make room" in key.data or b"no proof" in key.data
                     self.changed.notify_all()
                 self.open()
             for _ in range(self.missing):
@@ -109,7 +111,7 @@ dd = LLMDataDist(LLMRole.PROMPT, prompt_id)
 config = LLMConfig()
 config.device_id = 0
 config.listen_ip_info = f"{ip}:{port}"
-config.sync_kv_timeout = 20000
+config.sync_kv_timeout = 60000
 dd.init(config.generate_options())
 kvm = dd.kv_cache_manager
 caches = []
@@ -131,14 +133,17 @@ from llm_datadist.ext import tensor_views
 dd = LLMDataDist(LLMRole.DECODER, decoder_id)
 config = LLMConfig()
 config.device_id = 0
-config.sync_kv_timeout = 20000
+config.sync_kv_timeout = 60000
 dd.init(config.generate_options())
 kvm = dd.kv_cache_manager
+"""
+
+LINK_AND_PULL = """
 cluster = LLMClusterInfo()
 cluster.remote_cluster_id = prompt_id
 cluster.append_local_ip_info(local_ip, 0)
 cluster.append_remote_ip_info(ip, port)
-ret, rets = dd.link_clusters([cluster], 20000)
+ret, rets = dd.link_clusters([cluster], 60000)
 linked = (ret.name, [code.name for code in rets])
 dst = kvm.allocate_cache(CacheDesc(4, [1, 3333], DataType.DT_INT8))
 pulled = []
@@ -164,13 +169,19 @@ def pair() -> Iterator[HostPair]:
         yield made
 
 
+# Seven processes and a flood on two cores: generous, as every deadline here (none of them is asserted on).
+@pytest.mark.timeout(300)
 def test_a_flood_of_unproven_connections_keeps_no_peer_that_knows_the_secret_out(pair: HostPair) -> None:
     limits = AdmissionLimits()
     attacker_ip = pair.add_address("b")
     prompt = pair.host("a", env={"LLM_DATADIST_SECRET": SECRET})
     prompt.run(LINES)
-    prompt.run(PROMPT, ip=pair.ip_a, port=PORT, prompt_id=PROMPT_ID, requests=REQUESTS)
+    prompt.run(PROMPT, ip=pair.ip_a, port=PORT, prompt_id=PROMPT_ID, requests=REQUESTS, timeout_s=120)
     attacker: HostProcess = pair.host("b")  # knows no secret
+    # Started before the flood: on a loaded machine, spawning a host while it runs can take long.
+    decoder = pair.host("b", env={"LLM_DATADIST_SECRET": SECRET})
+    decoder.run(LINES)
+    decoder.run(DECODER, decoder_id=DECODER_ID, timeout_s=120)
     started = time.monotonic()
     # The attacker replaces each connection the owner closes at once: the owner's listener queue may
     # never empty, and the owner must still serve everything else.
@@ -180,17 +191,14 @@ def test_a_flood_of_unproven_connections_keeps_no_peer_that_knows_the_secret_out
     assert prompt.run(UNPROVEN, attacker=attacker_ip) <= limits.per_source
     closed_before = attacker.run("result = flood.closed")
 
-    decoder = pair.host("b", env={"LLM_DATADIST_SECRET": SECRET})
-    decoder.run(LINES)
     linked, pulled = decoder.run(
-        DECODER,
+        LINK_AND_PULL,
         ip=pair.ip_a,
         port=PORT,
         local_ip=pair.ip_b,
         prompt_id=PROMPT_ID,
-        decoder_id=DECODER_ID,
         requests=REQUESTS,
-        timeout_s=120,
+        timeout_s=200,
     )
     why = "result = list(warnings.lines)"  # what each side logged, should the link fail
     assert linked == ("LLM_SUCCESS", ["LLM_SUCCESS"]), (prompt.run(why), decoder.run(why))
@@ -213,3 +221,7 @@ def test_a_flood_of_unproven_connections_keeps_no_peer_that_knows_the_secret_out
     assert all("more connections refused" in line for line in flooding[1:]), flooding
     assert not [line for line in lines if pair.ip_b in line and "refusing" in line], lines
     assert prompt.run("server.check_alive()\nresult = len(server.peers())") >= 1
+    # Here rather than at exit: a host that does not stop within its few seconds is killed, and a busy
+    # machine must not turn that into segments left behind.
+    decoder.run("dd.finalize()", timeout_s=60)
+    prompt.run("dd.finalize()", timeout_s=60)
