@@ -162,18 +162,19 @@ def sigterm_as_exit() -> Iterator[None]:
 
 class NamespacePair:
     """Two fresh namespaces `ns_a`, `ns_b` joined by veth ends with `ip_a`, `ip_b` of a random /30 of
-    PAIR_RANGE, made on enter. On exit `_stop_processes` runs first (a subclass stops what it started in
-    them), then both namespaces are deleted and checked gone, even when the body raised; RuntimeError if
-    anything of that failed."""
+    PAIR_RANGE, made on enter (`add_address` gives a side more). On exit `_stop_processes` runs first (a
+    subclass stops what it started in them), then both namespaces are deleted and checked gone, even when
+    the body raised; RuntimeError if anything of that failed."""
 
     def __init__(self) -> None:
         prefix = _unique_prefix()
         self.ns_a = f"{prefix}-a"
         self.ns_b = f"{prefix}-b"
-        subnet = PAIR_RANGE.network_address + 4 * secrets.randbelow(PAIR_RANGE.num_addresses // 4)
-        self.ip_a = str(subnet + 1)
-        self.ip_b = str(subnet + 2)
+        self._subnet = PAIR_RANGE.network_address + 4 * secrets.randbelow(PAIR_RANGE.num_addresses // 4)
+        self.ip_a = str(self._subnet + 1)
+        self.ip_b = str(self._subnet + 2)
         self._made: list[str] = []
+        self._extra: list[tuple[str, str]] = []  # (side, ip) of the addresses add_address gave
 
     def __enter__(self) -> NamespacePair:
         remove_stale_namespaces()  # what an earlier run killed before its cleanup left behind
@@ -218,6 +219,32 @@ class NamespacePair:
                 raise TimeoutError(f"veth pair of {self.ns_a}/{self.ns_b} is {states}, not {state}")
             time.sleep(0.01)
 
+    def add_address(self, side: str) -> str:
+        """Another address for side "a" or "b" (a /32 of PAIR_RANGE outside the pair's /30) on its veth
+        end, routed to from the other side: one host with two addresses, or two hosts behind one link."""
+        taken = {ip for _, ip in self._extra}
+        while True:
+            address = PAIR_RANGE.network_address + 1 + secrets.randbelow(PAIR_RANGE.num_addresses - 2)
+            ip = str(address)
+            if not 0 <= int(address) - int(self._subnet) < 4 and ip not in taken:
+                break
+        (ns, dev), _ = self._sides(side)
+        _ip("-n", ns, "addr", "add", f"{ip}/32", "dev", dev)
+        self._extra.append((side, ip))
+        self._route_extra(side, ip)
+        return ip
+
+    def _sides(self, side: str) -> tuple[tuple[str, str], tuple[str, str]]:
+        """((namespace, veth end) of `side`, the same of the other side)."""
+        if side not in ("a", "b"):
+            raise ValueError(f"side is 'a' or 'b', not {side!r}")
+        ends = self._links()
+        return (ends[0], ends[1]) if side == "a" else (ends[1], ends[0])
+
+    def _route_extra(self, side: str, ip: str) -> None:
+        _, (other_ns, other_dev) = self._sides(side)
+        _ip("-n", other_ns, "route", "replace", f"{ip}/32", "dev", other_dev)
+
     def drop_link(self) -> None:
         """Both veth ends down: the routes between the namespaces go, new connects fail and in-flight TCP
         stalls (retransmits) until `restore_link`."""
@@ -229,6 +256,8 @@ class NamespacePair:
         for ns, dev in self._links():
             _ip("-n", ns, "link", "set", dev, "up")
         self._wait_link("UP")
+        for side, ip in self._extra:  # a link that went down took the routes through it along
+            self._route_extra(side, ip)
 
     def _stop_processes(self) -> list[str]:
         """Stop what lives in the namespaces before they are deleted (a namespace outlives `ip netns

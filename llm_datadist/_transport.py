@@ -13,6 +13,7 @@ time out.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import select
@@ -21,7 +22,7 @@ import socket
 import struct
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -62,6 +63,7 @@ from llm_datadist._shm.mappings import MappingCache
 from llm_datadist._shm.segment import Segment
 
 from . import _auth, _unpins
+from ._admission import AdmissionLimits, Refusal, RefusalLog, make_room
 from ._engine import CacheTable
 from ._errors import IndexBusy, PeerGone, StatusError, TransferTimeout
 from ._rows import Holder
@@ -70,6 +72,7 @@ from .status import LLMStatusCode, code_2_status
 from .utils.log import log
 
 _RECV_NBYTES = 256 * 1024
+# A peer on this host has this long to say Hello; a TCP peer has `AdmissionLimits.proof_timeout_s`.
 _HANDSHAKE_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 512
 # Replies a peer has not read yet; a peer that sends requests without reading the answers is dropped.
@@ -77,11 +80,12 @@ MAX_OUTBUF_NBYTES = 16 << 20
 # A page of a Table reply stays well under the frame limit (1 MiB), whatever the caches look like.
 _TABLE_PAGE_NBYTES = 512 << 10
 _PEERCRED = struct.Struct("3i")
-# TCP: a peer that has not proved it knows the secret sends small frames (a Hello is under 400 bytes), at
-# most this many such connections are open at once (more are closed at accept), and each has
-# `_HANDSHAKE_TIMEOUT_S` to prove itself.
+# TCP: a peer that has not proved it knows the secret sends small frames (a Hello is under 400 bytes);
+# how many such peers may be open, and for how long, is `AdmissionLimits`.
 _UNAUTHENTICATED_FRAME_NBYTES = 4096
-MAX_UNAUTHENTICATED = 32
+# A peer that reconnects as soon as it is closed keeps a listener's queue from ever emptying: without a
+# bound, accepting (and closing to make room) would be all the server thread ever did.
+_ACCEPTS_PER_EVENT = 32
 # TCP keepalive (idle s, interval s, probes): a vanished peer host is given up within `_KEEPALIVE_S`.
 _KEEPALIVE = (5, 2, 3)
 _KEEPALIVE_S = _KEEPALIVE[0] + _KEEPALIVE[1] * _KEEPALIVE[2]
@@ -131,14 +135,22 @@ class PeerInfo:
 class _ServerConn:
     """One accepted connection: its socket, protocol state and unsent bytes."""
 
-    def __init__(self, sock: socket.socket, pid: int, uid: int, *, host: str = "") -> None:
+    def __init__(
+        self, sock: socket.socket, pid: int, uid: int, *, host: str = "", secret: bytes | None = None
+    ) -> None:
+        """`host` and `secret` over TCP: the frames after the handshake are tagged, keyed from `secret`."""
         self.sock = sock
         self.pid = pid
         self.uid = uid
         self.host = host  # the peer's ip over TCP; "" on a Unix socket
         self.nonce = b""  # the Challenge's nonce (TCP)
         self.conn = (
-            Connection(ConnRole.SERVER, challenge=True, max_frame_nbytes=_UNAUTHENTICATED_FRAME_NBYTES)
+            Connection(
+                ConnRole.SERVER,
+                challenge=True,
+                secret=secret,
+                max_frame_nbytes=_UNAUTHENTICATED_FRAME_NBYTES,
+            )
             if host
             else Connection(ConnRole.SERVER)
         )
@@ -205,9 +217,13 @@ class Server:
         hooks: ServerHooks | None = None,
         incarnation: int = 0,
         secret: bytes | None = None,
+        admission: AdmissionLimits | None = None,
     ) -> None:
         self.cluster_id = cluster_id
         self._secret = secret  # TCP links prove they know it; None: no TCP listener is allowed
+        self._admission = admission or AdmissionLimits()  # for TCP peers that have not proved it yet
+        # Anyone who reaches a TCP port can be refused as often as it likes: one line per address and 10 s.
+        self._refusals = RefusalLog(functools.partial(log.warning, "server %d: %s", cluster_id))
         self.role = role
         self.incarnation = incarnation
         # Why the server thread stopped serving, if it died (a bug): API calls report it at once.
@@ -332,6 +348,12 @@ class Server:
         with self._lock:
             return [c.peer for c in self._conns.values() if c.peer is not None]
 
+    def unproven_by_address(self) -> dict[str, int]:
+        """How many TCP connections each source address holds that have not proved the secret yet."""
+        with self._lock:
+            hosts = [c.host for c in self._conns.values() if c.host and c.peer is None]
+        return dict(Counter(hosts))
+
     def drop_cluster(self, cluster_id: int) -> bool:
         """End every connection from `cluster_id` (an unlink from the serving side); True if any. One that
         holds leases drains first: its peer's transfers in flight end as they would, then it closes."""
@@ -404,12 +426,13 @@ class Server:
         try:
             while not self._stop.is_set():
                 self._apply_pending()
+                selected_at = time.monotonic()
                 events = self._selector.select(timeout=_PARKED_RETRY_S if self._parked else 1.0)
                 for key, mask in events:
                     self._dispatch(key, mask)
                 if self._parked:
                     self._retry_parked()
-                self._sweep()
+                self._sweep(selected_at)
         except BaseException as exc:
             # Not one peer's fault (those are handled in _dispatch): the loop itself broke. Say so to every
             # later API call rather than leaving peers to time out.
@@ -453,15 +476,26 @@ class Server:
             )
             self._drop(sconn, f"internal error while handling {sconn.handling}: {exc!r}")
 
-    def _sweep(self) -> None:
+    def _sweep(self, selected_at: float) -> None:
+        """Close the connections that did not complete their handshake in time. Their age is taken at
+        `selected_at`, when the last select began: whatever a peer had sent by then was handled before
+        this runs, so a Hello that waited while the server was busy still counts."""
         # At most twice a second: the limits are seconds long, and this loop runs after every event.
         now = time.monotonic()
         if now < self._next_sweep:
             return
         self._next_sweep = now + 0.5
         for sconn in list(self._conns.values()):
-            if sconn.peer is None and now - sconn.accepted_at > _HANDSHAKE_TIMEOUT_S:
+            if sconn.peer is not None:
+                continue
+            if sconn.host and selected_at - sconn.accepted_at > self._admission.proof_timeout_s:
+                timeout_s = self._admission.proof_timeout_s
+                self._refuse(
+                    sconn, f"no proof of the shared secret within {timeout_s:g} s", Refusal.OUT_OF_TIME
+                )
+            elif not sconn.host and selected_at - sconn.accepted_at > _HANDSHAKE_TIMEOUT_S:
                 self._drop(sconn, "no handshake within the time limit")
+        self._refusals.flush(now)
         try:
             self._hooks.housekeeping()
         except Exception:
@@ -491,8 +525,10 @@ class Server:
                     listener_done.set()
 
     def _accept(self, listener: socket.socket) -> None:
+        """Accept what is queued on `listener`, at most `_ACCEPTS_PER_EVENT` (the listener is reported
+        again by the next select, after every other socket that is ready has been served)."""
         tcp = listener.family == socket.AF_INET
-        while True:
+        for _ in range(_ACCEPTS_PER_EVENT):
             try:
                 sock, address = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -503,19 +539,21 @@ class Server:
             if tcp:
                 pid, uid, host = 0, -1, str(address[0])
                 who = f"{host}:{address[1]}"
-                unauthenticated = sum(1 for c in self._conns.values() if c.host and c.peer is None)
-                full = unauthenticated >= MAX_UNAUTHENTICATED
             else:
                 pid, uid, _ = peer_credentials(sock)
-                host, who, full = "", f"pid {pid}", False
-            if full or len(self._conns) >= MAX_CONNECTIONS:
-                log.warning(
-                    "server %d: refusing %s, %d connections open", self.cluster_id, who, len(self._conns)
-                )
+                host, who = "", f"pid {pid}"
+            if len(self._conns) >= MAX_CONNECTIONS:
+                full = f"{len(self._conns)} connections open"
+                if tcp:
+                    self._refusals.refused(host, full, Refusal.FULL, time.monotonic())
+                else:
+                    log.warning("server %d: refusing %s, %s", self.cluster_id, who, full)
                 sock.close()
                 continue
+            if tcp:
+                self._make_room(host)
             sock.setblocking(False)
-            sconn = _ServerConn(sock, pid, uid, host=host)
+            sconn = _ServerConn(sock, pid, uid, host=host, secret=self._secret if tcp else None)
             if tcp:
                 tune_tcp(sock)
                 sconn.nonce = _auth.new_nonce()
@@ -525,6 +563,22 @@ class Server:
             self._selector.register(sock, selectors.EVENT_READ, sconn)
             if tcp:
                 self._flush(sconn)
+
+    def _make_room(self, source: str) -> None:
+        """Before a TCP connection from `source` is admitted: refuse the unproven one it replaces, if any
+        (`make_room`), so a newcomer is never turned away for what other addresses hold."""
+        pending = sorted(
+            (c for c in self._conns.values() if c.host and c.peer is None), key=lambda c: c.accepted_at
+        )
+        victim = make_room([(c.host, c) for c in pending], source, self._admission)
+        if victim is not None:
+            limits = self._admission
+            self._refuse(
+                victim,
+                f"closed to make room for a newer connection ({limits.per_source} per address and "
+                f"{limits.total} in all may be proving the shared secret at once)",
+                Refusal.MADE_ROOM,
+            )
 
     def _on_readable(self, sconn: _ServerConn) -> None:
         try:
@@ -552,7 +606,7 @@ class Server:
                 if sconn.closing or sconn.sock.fileno() == -1:
                     return
         except ProtocolError as exc:
-            log.warning("server %d: closing connection from pid %d: %s", self.cluster_id, sconn.pid, exc)
+            self._log_protocol_error(sconn, exc)
             self._drop(sconn, f"protocol error: {exc}")
             return
         self._flush(sconn)
@@ -884,14 +938,23 @@ class Server:
         )
         self._hooks.peer_linked(sconn.peer)
 
-    def _refuse(self, sconn: _ServerConn, reason: str) -> None:
-        """Refuse a handshake: LLM_LINK_FAILED with the reason, then close."""
-        who = sconn.host or f"pid {sconn.pid}"
-        log.warning("server %d: refusing link from %s: %s", self.cluster_id, who, reason)
+    def _refuse(self, sconn: _ServerConn, reason: str, kind: Refusal = Refusal.HANDSHAKE) -> None:
+        """Refuse a handshake: LLM_LINK_FAILED with the reason, then close. Logged at once for a peer on
+        this host, through the refusal log (a line per address and interval) for one on TCP."""
+        if sconn.host:
+            self._refusals.refused(sconn.host, reason, kind, time.monotonic())
+        else:
+            log.warning("server %d: refusing link from pid %d: %s", self.cluster_id, sconn.pid, reason)
         self._send(sconn, Error(0, int(LLMStatusCode.LLM_LINK_FAILED), reason))
         sconn.closing = True
         self._flush(sconn)
         self._drop(sconn, reason)
+
+    def _log_protocol_error(self, sconn: _ServerConn, exc: ProtocolError) -> None:
+        if sconn.host and sconn.peer is None:  # anyone who reaches the port: through the refusal log
+            self._refusals.refused(sconn.host, f"protocol error: {exc}", Refusal.PROTOCOL, time.monotonic())
+        else:
+            log.warning("server %d: closing connection from pid %d: %s", self.cluster_id, sconn.pid, exc)
 
     def _send(self, sconn: _ServerConn, msg: Message) -> None:
         if sconn.closing:
@@ -1054,23 +1117,26 @@ class ClientLink:
         deadline: float,
         incarnation: int,
     ) -> ClientLink:
-        """Connect to a peer on another host at `host:port` (from `local_ip` when it is one of ours), prove
-        we know the shared secret, check the peer's proof, announce our TCP callback port. `engine(ip)`
-        gives our transfer engine's address for the ip we connect from, `callback_port(ip)` the port we
-        serve TCP on there (both start on first use). Raises StatusError(LLM_LINK_FAILED)."""
+        """Connect to a peer on another host at `host:port` (from `local_ip` when it is one of ours, else
+        from the address the route to it leaves by), prove we know the shared secret, check the peer's
+        proof, announce our TCP callback port. `engine(ip)` gives our transfer engine's address for the ip
+        we connect from, `callback_port(ip)` the port we serve TCP on there (both start on first use).
+        Raises StatusError(LLM_LINK_FAILED)."""
         where = f"{host}:{port}"
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         with _handshake_errors(sock, where):
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             try:
-                if local_ip:
-                    sock.bind((local_ip, 0))
+                our_ip = local_ip or _source_ip(host, port)
+                # Before connecting: starting the engine can take a second, and the peer gives a connection
+                # that has not proved the secret only a round trip's worth of that.
+                our_engine = engine(our_ip)
+                sock.bind((our_ip, 0))
                 sock.connect((host, port))
             except OSError as exc:
                 raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"cannot connect to {where}: {exc}") from exc
             tune_tcp(sock)
-            our_ip = str(sock.getsockname()[0])
-            conn = Connection(ConnRole.CLIENT, challenge=True)
+            conn = Connection(ConnRole.CLIENT, challenge=True, secret=secret)
             challenge = _receive(sock, conn, deadline)
             if isinstance(challenge, Error):
                 raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"refused by {where}: {challenge.message}")
@@ -1082,7 +1148,6 @@ class ClientLink:
                 raise StatusError(
                     LLMStatusCode.LLM_LINK_FAILED, f"{where} speaks protocol version {challenge.version}"
                 )
-            our_engine = engine(our_ip)
             nonce = _auth.new_nonce()
             client = (cluster_id, incarnation, our_engine)
             proof = _auth.client_proof(secret, challenge.nonce, nonce, client, remote_cluster_id)
@@ -1358,6 +1423,14 @@ def _welcome(reply: Message, remote_cluster_id: int, where: str) -> Welcome:
             LLMStatusCode.LLM_LINK_FAILED, f"{where} is cluster {reply.cluster_id}, not {remote_cluster_id}"
         )
     return reply
+
+
+def _source_ip(host: str, port: int) -> str:
+    """The address of ours a connection to `host:port` leaves from (the route's source address). A UDP
+    socket's connect only looks the route up: nothing is sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return str(probe.getsockname()[0])
 
 
 def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:

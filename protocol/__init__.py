@@ -6,6 +6,7 @@ is testable with plain bytes. `llm_datadist/` owns the sockets and feeds bytes t
 
 from .connection import SENDABLE, Closed, Connection, ConnPhase, ConnRole, ConnState
 from .errors import (
+    FrameTagMismatch,
     FrameTooLarge,
     LocalProtocolError,
     MalformedFrame,
@@ -13,6 +14,14 @@ from .errors import (
     RemoteProtocolError,
 )
 from .frames import DEFAULT_MAX_FRAME_NBYTES, HEADER_NBYTES, FrameDecoder, encode_frame
+from .integrity import (
+    CLIENT_TO_SERVER,
+    SERVER_TO_CLIENT,
+    TAG_NBYTES,
+    FrameKeys,
+    FrameTagger,
+    derive_frame_keys,
+)
 from .messages import (
     KEY_BLOCKS,
     KEY_CACHE_ID,
@@ -49,6 +58,7 @@ from .messages import (
 )
 
 __all__ = [
+    "CLIENT_TO_SERVER",
     "DEFAULT_MAX_FRAME_NBYTES",
     "HEADER_NBYTES",
     "KEY_BLOCKS",
@@ -58,6 +68,8 @@ __all__ = [
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "SENDABLE",
+    "SERVER_TO_CLIENT",
+    "TAG_NBYTES",
     "Ack",
     "AddressRequest",
     "Addresses",
@@ -73,6 +85,9 @@ __all__ = [
     "Connection",
     "Error",
     "FrameDecoder",
+    "FrameKeys",
+    "FrameTagMismatch",
+    "FrameTagger",
     "FrameTooLarge",
     "Hello",
     "LocalProtocolError",
@@ -94,6 +109,7 @@ __all__ = [
     "WriteGrant",
     "WriteRequest",
     "decode_message",
+    "derive_frame_keys",
     "encode_frame",
     "encode_message",
 ]

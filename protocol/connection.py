@@ -1,9 +1,9 @@
 """Sans-IO connection state machine (h11-style): bytes in -> events out, messages in -> bytes out.
 
 Owns the message order of one connection: handshake (a TCP one opens with the server's Challenge; then
-client Hello, server Welcome or Error), then the messages each side may send when READY, then an orderly
-close (Bye, handshake Error, or EOF at a frame boundary). Who may send what is data (`SENDABLE`), so new
-message types only add entries. A connection that saw an invalid or out-of-order frame is FAILED for good.
+client Hello, server Welcome or Error; then every frame is tagged, `integrity.py`), the messages each side
+may send when READY, an orderly close (Bye, handshake Error, or EOF at a frame boundary). Who may send what
+is data (`SENDABLE`). A connection that saw an invalid, out-of-order or badly tagged frame is FAILED.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import msgpack
 
 from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from .frames import DEFAULT_MAX_FRAME_NBYTES, FrameDecoder, encode_frame
+from .integrity import FrameTagger, derive_frame_keys
 from .messages import (
     Ack,
     Addresses,
@@ -100,7 +101,8 @@ SENDABLE: dict[tuple[ConnRole, ConnPhase], frozenset[type[Message]]] = {
         }
     ),
     (_SERVER, ConnPhase.AWAIT_CHALLENGE): frozenset({Challenge, Error}),
-    (_SERVER, ConnPhase.AWAIT_HELLO): frozenset(),
+    # An Error here refuses a peer that is slow to say Hello, or whose slot a newer connection needs.
+    (_SERVER, ConnPhase.AWAIT_HELLO): frozenset({Error}),
     (_SERVER, ConnPhase.AWAIT_WELCOME): frozenset({Welcome, Error}),
     (_SERVER, ConnPhase.READY): frozenset(
         {PullGrant, BlocksGrant, WriteGrant, Location, Table, Addresses, Ack, Error, Pong, Bye}
@@ -143,11 +145,23 @@ class Connection:
         *,
         max_frame_nbytes: int = DEFAULT_MAX_FRAME_NBYTES,
         challenge: bool = False,
+        secret: bytes | None = None,
     ) -> None:
         """`challenge`: the handshake starts with the server's Challenge (TCP links, which authenticate
-        with a shared secret); without it the client's Hello comes first (Unix sockets)."""
+        with the shared secret `secret`, required with it); without it the client's Hello comes first
+        (Unix sockets). With a secret, each frame after the client's Hello (client to server) and after the
+        Welcome (server to client) is followed by its tag, keyed from the secret and both nonces."""
         if not isinstance(role, ConnRole):
             raise TypeError(f"role must be a ConnRole, got {type(role).__name__}")
+        if challenge != (secret is not None):
+            raise ValueError(
+                "a TCP handshake (challenge=True) needs the shared secret, and only it takes one"
+            )
+        self._secret = secret
+        self._server_nonce = b""  # the Challenge's, sent or received
+        self._send_tagger: FrameTagger | None = None
+        # The server's sending tagger, or the client's checker, that the Welcome switches on.
+        self._welcome_tagger: FrameTagger | None = None
         self._role = role
         self._peer_role = _SERVER if role is _CLIENT else _CLIENT
         self._max_frame_nbytes = max_frame_nbytes
@@ -223,9 +237,13 @@ class Connection:
         except ProtocolError as exc:
             raise LocalProtocolError(f"cannot send {type(msg).__name__}: {exc}") from exc
         # State moves only once the bytes exist, so a failed send leaves everything as it was.
+        if self._send_tagger is not None:
+            frame += self._send_tagger.tag(frame)
         if _closes(msg, self._phase):
             self._sent_close = True
         self._advance(msg)
+        if self._secret is not None:
+            self._start_tags_after_sending(msg, self._secret)
         return frame
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
@@ -281,11 +299,34 @@ class Connection:
             self._peer_hello = msg
         elif isinstance(msg, Welcome):
             self._peer_welcome = msg
+        if self._secret is not None:
+            self._start_tags_after_receiving(msg, self._secret)
         if _closes(msg, self._phase):
             closed = self._close_by_peer(_close_reason(msg))
             return closed if isinstance(msg, Bye) else msg  # the Error itself first, Closed on the next call
         self._advance(msg)
         return msg
+
+    def _start_tags_after_sending(self, msg: Message, secret: bytes) -> None:
+        if isinstance(msg, Challenge):
+            self._server_nonce = msg.nonce
+        elif isinstance(msg, Hello):
+            keys = derive_frame_keys(secret, self._server_nonce, msg.nonce)
+            self._send_tagger, self._welcome_tagger = keys.taggers(client=True)
+        elif isinstance(msg, Welcome):
+            assert self._welcome_tagger is not None, "a Welcome answers a Hello, which keyed the tags"
+            self._send_tagger = self._welcome_tagger
+
+    def _start_tags_after_receiving(self, msg: Message, secret: bytes) -> None:
+        if isinstance(msg, Challenge):
+            self._server_nonce = msg.nonce
+        elif isinstance(msg, Hello):
+            keys = derive_frame_keys(secret, self._server_nonce, msg.nonce)
+            self._welcome_tagger, checker = keys.taggers(client=False)
+            self._decoder.expect_tags(checker)
+        elif isinstance(msg, Welcome):
+            assert self._welcome_tagger is not None, "a Welcome answers our Hello, which keyed the tags"
+            self._decoder.expect_tags(self._welcome_tagger)
 
     def _advance(self, msg: Message) -> None:
         phase = _ADVANCES.get(type(msg))

@@ -8,6 +8,7 @@ Everything raised by `protocol/` for bad bytes or a bad sequence of messages is 
 from __future__ import annotations
 
 __all__ = [
+    "FrameTagMismatch",
     "FrameTooLarge",
     "LocalProtocolError",
     "MalformedFrame",
@@ -22,6 +23,11 @@ class ProtocolError(Exception):
 
 class FrameTooLarge(ProtocolError):
     """A frame header announces (or an encoder produced) more payload than max_frame_nbytes allows."""
+
+
+class FrameTagMismatch(ProtocolError):
+    """A frame of a TCP link does not carry the tag its key, direction and position give (see
+    `integrity`): someone on the path changed, added, repeated, reordered or removed frames."""
 
 
 class MalformedFrame(ProtocolError):

@@ -1,9 +1,9 @@
-"""Frame codec: a 4-byte big-endian unsigned payload length, then exactly one msgpack object.
+"""Frame codec: a 4-byte big-endian unsigned payload length, then exactly one msgpack object, then on a
+TCP link after its handshake the frame's tag (`integrity.py`), checked before the payload is parsed.
 
 Owns only bytes <-> Python objects; message meaning lives in `messages.py`. Every length is bounded by
-max_frame_nbytes before anything is buffered for it, msgpack's own limits are tied to the frame size, ext
-types and nil payloads are refused. A decoder that raised is dead: later calls raise the same error class.
-"""
+max_frame_nbytes before anything is buffered for it, msgpack's limits are tied to the frame size, ext types
+and nil payloads are refused. A decoder that raised is dead: later calls raise the same error class."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import NoReturn
 
 import msgpack
 
-from .errors import FrameTooLarge, MalformedFrame, ProtocolError
+from .errors import FrameTagMismatch, FrameTooLarge, MalformedFrame, ProtocolError
+from .integrity import TAG_NBYTES, FrameTagger
 
 __all__ = ["DEFAULT_MAX_FRAME_NBYTES", "HEADER_NBYTES", "FrameDecoder", "encode_frame"]
 
@@ -60,7 +61,7 @@ class FrameDecoder:
     is checked as soon as its 4 bytes are buffered, so an oversized frame is refused before its body.
     """
 
-    __slots__ = ("_buffer", "_error", "_max_frame_nbytes", "_start")
+    __slots__ = ("_buffer", "_checker", "_error", "_max_frame_nbytes", "_start", "_tag_nbytes")
 
     def __init__(self, max_frame_nbytes: int = DEFAULT_MAX_FRAME_NBYTES) -> None:
         _check_max_frame_nbytes(max_frame_nbytes)
@@ -68,6 +69,14 @@ class FrameDecoder:
         self._buffer = bytearray()
         self._start = 0  # offset of the first unconsumed byte in _buffer
         self._error: ProtocolError | None = None
+        self._checker: FrameTagger | None = None
+        self._tag_nbytes = 0
+
+    def expect_tags(self, checker: FrameTagger) -> None:
+        """From the next frame on, each frame is followed by its tag (`TAG_NBYTES`), which `checker` must
+        accept before the payload is parsed; a frame without a good tag kills the decoder."""
+        self._checker = checker
+        self._tag_nbytes = TAG_NBYTES
 
     @property
     def max_frame_nbytes(self) -> int:
@@ -108,10 +117,14 @@ class FrameDecoder:
             self._die(MalformedFrame("frame with an empty payload"))
         body_start = self._start + HEADER_NBYTES
         body_end = body_start + payload_nbytes
-        if body_end > len(self._buffer):
+        if body_end + self._tag_nbytes > len(self._buffer):
             return None
-        payload = bytes(self._buffer[body_start:body_end])
-        self._start = body_end
+        payload: bytes | memoryview
+        if self._checker is None:
+            payload = bytes(self._buffer[body_start:body_end])
+            self._start = body_end
+        else:
+            payload = self._checked_payload(self._checker, body_end)
         try:
             obj: object = msgpack.unpackb(
                 payload,
@@ -138,6 +151,17 @@ class FrameDecoder:
             # None is next_frame's "need more data"; no message is nil, so refusing it costs nothing.
             self._die(MalformedFrame("frame payload is msgpack nil"))
         return obj
+
+    def _checked_payload(self, checker: FrameTagger, body_end: int) -> memoryview:
+        """The payload of the frame that ends at `body_end`, once its tag (right after it) checked out."""
+        frame = bytes(self._buffer[self._start : body_end])
+        tag = bytes(self._buffer[body_end : body_end + TAG_NBYTES])
+        self._start = body_end + TAG_NBYTES
+        try:
+            checker.check(frame, tag)
+        except FrameTagMismatch as exc:
+            self._die(exc)
+        return memoryview(frame)[HEADER_NBYTES:]
 
     def _die(self, error: ProtocolError, cause: BaseException | None = None) -> NoReturn:
         self._error = error

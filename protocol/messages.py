@@ -59,7 +59,7 @@ __all__ = [
     "encode_message",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # PullRequest.key_kind: what key_id names at the owner.
 KEY_REQ = 1  # key_id is a req_id

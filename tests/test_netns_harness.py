@@ -94,6 +94,22 @@ def test_drop_link_cuts_and_restore_link_heals(pair: HostPair) -> None:
     assert a.run(TRY_CONNECT, ip=pair.ip_b, port=port) == "connected"
 
 
+def test_an_added_address_is_routed_both_ways_and_survives_a_dropped_link(pair: HostPair) -> None:
+    a, b = pair.host("a"), pair.host("b")
+    extra = pair.add_address("b")
+    assert extra not in (pair.ip_a, pair.ip_b)
+    port = a.run(LISTEN, ip=pair.ip_a)
+    connect_from = CONNECT.replace("timeout=5)", "timeout=5, source_address=(from_ip, 0))")
+    b.run(connect_from, ip=pair.ip_a, port=port, from_ip=extra, data=b"from")
+    assert a.run(ACCEPT_ECHO) == (b"from", extra)  # A sees B's second address
+    port_b = b.run(LISTEN, ip=extra)
+    a.run(CONNECT, ip=extra, port=port_b, data=b"to")
+    assert b.run(ACCEPT_ECHO) == (b"to", pair.ip_a)
+    pair.drop_link()
+    pair.restore_link()
+    assert a.run(TRY_CONNECT, ip=extra, port=port_b) == "connected"
+
+
 def test_state_env_and_errors(pair: HostPair, _runtime_dir: object) -> None:
     host = pair.host("a", env={"LLM_DATADIST_SECRET": "s3cret"})
     assert host.pid != os.getpid()

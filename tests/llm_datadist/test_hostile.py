@@ -39,6 +39,7 @@ from llm_datadist import (
     _auth,
 )
 from llm_datadist._protocol.frames import DEFAULT_MAX_FRAME_NBYTES, FrameDecoder, encode_frame
+from llm_datadist._protocol.integrity import FrameTagger, derive_frame_keys
 from llm_datadist._protocol.messages import (
     KEY_BLOCKS,
     KEY_CACHE_ID,
@@ -526,13 +527,16 @@ raw_payloads = st.one_of(
 class _Conn:
     """A raw client socket that speaks frames by hand, so it can send what a ClientLink never would.
     `where` is the owner's Unix socket, or its TCP (ip, port): a TCP server speaks first, with the
-    Challenge whose nonce a Hello must prove the secret for (`challenge`). `held` is the leases the owner
-    granted it and it has not released."""
+    Challenge whose nonce a Hello must prove the secret for (`challenge`), and every frame after the Hello
+    carries its tag (`frames` adds them; the owner's after its Welcome are checked). `held` is the leases
+    the owner granted it and it has not released."""
 
     def __init__(self, where: str | tuple[str, int]) -> None:
         self.decoder = FrameDecoder()
         self.held: set[int] = set()
         self.challenge = b""
+        self._tagger: FrameTagger | None = None
+        self._welcome_checker: FrameTagger | None = None
         if not isinstance(where, str):
             self.sock = socket.create_connection(where, timeout=_WAIT_S)
             challenge = self.receive()
@@ -558,12 +562,30 @@ class _Conn:
         with contextlib.suppress(OSError):
             self.sock.sendall(data)
 
+    def send_hello(self, hello: Hello) -> None:
+        """Send `hello` (any fields); over TCP, key the frame tags from it as a real client does."""
+        self.send(encode_frame(hello.to_wire()))
+        if self.challenge:
+            keys = derive_frame_keys(SECRET.encode(), self.challenge, hello.nonce)
+            self._tagger, self._welcome_checker = keys.taggers(client=True)
+
+    def frames(self, *frames: bytes) -> bytes:
+        """`frames` (whole frames, or whatever bytes stand for one) as sent after the Hello: each followed by
+        its tag over TCP, as they are over a Unix socket."""
+        tagger = self._tagger
+        if tagger is None:
+            return b"".join(frames)
+        return b"".join(frame + tagger.tag(frame) for frame in frames)
+
     def receive(self) -> Message | None:
         """The owner's next message; None once it closed the connection (at a frame boundary)."""
         while True:
             payload = self.decoder.next_frame()
             if payload is not None:
-                return decode_message(payload)
+                msg = decode_message(payload)
+                if isinstance(msg, Welcome) and self._welcome_checker is not None:
+                    self.decoder.expect_tags(self._welcome_checker)  # the owner tags what follows
+                return msg
             try:
                 data = self.sock.recv(65536)
             except ConnectionResetError:
@@ -800,7 +822,7 @@ class _Owner:
         hello = Hello(PROTOCOL_VERSION, 66, P, 2, _MY_PID, 66)
         if conn.challenge:
             hello = _signed(conn.challenge, replace(hello, nonce=b"c" * 32, engine="127.0.0.1:1"))
-        conn.send(encode_frame(hello.to_wire()))
+        conn.send_hello(hello)
         welcome = conn.receive()
         assert isinstance(welcome, Welcome) and welcome.pid == self.peer.pid, welcome
         self.conns.append(conn)
@@ -809,7 +831,7 @@ class _Owner:
     def exchange(self, conn: _Conn, messages: list[Message]) -> None:
         """Send `messages` in one write and check each answer (or the close) against the protocol and the
         leases `conn` holds."""
-        conn.send(b"".join(encode_frame(m.to_wire()) for m in messages))
+        conn.send(conn.frames(*(encode_frame(m.to_wire()) for m in messages)))
         for msg in messages:
             self.sent[type(msg).__name__] += 1
             if isinstance(msg, Release):
@@ -861,7 +883,7 @@ class _Owner:
     def sync(self) -> None:
         """Every open hostile connection is still served, and the owner holds exactly their leases."""
         for conn in self.conns:
-            conn.send(encode_frame(Ping(7).to_wire()))
+            conn.send(conn.frames(encode_frame(Ping(7).to_wire())))
             assert conn.receive() == Pong(7)
         self.settle_leases(sum(len(conn.held) for conn in self.conns))
 
@@ -1004,7 +1026,12 @@ def _malformed(owner: _Owner, conn: _Conn, data: st.DataObject, v: _View) -> Non
     ping_first = data.draw(st.booleans())
     owner.sent["malformed"] += 1
     # Valid requests in the same write are answered before the bad frame ends the connection.
-    conn.send((encode_frame(Ping(3).to_wire()) if ping_first else b"") + frame)
+    pings = [encode_frame(Ping(3).to_wire())] if ping_first else []
+    # Over TCP, the bad frame behind a good tag (the owner parses it) or a tag that is wrong.
+    if conn.challenge and data.draw(st.booleans(), label="wrong tag"):
+        conn.send(conn.frames(*pings) + frame + bytes(16))
+    else:
+        conn.send(conn.frames(*pings, frame))
     if then_eof:
         with contextlib.suppress(OSError):
             conn.sock.shutdown(socket.SHUT_WR)
@@ -1030,7 +1057,7 @@ def _hostile_connect(owner: _Owner, data: st.DataObject) -> None:
                 hello = replace(hello, nonce=hello.nonce or b"n" * 32, engine=hello.engine or "127.0.0.1:1")
             hello = _signed(conn.challenge, hello)
         owner.sent["Hello"] += 1
-        conn.send(encode_frame(hello.to_wire()))
+        conn.send_hello(hello)
         reply = conn.receive()
         owner.answers[f"Hello->{type(reply).__name__}"] += 1
         if _hello_ok(hello, conn.challenge):
@@ -1068,7 +1095,7 @@ def _vanish(owner: _Owner, conn: _Conn, data: st.DataObject) -> None:
     """Close a connection the way a peer might: politely, abruptly, or in the middle of a frame."""
     how = data.draw(st.sampled_from(["close", "bye", "half frame", "shutdown"]), label="vanish")
     if how == "bye":
-        conn.send(encode_frame(Bye("done").to_wire()))
+        conn.send(conn.frames(encode_frame(Bye("done").to_wire())))
     elif how == "half frame":
         conn.send(encode_frame(Ping(1).to_wire())[:5])
     elif how == "shutdown":

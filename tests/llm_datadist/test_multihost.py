@@ -584,19 +584,22 @@ import os, socket
 from llm_datadist import _auth
 from llm_datadist._protocol.connection import Closed, Connection, ConnRole
 from llm_datadist._protocol.frames import encode_frame
+from llm_datadist._protocol.integrity import derive_frame_keys
 from llm_datadist._protocol.messages import (
     PROTOCOL_VERSION, KEY_REQ, AddressRequest, Addresses, Challenge, Error, Hello, Ping, Pong,
     PullGrant, PullRequest, Table, TableRequest, Welcome,
 )
 
 class Peer:
-    '''A client that proves the secret, then sends whatever it likes.'''
+    '''A client that proves the secret, then sends whatever it likes (`send_raw`: any bytes as its
+    first frame after the handshake, with the tag they need to get past the check).'''
 
     def __init__(self):
         self.sock = socket.create_connection((ip, port), timeout=5)
-        self.conn = Connection(ConnRole.CLIENT, challenge=True)
+        self.conn = Connection(ConnRole.CLIENT, challenge=True, secret=secret.encode())
         challenge = self.receive()
         nonce = os.urandom(32)
+        self.tagger, _ = derive_frame_keys(secret.encode(), challenge.nonce, nonce).taggers(client=True)
         me = (66, 1, "10.0.0.9:1")
         proof = _auth.client_proof(secret.encode(), challenge.nonce, nonce, me, prompt_id)
         self.send(Hello(PROTOCOL_VERSION, 66, prompt_id, 2, 4242, 1, nonce, proof, "10.0.0.9:1"))
@@ -605,6 +608,9 @@ class Peer:
 
     def send(self, msg):
         self.sock.sendall(self.conn.send(msg))
+
+    def send_raw(self, frame):
+        self.sock.sendall(frame + self.tagger.tag(frame))
 
     def receive(self):
         while True:
@@ -654,9 +660,15 @@ answers.append(type(grant).__name__)
 peer.send(AddressRequest(5, (grant.segment,)))
 answers.append(type(peer.receive()).__name__)
 peer.sock.close()
-# Garbage after the handshake: that connection is closed, the server goes on.
+# Garbage after the handshake, with a good tag: that connection is closed, the server goes on.
 peer = Peer()
-peer.sock.sendall(b"\\x00\\x00\\x00\\x05" + b"\\xc1" * 5)
+peer.send_raw(b"\\x00\\x00\\x00\\x05" + b"\\xc1" * 5)
+answers.append(peer.closed())
+# A request whose tag was changed on the way: closed.
+peer = Peer()
+frame = bytearray(peer.conn.send(Ping(1)))
+frame[-1] ^= 1
+peer.sock.sendall(frame)
 answers.append(peer.closed())
 # A frame over the limit even for a proven peer: closed before its body is read.
 peer = Peer()
@@ -664,12 +676,12 @@ peer.sock.sendall((2 << 20).to_bytes(4, "big") + b"\\x90" * 64)
 answers.append(peer.closed())
 # A message only a server sends: closed.
 peer = Peer()
-peer.sock.sendall(encode_frame(Pong(1).to_wire()))
+peer.send_raw(encode_frame(Pong(1).to_wire()))
 answers.append(peer.closed())
 result = answers
 """,
     )
-    assert result == ["Error", "Error", "PullGrant", "Addresses", True, True, True]
+    assert result == ["Error", "Error", "PullGrant", "Addresses", True, True, True, True]
     # The owner still serves: the key the dropped connection was granted came back, and the real
     # Decoder pulls both requests.
     pulled = decoder.run(

@@ -54,6 +54,7 @@ REQUEST = PullRequest(1, KEY_REQ, 7, 0, 0, 0, 3, True, 4097, 0, True)
 GRANT = PullGrant(1, 99, "/llmdd_seg", 3 * 4097, (0, 4097, 8194), 4097)
 DONE = PullDone(1, 99, True)
 LINK_FAILED = -1  # any I64 status code; the real LLMStatusCode values live in llm_datadist
+SECRET = b"the-secret-of-these-tests"  # what a TCP connection keys its frame tags from
 
 ONE_OF_EACH: dict[type[Message], Message] = {
     Hello: HELLO,
@@ -256,8 +257,9 @@ def _at_phase(role: ConnRole, phase: ConnPhase) -> Connection:
     """A connection of `role` that has reached `phase` through a real exchange (a TCP one for
     AWAIT_CHALLENGE, which only TCP connections start in)."""
     challenge = phase is ConnPhase.AWAIT_CHALLENGE
-    client = Connection(ConnRole.CLIENT, challenge=challenge)
-    server = Connection(ConnRole.SERVER, challenge=challenge)
+    secret = SECRET if challenge else None
+    client = Connection(ConnRole.CLIENT, challenge=challenge, secret=secret)
+    server = Connection(ConnRole.SERVER, challenge=challenge, secret=secret)
     if phase not in (ConnPhase.AWAIT_HELLO, ConnPhase.AWAIT_CHALLENGE):
         deliver(client.send(HELLO), server)
     if phase is ConnPhase.READY:
@@ -324,7 +326,7 @@ def test_sendable_tables_as_specified() -> None:
     }
     assert SENDABLE[(c, ConnPhase.AWAIT_HELLO)] == {Hello}
     assert SENDABLE[(s, ConnPhase.AWAIT_WELCOME)] == {Welcome, Error}
-    assert SENDABLE[(s, ConnPhase.AWAIT_HELLO)] == set()
+    assert SENDABLE[(s, ConnPhase.AWAIT_HELLO)] == {Error}
     assert SENDABLE[(s, ConnPhase.AWAIT_CHALLENGE)] == {Challenge, Error}
     assert SENDABLE[(c, ConnPhase.AWAIT_CHALLENGE)] == {Bye}
     every_type = set().union(*SENDABLE.values())
@@ -332,8 +334,8 @@ def test_sendable_tables_as_specified() -> None:
 
 
 def test_tcp_handshake_starts_with_the_challenge() -> None:
-    client = Connection(ConnRole.CLIENT, challenge=True)
-    server = Connection(ConnRole.SERVER, challenge=True, max_frame_nbytes=4096)
+    client = Connection(ConnRole.CLIENT, challenge=True, secret=SECRET)
+    server = Connection(ConnRole.SERVER, challenge=True, secret=SECRET, max_frame_nbytes=4096)
     with pytest.raises(LocalProtocolError):
         client.send(HELLO)  # not before the challenge
     challenge = Challenge(PROTOCOL_VERSION, b"n" * 16)
@@ -346,31 +348,31 @@ def test_tcp_handshake_starts_with_the_challenge() -> None:
 
 
 def test_hello_before_the_challenge_fails_a_tcp_server() -> None:
-    server = Connection(ConnRole.SERVER, challenge=True)
+    server = Connection(ConnRole.SERVER, challenge=True, secret=SECRET)
     server.receive_data(raw(HELLO.to_wire()))
     with pytest.raises(RemoteProtocolError, match="Hello"):
         server.next_event()
 
 
 def test_a_refused_challenge_closes_the_client() -> None:
-    client = Connection(ConnRole.CLIENT, challenge=True)
+    client = Connection(ConnRole.CLIENT, challenge=True, secret=SECRET)
     error = Error(0, LINK_FAILED, "too many unauthenticated connections")
     assert deliver(raw(error.to_wire()), client) == [error, Closed(error.message)]
 
 
 def test_frame_limit_is_lifted_once_not_lowered() -> None:
-    server = Connection(ConnRole.SERVER, challenge=True, max_frame_nbytes=4096)
+    server = Connection(ConnRole.SERVER, challenge=True, secret=SECRET, max_frame_nbytes=4096)
     big = Hello(PROTOCOL_VERSION, 11, 22, 2, 4242, 1, b"c" * 16, b"p" * 32, "x" * 128)
     server.raise_frame_limit(100)
     assert server.max_frame_nbytes == 4096
     server.send(Challenge(PROTOCOL_VERSION, b"n" * 16))
     frame = raw(big.to_wire())
-    small = Connection(ConnRole.SERVER, challenge=True, max_frame_nbytes=64)
+    small = Connection(ConnRole.SERVER, challenge=True, secret=SECRET, max_frame_nbytes=64)
     small.send(Challenge(PROTOCOL_VERSION, b"n" * 16))
     small.receive_data(frame)
     with pytest.raises(RemoteProtocolError, match="limit"):
         small.next_event()
-    lifted = Connection(ConnRole.SERVER, challenge=True, max_frame_nbytes=64)
+    lifted = Connection(ConnRole.SERVER, challenge=True, secret=SECRET, max_frame_nbytes=64)
     lifted.send(Challenge(PROTOCOL_VERSION, b"n" * 16))
     lifted.raise_frame_limit(1 << 20)
     assert deliver(frame, lifted) == [big]

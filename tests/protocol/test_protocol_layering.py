@@ -61,10 +61,12 @@ def test_each_module_opens_with_a_docstring() -> None:
 def test_package_face() -> None:
     # In a fresh interpreter rooted at the repository, so the real package (not tests/protocol) is imported.
     code = (
-        "import protocol, protocol.connection, protocol.errors, protocol.frames, protocol.messages\n"
+        "import protocol, protocol.connection, protocol.errors, protocol.frames, protocol.integrity\n"
+        "import protocol.messages\n"
         "names = set(protocol.__all__)\n"
         "declared = set()\n"
-        "for mod in (protocol.connection, protocol.errors, protocol.frames, protocol.messages):\n"
+        "for mod in (protocol.connection, protocol.errors, protocol.frames, protocol.integrity,\n"
+        "            protocol.messages):\n"
         "    declared |= set(mod.__all__)\n"
         "    assert all(hasattr(mod, n) for n in mod.__all__), mod.__name__\n"
         "missing = declared - names - {'FieldCheck', 'I64', 'U32', 'U64', 'MAX_SEGMENT_NAME_CHARS',\n"

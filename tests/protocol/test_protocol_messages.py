@@ -244,7 +244,7 @@ def test_registry_is_complete() -> None:
         15,
     ]
     assert {type(msg) for msg in VALID} == set(MESSAGE_TYPES.values())
-    assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 4)
+    assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 5)
 
 
 @pytest.mark.parametrize("msg", VALID, ids=lambda m: type(m).__name__)
