@@ -298,14 +298,14 @@ class Core(ServerHooks):
         if not link.peer.remote:  # a pid on another host says nothing about this one
             self._clean_up_after(link.peer.pid)
 
-    def _clean_up_after(self, pid: int) -> None:
+    def _clean_up_after(self, pid: int, watch_until: float | None = None) -> None:
         """When a peer's connection ends and the peer is dead, remove what it left: its segments (the
         reaper checks every owner's pid and start time itself) and sockets nobody serves any more. A peer
         still exiting (its sockets close before it is gone) is looked at again at housekeeping, for a
         while."""
         if _process_alive(pid):
             with self._departed_lock:
-                self._departed[pid] = time.monotonic() + _DEPARTED_WATCH_S
+                self._departed[pid] = watch_until or time.monotonic() + _DEPARTED_WATCH_S
             return
         reaped = reap()
         stale = remove_stale_sockets()
@@ -335,7 +335,7 @@ class Core(ServerHooks):
                 departed, self._departed = self._departed, {}
             for pid, until in departed.items():
                 if now < until:
-                    self._clean_up_after(pid)  # looks again later if it still lives
+                    self._clean_up_after(pid, until)  # looks again later if it still lives
 
     def peer_gone(self, peer: PeerInfo) -> None:
         if not peer.remote:

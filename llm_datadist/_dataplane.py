@@ -239,7 +239,8 @@ def unpin(link: RowHolder, index: Index, *, ok: bool) -> None:
         link.fail("the peer took back our pin")
         raise StatusError(
             LLMStatusCode.LLM_LINK_FAILED,
-            f"cluster {link.peer.cluster_id} revoked the pin before the transfer ended (it was finalizing)",
+            f"cluster {link.peer.cluster_id} took back the pin before the transfer ended (it finalized, or "
+            "its index was damaged and repaired)",
         )
 
 
