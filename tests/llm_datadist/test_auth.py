@@ -7,7 +7,6 @@ another, and whose refusals make one log line per address and interval."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing
 import os
 import selectors
@@ -30,7 +29,7 @@ from llm_datadist._protocol.frames import encode_frame
 from llm_datadist._protocol.messages import PROTOCOL_VERSION, Challenge, Error, Hello, Message, Ping, Pong
 from llm_datadist._transport import ClientLink, Server, ServerHooks
 from llm_datadist.status import LLMStatusCode
-from llm_datadist.utils.log import log
+from tests._logs import warning_lines
 
 SECRET = b"sixteen-bytes-at-least"
 
@@ -459,32 +458,9 @@ def test_no_secret_no_tcp_listener() -> None:
         table.close()
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@contextlib.contextmanager
-def _warnings() -> Iterator[_Warnings]:
-    """The library's WARNING lines while inside (its logger says only errors unless configured)."""
-    handler = _Warnings()
-    level = log.level
-    log.setLevel(logging.WARNING)
-    log.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-
-
 def test_refusals_make_one_line_per_address_and_interval(patient_server: tuple[Server, int]) -> None:
     _, port = patient_server
-    with _warnings() as warnings:
+    with warning_lines() as warnings:
         started = time.monotonic()
         flood = [_challenged(port, "127.0.0.8") for _ in range(AdmissionLimits().per_source)]
         for _ in range(100):

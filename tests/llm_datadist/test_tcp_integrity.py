@@ -6,7 +6,6 @@ another link to the same server is served on as if nothing happened."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import socket
 import threading
 import time
@@ -22,7 +21,7 @@ from llm_datadist._protocol.messages import Ping, Pong, PullGrant, PullRequest, 
 from llm_datadist._shm.pool import Pool
 from llm_datadist._transport import ClientLink, Server, ServerHooks
 from llm_datadist.status import LLMStatusCode
-from llm_datadist.utils.log import log
+from tests._logs import WarningLines, warning_lines
 
 SECRET = b"the-secret-of-the-integrity-test"
 OWNER = 1
@@ -101,26 +100,10 @@ class _Relay:
             thread.join(_WAIT_S)
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @pytest.fixture
-def warnings() -> Iterator[_Warnings]:
-    handler = _Warnings()
-    level = log.level
-    log.setLevel(logging.WARNING)
-    log.addHandler(handler)
-    try:
+def warnings() -> Iterator[WarningLines]:
+    with warning_lines() as handler:
         yield handler
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
 
 
 def _link(port: int, cluster_id: int) -> ClientLink:
@@ -165,7 +148,7 @@ def _wait_for_no_lease(table: CacheTable) -> None:
     [(C2S, "flip"), (C2S, "replay"), (C2S, "drop"), (S2C, "flip"), (S2C, "replay")],
 )
 def test_a_frame_changed_on_the_path_ends_only_that_connection(
-    direction: str, action: str, warnings: _Warnings
+    direction: str, action: str, warnings: WarningLines
 ) -> None:
     table = CacheTable({1: Pool(capacity_nbytes=1 << 20)}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
     table.allocate(num_tensors=2, tensor_nbytes=3333, batch_size=1, keys=[(KEY_REQ, 1, 0)])
