@@ -245,3 +245,58 @@ def finalize_during_pull(owner_id: int, port: int, transfer: Transfer) -> tuple[
             process.kill()
             process.join(10)
         pipe.close()
+
+
+def _pusher_main(pipe: Connection, port: int, num_tensors: int, shape: tuple[int, ...], point: str) -> None:
+    """A v1 Prompt that listens at `port`, waits for the Decoder to link and send its destination addresses,
+    then pushes a cache of PUSHED bytes layer by layer (`transfer_cache_async`), stopping itself at `point`
+    of the first layer's push; reports the task's results."""
+    from llm_datadist import LayerSynchronizer, TransferConfig, _faults
+
+    class _Go(LayerSynchronizer):
+        def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+            return True
+
+    datadist = LLMDataDist(LLMRole.PROMPT, 1)
+    config = LLMConfig()
+    config.device_id = 0
+    config.listen_ip_info = f"127.0.0.1:{port}"
+    config.sync_kv_timeout = 20_000
+    datadist.init(config.generate_options())
+    manager = datadist.kv_cache_manager
+    cache = manager.allocate_cache(CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16))
+    for view in _views(cache):
+        view[:] = 0x33
+    pipe.send(("up",))
+    if not pipe.poll(CALL_TIMEOUT_S):
+        return
+    addrs = pipe.recv()
+    stopped = [False]
+
+    def stop_at(reached: str) -> None:
+        if reached == point and not stopped[0]:
+            stopped[0] = True
+            pipe.send(("at", reached))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    _faults.hook = stop_at
+    task = manager.transfer_cache_async(cache, _Go(), [TransferConfig(2, addrs)])
+    task.synchronize(int(CALL_TIMEOUT_S * 1000))
+    _faults.hook = None
+    pipe.send(("done", [None if code is None else int(code) for code in task.get_results(1000)]))
+    if pipe.poll(CALL_TIMEOUT_S):
+        pipe.recv()
+    datadist.finalize()
+
+
+class PusherPeer(FaultPeer):
+    """`_pusher_main` in a child (the FaultPeer's pipe, wait and signal helpers)."""
+
+    def __init__(self, port: int, num_tensors: int, shape: tuple[int, ...], point: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.pipe, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_pusher_main, args=(child, port, num_tensors, shape, point), daemon=True
+        )
+        self.process.start()
+        child.close()

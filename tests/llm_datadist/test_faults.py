@@ -339,3 +339,65 @@ def test_a_decoder_that_finalizes_while_another_thread_pulls_waits_for_it(
         _no_leak(owner)  # the key went with the pull that consumed it
     finally:
         owner.finalize()
+
+
+@pytest.mark.parametrize("point", ["pinned", "copied"])
+@pytest.mark.parametrize("fault", ["reuse", "finalize"])
+def test_a_v1_push_never_lands_in_reused_memory(point: str, fault: str, port: int) -> None:
+    """v1 `transfer_cache_async`: the Prompt (a child) stops after the Decoder (this process) granted its
+    push into a cache, or after its copy; the Decoder frees that cache and fills its whole pool with new
+    caches of other bytes, or finalizes. The freed cache's memory is not reused while the push holds it:
+    every new cache keeps its bytes, and a finalize waits for the push (resumed meanwhile)."""
+    from tests._fault_peer import PusherPeer
+
+    tensors, shape = 2, (1, 2048)
+    decoder = LLMDataDist(LLMRole.DECODER, 2)
+    config = LLMConfig()
+    config.device_id = 0
+    config.sync_kv_timeout = 20_000
+    options = dict(config.generate_options())
+    options.update({"ge.flowGraphMemMaxSize": str(4 * tensors * 4096), "llm.MemoryUtilization": "1.0"})
+    decoder.init(options)
+    peer = PusherPeer(port, tensors, shape, point)
+    finalized = False
+    try:
+        assert peer.expect("up") == ()
+        info = LLMClusterInfo()
+        info.remote_cluster_id = OWNER_ID
+        info.append_remote_ip_info("127.0.0.1", port)
+        ret, _ = decoder.link_clusters([info], timeout=20_000)
+        assert ret == LLMStatusCode.LLM_SUCCESS
+        manager = decoder.kv_cache_manager
+        target = manager.allocate_cache(CacheDesc(tensors, list(shape), DataType.DT_FLOAT16))
+        peer.pipe.send(list(target.per_device_tensor_addrs[0]))
+        assert peer.expect("at") == (point,)
+        peer.wait_stopped()
+        if fault == "finalize":
+            threading.Timer(0.2, peer.resume).start()
+            decoder.finalize()  # waits for the push it granted
+            finalized = True
+            (results,) = peer.expect("done")
+            assert results == [int(LLMStatusCode.LLM_SUCCESS)], results
+            return
+        manager.deallocate_cache(target)
+        reused = []
+        with pytest.raises(LLMException):
+            for _ in range(8):
+                cache = manager.allocate_cache(CacheDesc(tensors, list(shape), DataType.DT_FLOAT16))
+                _fill(cache, REUSED)
+                reused.append(cache)
+        peer.resume()
+        (results,) = peer.expect("done")
+        assert results == [int(LLMStatusCode.LLM_SUCCESS)], results
+        for cache in reused:
+            addrs = cache.per_device_tensor_addrs[0]
+            assert all(set(ctypes.string_at(addr, 4096)) == {REUSED} for addr in addrs), (
+                "a push landed in reused memory"
+            )
+            manager.deallocate_cache(cache)
+        peer.close()  # its connection (and row) ends with it
+        _no_leak(decoder)
+    finally:
+        peer.close()
+        if not finalized:
+            decoder.finalize()
