@@ -50,7 +50,7 @@ from llm_datadist._protocol.messages import (
 from llm_datadist._shm.copyplan import BlockPlan, Run, StridedCopy, block_runs, plan_tensor_copy
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.generations import read_generation
-from llm_datadist._shm.index import CACHE_REMOTE, CACHE_WITHDRAWN, STATE_OPEN, Index
+from llm_datadist._shm.index import CACHE_REMOTE, CACHE_WITHDRAWN, FLAG_CACHES_UNPUBLISHED, STATE_OPEN, Index
 from llm_datadist._shm.names import parse_segment_name
 from llm_datadist._shm.pool import Pool
 from llm_datadist._shm.reaper import reap
@@ -61,15 +61,13 @@ from ._comm import Comms
 from ._copy import Copier, address_view, vm_columns
 from ._dataplane import Pin, PinRequest, peer_index, raise_index_error, settle_owed, unpin
 from ._dataplane import pin as dataplane_pin
-from ._engine import (
-    FLAG_CACHES_UNPUBLISHED,
-    KEY_BLOCKS,
-    KEY_CACHE_ID,
-    SERVER_LOCK_TIMEOUT_S,
-    CacheRecord,
-    CacheTable,
-)
 from ._errors import PeerGone, StatusError
+from ._keys import KEY_BLOCKS, KEY_CACHE_ID
+from ._owner.leases import Leases
+from ._owner.mirror import SERVER_LOCK_TIMEOUT_S
+from ._owner.records import CacheRecord
+from ._owner.service import CacheService, NodeHooks
+from ._owner.table import CacheTable
 from ._remote import MissingExtra, RemoteEngine, engine_available, shared_engine
 from ._runtime import (
     ensure_runtime_dir,
@@ -79,7 +77,7 @@ from ._runtime import (
     socket_path_in_runtime,
 )
 from ._settings import Settings
-from ._transport import ClientLink, PeerInfo, Server, ServerHooks
+from ._transport import ClientLink, PeerInfo, Server
 from ._vm import (
     FEW_RUNS,
     PreparedRuns,
@@ -149,7 +147,7 @@ class PullSpec:
     dst_base_offset: int
 
 
-class Core(ServerHooks):
+class Core(NodeHooks):
     """All the state and resources of one initialised instance.
 
     Every instance serves on a private callback socket (`llmdd-<cluster id>-<pid>.sock` in the runtime
@@ -186,6 +184,7 @@ class Core(ServerHooks):
             incarnation=self.incarnation,
             lock_timeout_s=max(settings.sync_kv_timeout_ms / 1000.0, 0.1),
         )
+        self.leases = Leases(self.table)
         # Across hosts: the shared secret (or why there is none), the transfer engine once started, the
         # memory this instance registered with it (address -> nbytes), our TCP listeners.
         self._secret: bytes | None = None
@@ -225,8 +224,7 @@ class Core(ServerHooks):
         self.server = Server(
             cluster_id=settings.cluster_id,
             role=int(self.role),
-            table=self.table,
-            hooks=self,
+            service=CacheService(self.leases, self),
             incarnation=self.incarnation,
             secret=self._secret,
         )
@@ -990,7 +988,7 @@ class Core(ServerHooks):
         """Mark a layer-wise transfer into these clusters: their pulls from us (asked or through our
         index) get LLM_LINK_BUSY until the matching `stop_pushing`. Refused, with the cluster that is
         pulling from us now, when one is: checked and marked under the index lock, so no pin slips in."""
-        busy = self.table.start_push(cluster_ids, self.server.conns_of)
+        busy = self.leases.start_push(cluster_ids, self.server.conns_of)
         if busy is not None:
             return busy
         with self._links_lock:
@@ -999,7 +997,7 @@ class Core(ServerHooks):
         return None
 
     def stop_pushing(self, cluster_ids: set[int]) -> None:
-        self.table.end_push(cluster_ids)
+        self.leases.end_push(cluster_ids)
         with self._links_lock:
             for cluster_id in cluster_ids:
                 self._pushing[cluster_id] -= 1
@@ -1534,6 +1532,7 @@ class Core(ServerHooks):
         if self._engine is not None:
             # A transfer that outlived its call may still write into our pool: not before it ended.
             self._engine.drain()
+        self.leases.close()
         self.table.close()
         with self._remote_lock:
             exposed, self._exposed = self._exposed, {}

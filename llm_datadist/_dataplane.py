@@ -1,5 +1,5 @@
 """The puller's side of the published index: resolve, pin, consume and unpin in the owner's index with no
-message to the owner (see `llm_datadist._shm.index` for the layout and `_engine.CacheTable` for the owner).
+message to the owner (see `llm_datadist._shm.index` for the layout and `_owner` for the owner).
 
 Rules: the caller holds its link exclusively, so one pin at a time goes through the link's row. Every
 check the owner makes on a pull request is made here, with the same status codes; whatever the index says
@@ -19,6 +19,7 @@ from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.index import (
     CACHE_PENDING,
     CACHE_WITHDRAWN,
+    FLAG_UNPUBLISHED,
     KIND_BLOCKS,
     KIND_CACHE,
     KIND_SLOT,
@@ -30,8 +31,8 @@ from llm_datadist._shm.index import (
 )
 
 from . import _unpins
-from ._engine import (
-    FLAG_UNPUBLISHED,
+from ._errors import StatusError
+from ._keys import (
     KEY_BLOCKS,
     KEY_CACHE_ID,
     KEY_REQ,
@@ -42,7 +43,6 @@ from ._engine import (
     not_found,
     registered_for_v1,
 )
-from ._errors import StatusError
 from ._transport import ClientLink, PeerInfo
 from .status import LLMStatusCode
 

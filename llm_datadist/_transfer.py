@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from llm_datadist._shm.copyplan import Run, plan_block_copy
 
-from ._engine import CacheRecord
 from ._errors import api_errors
+from ._owner.records import CacheRecord
 from ._validate import check_index_lists, check_isinstance, check_range_step1, check_uint32, check_uint64
 from .status import LLMStatusCode, make_error, raise_if_true
 from .v2.llm_types import U64_MAX, CacheKey, LayerSynchronizer, TransferConfig
@@ -176,7 +176,7 @@ def start_transfer(
                 break
             if time.monotonic() >= deadline:
                 raise make_error(api, LLMStatusCode.LLM_LINK_BUSY, f"cluster {busy} is pulling from us")
-            core.table.wait_for_lease_end(min(0.05, max(deadline - time.monotonic(), 0.0)))
+            core.leases.wait_for_end(min(0.05, max(deadline - time.monotonic(), 0.0)))
     except BaseException:
         core.table.unpin(pinned)
         raise

@@ -26,37 +26,25 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 from llm_datadist._protocol.connection import Closed, Connection, ConnRole, ConnState
 from llm_datadist._protocol.errors import ProtocolError
 from llm_datadist._protocol.frames import DEFAULT_MAX_FRAME_NBYTES
 from llm_datadist._protocol.messages import (
-    MAX_TABLE_ENTRIES,
     PROTOCOL_VERSION,
     Ack,
-    Addresses,
-    AddressRequest,
     Announce,
-    BlocksGrant,
-    BlocksRequest,
     Bye,
     Challenge,
     Error,
     Hello,
-    Location,
     Message,
     Ping,
     Pong,
     PullDone,
-    PullGrant,
-    PullRequest,
     Release,
-    ResolveRequest,
-    Table,
-    TableRequest,
     Welcome,
-    WriteGrant,
-    WriteRequest,
 )
 from llm_datadist._shm.index import Index
 from llm_datadist._shm.mappings import MappingCache
@@ -64,9 +52,7 @@ from llm_datadist._shm.segment import Segment
 
 from . import _auth, _unpins
 from ._admission import AdmissionLimits, Refusal, RefusalLog, make_room
-from ._engine import CacheTable
 from ._errors import IndexBusy, PeerGone, StatusError, TransferTimeout
-from ._rows import Holder
 from ._runtime import TEMP_SOCKET_PREFIX, remove_stale_socket
 from .status import LLMStatusCode, code_2_status
 from .utils.log import log
@@ -160,7 +146,6 @@ class _ServerConn:
         self.peer: PeerInfo | None = None
         self.accepted_at = time.monotonic()
         self.handling = "its traffic"  # the message being handled, for the log when handling fails
-        self.holder = Holder(0, -1)  # the peer's process (on this host), which its pins belong to
         # Messages that wait, in order, for the index lock (the first one found it busy).
         self.parked: deque[Message] = deque()
         # This side ended the link while the peer held leases: nothing but their releases is served until
@@ -168,41 +153,70 @@ class _ServerConn:
         self.draining = ""
 
 
-class ServerHooks:
-    """What the server asks of its owner; the defaults serve a plain cache table."""
+class Service(Protocol):
+    """What the server hands a linked peer's requests to (the owner's `_owner.service.CacheService`).
+    `conn` is the server's token for one connection: the same object for all of its calls."""
 
-    # Held while a pull is checked against `is_pushing_to` and granted, so that a transfer that starts
-    # pushing (under the same gate) never overlaps a pull granted in between.
-    pull_gate: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
-
-    def is_pushing_to(self, cluster_id: int) -> bool:
-        """True while this process pushes into `cluster_id`'s memory (a pull on that link is then busy)."""
-        return False
-
-    def peer_gone(self, peer: PeerInfo) -> None:
-        """Called on the server thread after a linked peer's connection closed."""
-
-    def housekeeping(self) -> None:
-        """Called on the server thread about twice a second (and never per message)."""
-
-    def peer_linked(self, peer: PeerInfo) -> None:
-        """Called on the server thread when a peer completed its handshake."""
+    def admit(self, conn: object, peer: PeerInfo) -> tuple[str, int, int]:
+        """A peer on this host linked: (index name, row, ticket) for its Welcome ("" : no index row)."""
+        ...
 
     def serve_remote(self, local_ip: str) -> str:
-        """A peer on another host proved itself (it reached us at `local_ip`): our transfer engine's address
-        for its Welcome (started on first use). StatusError when this side cannot move bytes across hosts
-        (the peer is told why)."""
-        raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "this side serves no peers on other hosts")
+        """A peer on another host proved itself at `local_ip`: our engine's address (StatusError: refused)."""
+        ...
 
-    def expose_ranges(self, addrs: tuple[int, ...], nbytes: int) -> None:
-        """Make [addr, addr + nbytes) of each of `addrs` (registered memory a remote peer was just granted)
-        reachable by our transfer engine; StatusError if it cannot be."""
-        raise StatusError(LLMStatusCode.LLM_FAILED, "no memory is served across hosts")
+    def answer(self, conn: object, peer: PeerInfo, msg: Message) -> Message:
+        """The reply to a request; StatusError becomes an Error reply, IndexBusy parks the request."""
+        ...
 
-    def segment_addresses(self, names: tuple[str, ...]) -> tuple[int, ...]:
-        """Where our segments `names` are mapped, registered with our transfer engine (a remote peer's
-        AddressRequest); StatusError for a name that is not one of our live segments."""
-        raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, "no segments are served across hosts")
+    def release(self, conn: object, lease_id: int, ok: bool) -> None:
+        """A one-way Release (IndexBusy: retried; StatusError: logged)."""
+        ...
+
+    def holds_leases(self, conn: object) -> bool: ...
+
+    def connection_ended(self, conn: object, released: frozenset[int]) -> None:
+        """The connection is gone; `released`: the leases its peer released well in messages never read."""
+        ...
+
+    def peer_linked(self, peer: PeerInfo) -> None: ...
+
+    def peer_gone(self, peer: PeerInfo) -> None: ...
+
+    def housekeeping(self) -> None:
+        """About twice a second, on the server thread."""
+        ...
+
+
+class _NoService:
+    """What a closed server refers to: nothing (the service refers back to its owner)."""
+
+    def admit(self, conn: object, peer: PeerInfo) -> tuple[str, int, int]:
+        return "", 0, 0
+
+    def serve_remote(self, local_ip: str) -> str:
+        raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "this side is closed")
+
+    def answer(self, conn: object, peer: PeerInfo, msg: Message) -> Message:
+        raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "this side is closed")
+
+    def release(self, conn: object, lease_id: int, ok: bool) -> None:
+        return None
+
+    def holds_leases(self, conn: object) -> bool:
+        return False
+
+    def connection_ended(self, conn: object, released: frozenset[int]) -> None:
+        return None
+
+    def peer_linked(self, peer: PeerInfo) -> None:
+        return None
+
+    def peer_gone(self, peer: PeerInfo) -> None:
+        return None
+
+    def housekeeping(self) -> None:
+        return None
 
 
 class Server:
@@ -213,8 +227,7 @@ class Server:
         *,
         cluster_id: int,
         role: int,
-        table: CacheTable,
-        hooks: ServerHooks | None = None,
+        service: Service,
         incarnation: int = 0,
         secret: bytes | None = None,
         admission: AdmissionLimits | None = None,
@@ -228,8 +241,7 @@ class Server:
         self.incarnation = incarnation
         # Why the server thread stopped serving, if it died (a bug): API calls report it at once.
         self.failure: str | None = None
-        self._table = table
-        self._hooks = hooks or ServerHooks()
+        self._service: Service = service
         self.handled = 0  # messages handled (read by tests: a pull through the index adds none)
         self._selector = selectors.DefaultSelector()
         self._listeners: dict[ListenAddr, socket.socket] = {}
@@ -377,7 +389,7 @@ class Server:
             conns = [
                 c for c in self._conns.values() if c.peer is not None and c.peer.cluster_id == cluster_id
             ]
-        return any(self._table.holds_leases(conn) for conn in conns)
+        return any(self._service.holds_leases(conn) for conn in conns)
 
     def close(self, timeout_s: float = 5.0, *, drain_s: float = 0.0) -> None:
         """Stop serving. With `drain_s`, first refuse new links and end every connection the way an unlink
@@ -414,7 +426,7 @@ class Server:
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
-        self._hooks = ServerHooks()  # the owner's hooks refer back to it: no cycle outlives the close
+        self._service = _NoService()  # the service refers back to its owner: no cycle outlives the close
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -497,7 +509,7 @@ class Server:
                 self._drop(sconn, "no handshake within the time limit")
         self._refusals.flush(now)
         try:
-            self._hooks.housekeeping()
+            self._service.housekeeping()
         except Exception:
             log.exception("server %d: housekeeping failed", self.cluster_id)
 
@@ -664,7 +676,7 @@ class Server:
             # One way: nothing to answer. A lease this connection does not hold is the peer's bug, and
             # releasing nothing is the only safe response.
             try:
-                self._table.release(msg.lease_id, ok=msg.ok, owner=sconn)
+                self._service.release(sconn, msg.lease_id, msg.ok)
             except IndexBusy:
                 raise
             except StatusError as exc:
@@ -693,156 +705,19 @@ class Server:
 
     def _drained(self, sconn: _ServerConn) -> None:
         """A draining connection whose last lease just ended closes now."""
-        if sconn.draining and not self._table.holds_leases(sconn):
+        if sconn.draining and not self._service.holds_leases(sconn):
             self._flush(sconn)
             self._drop(sconn, sconn.draining)
 
     def _answer(self, sconn: _ServerConn, peer: PeerInfo, msg: Message) -> Message:
         """The reply to one request of a linked peer; StatusError becomes an Error reply."""
-        if isinstance(msg, PullRequest | BlocksRequest):
-            with self._hooks.pull_gate:
-                if self._hooks.is_pushing_to(peer.cluster_id):
-                    raise StatusError(
-                        LLMStatusCode.LLM_LINK_BUSY, "a layer-wise transfer into this cluster is running"
-                    )
-                return self._answer_pull(sconn, msg)
-        return self._answer_other(sconn, peer, msg)
-
-    def _answer_pull(self, sconn: _ServerConn, msg: PullRequest | BlocksRequest) -> Message:
-        if isinstance(msg, PullRequest):
-            grant = self._table.resolve(
-                key_kind=msg.key_kind,
-                key_id=msg.key_id,
-                model_id=msg.model_id,
-                batch_index=msg.batch_index,
-                tensor_start=msg.tensor_start,
-                tensor_count=msg.tensor_count,
-                whole=msg.whole,
-                nbytes=msg.nbytes,
-                src_offset=msg.src_offset,
-                consume=msg.consume,
-                owner=sconn,
-            )
-            return PullGrant(
-                msg.seq,
-                grant.lease_id,
-                grant.segment_name,
-                grant.segment_nbytes,
-                grant.tensor_offsets,
-                grant.nbytes,
-            )
-        if isinstance(msg, BlocksRequest):
-            blocks = self._table.resolve_blocks(
-                model_id=msg.model_id,
-                tensor_start=msg.tensor_start,
-                tensor_count=msg.tensor_count,
-                whole=msg.whole,
-                owner=sconn,
-            )
-            return BlocksGrant(
-                msg.seq,
-                blocks.lease_id,
-                blocks.segment_name,
-                blocks.segment_nbytes,
-                blocks.tensor_offsets,
-                blocks.block_nbytes,
-                blocks.num_blocks,
-            )
-        raise AssertionError(f"not a pull: {type(msg).__name__}")
-
-    def _answer_other(self, sconn: _ServerConn, peer: PeerInfo, msg: Message) -> Message:
-        if isinstance(msg, WriteRequest):
-            write = self._table.resolve_write(addrs=msg.addrs, nbytes=msg.nbytes, owner=sconn)
-            return WriteGrant(
-                msg.seq,
-                write.lease_id,
-                write.segments,
-                write.segment_nbytes,
-                write.range_segments,
-                write.range_offsets,
-            )
-        if isinstance(msg, ResolveRequest):
-            loc = self._table.resolve_location(
-                key_kind=msg.key_kind,
-                key_id=msg.key_id,
-                model_id=msg.model_id,
-                batch_index=msg.batch_index,
-                tensor_start=msg.tensor_start,
-                tensor_count=msg.tensor_count,
-                whole=msg.whole,
-                consume=msg.consume and not msg.for_write,
-                owner=sconn,
-                for_write=msg.for_write,
-            )
-            if peer.remote and not loc.segment_name:
-                # Registered memory: its engine reaches it only once it is registered there.
-                try:
-                    self._hooks.expose_ranges(loc.tensor_bases, loc.unit_nbytes * loc.num_units)
-                except StatusError:
-                    self._table.release_soon(loc.lease_id, ok=False, owner=sconn)
-                    raise
-            return Location(
-                msg.seq,
-                loc.lease_id,
-                os.getpid(),
-                loc.segment_name,
-                loc.segment_nbytes,
-                loc.tensor_bases,
-                loc.unit_nbytes,
-                loc.num_units,
-                loc.slot,
-            )
-        if isinstance(msg, TableRequest):
-            return self._table_page(msg)
-        if isinstance(msg, PullDone):
-            self._table.release(msg.lease_id, ok=msg.ok, owner=sconn)
-            return Ack(msg.seq)
         if isinstance(msg, Announce):
             if peer.remote:
                 sconn.peer = replace(peer, callback_port=msg.tcp_port)
             else:
                 sconn.peer = replace(peer, callback=msg.callback)
             return Ack(msg.seq)
-        if isinstance(msg, AddressRequest):
-            if not peer.remote:
-                raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, "a peer on this host maps segments itself")
-            return Addresses(msg.seq, self._hooks.segment_addresses(msg.names))
-        raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"unexpected {type(msg).__name__}")
-
-    def _table_page(self, msg: TableRequest) -> Table:
-        """The page of the table that starts at cache id `msg.start_cache_id`: as many entries as fit in
-        `_TABLE_PAGE_NBYTES` and `MAX_TABLE_ENTRIES` (at least one), and where the next page starts."""
-        entries: list[tuple[object, ...]] = []
-        page_nbytes = 0
-        next_cache_id = 0
-        # Read before the entries: a change in between makes the reader refetch once more, never miss it.
-        version = self._table.table_version
-        for record, loc, model_ids in self._table.table(start_cache_id=msg.start_cache_id):
-            # msgpack needs at most 9 bytes an integer; the fixed fields and the segment name fit in 320.
-            entry_nbytes = 320 + 9 * (len(loc.tensor_bases) + len(model_ids))
-            if entries and (
-                len(entries) == MAX_TABLE_ENTRIES or page_nbytes + entry_nbytes > _TABLE_PAGE_NBYTES
-            ):
-                next_cache_id = record.cache_id
-                break
-            page_nbytes += entry_nbytes
-            entries.append(
-                (
-                    record.cache_id,
-                    record.is_blocks,
-                    model_ids,
-                    loc.segment_name,
-                    loc.segment_nbytes,
-                    loc.tensor_bases,
-                    loc.unit_nbytes,
-                    loc.num_units,
-                    record.gen_slot,
-                    record.generation,
-                )
-            )
-        return Table(
-            msg.seq, os.getpid(), self._table.generations_name, tuple(entries), next_cache_id, version
-        )
+        return self._service.answer(sconn, peer, msg)
 
     def _on_hello(self, sconn: _ServerConn, hello: Hello) -> None:
         if sconn.host:
@@ -865,22 +740,13 @@ class Server:
             self._refuse(sconn, reason)
             return
         sconn.peer = PeerInfo(hello.cluster_id, hello.role, hello.pid, hello.incarnation)
-        sconn.holder = Holder.of(sconn.pid)
         # A row of the published index to pin through; with none free the peer asks us instead.
-        row, ticket = self._table.assign_row(sconn, hello.incarnation, sconn.holder)
-        index = self._table.index.name if row >= 0 else ""
+        index, row, ticket = self._service.admit(sconn, sconn.peer)
         welcome = Welcome(
-            PROTOCOL_VERSION,
-            self.cluster_id,
-            self.role,
-            os.getpid(),
-            self.incarnation,
-            index,
-            max(row, 0),
-            ticket,
+            PROTOCOL_VERSION, self.cluster_id, self.role, os.getpid(), self.incarnation, index, row, ticket
         )
         self._send(sconn, welcome)
-        self._hooks.peer_linked(sconn.peer)
+        self._service.peer_linked(sconn.peer)
 
     def _on_tcp_hello(self, sconn: _ServerConn, hello: Hello) -> None:
         """A peer on another host: it proves it knows the secret before anything else is looked at; then
@@ -905,7 +771,7 @@ class Server:
             self._refuse(sconn, reason)
             return
         try:
-            engine = self._hooks.serve_remote(str(sconn.sock.getsockname()[0]))
+            engine = self._service.serve_remote(str(sconn.sock.getsockname()[0]))
         except StatusError as exc:
             self._refuse(sconn, exc.detail)
             return
@@ -936,7 +802,7 @@ class Server:
             sconn.host,
             hello.engine,
         )
-        self._hooks.peer_linked(sconn.peer)
+        self._service.peer_linked(sconn.peer)
 
     def _refuse(self, sconn: _ServerConn, reason: str, kind: Refusal = Refusal.HANDSHAKE) -> None:
         """Refuse a handshake: LLM_LINK_FAILED with the reason, then close. Logged at once for a peer on
@@ -992,7 +858,7 @@ class Server:
         fd = sconn.sock.fileno()
         if fd == -1:
             return
-        if drain and not sconn.closing and self._table.holds_leases(sconn):
+        if drain and not sconn.closing and self._service.holds_leases(sconn):
             if not sconn.draining:
                 sconn.draining = reason
                 log.info(
@@ -1013,9 +879,9 @@ class Server:
         self._parked.discard(sconn)
         # Nothing may take the server down: the connection is gone whatever this raises.
         try:
-            self._table.connection_ended(sconn, released)
+            self._service.connection_ended(sconn, released)
             if sconn.peer is not None:
-                self._hooks.peer_gone(sconn.peer)
+                self._service.peer_gone(sconn.peer)
         except Exception:
             log.exception("server %d: cleaning up after pid %d failed", self.cluster_id, sconn.pid)
 

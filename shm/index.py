@@ -64,6 +64,12 @@ CACHE_WITHDRAWN = 4  # its user deallocated it: it is still read (keys remain), 
 CACHE_REGISTERED = 8  # memory the owner registered: tensors at addresses in the address region, no segment
 CACHE_REMOTE = 16  # remote_accessible (v2): listed in the one-sided table
 
+# Header flags: some key or cache is not in the index (more tensors than a mask holds, a full index): a
+# puller that does not find a name asks the owner instead; with caches missing, the one-sided table comes
+# from the owner too.
+FLAG_UNPUBLISHED = 1
+FLAG_CACHES_UNPUBLISHED = 2
+
 MAX_MASK_TENSORS = 512  # a key's unpulled tensors are a bitmask of this many bits
 _MASK_NBYTES = MAX_MASK_TENSORS // 8
 _SEGMENT_NAME_NBYTES = 64

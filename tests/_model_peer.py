@@ -169,7 +169,7 @@ class _Child:
         about to process a release when the puller's call has returned)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            stats: dict[str, int] = self.dd._require_core().table.stats()
+            stats: dict[str, int] = self.dd._require_core().leases.stats()
             if stats["leases"] == 0 or time.monotonic() > deadline:
                 return stats
             time.sleep(0.005)

@@ -246,7 +246,7 @@ def _prompt_main(
                 manager.deallocate_cache(caches.pop(args))
                 result = None
             elif command == "stats":
-                result = datadist._require_core().table.stats()
+                result = datadist._require_core().leases.stats()
             elif command == "drop":
                 # The serving side ends every connection from cluster `args` (clears their index rows).
                 result = datadist._require_core().server.drop_cluster(args)

@@ -19,8 +19,8 @@ import numpy.typing as npt
 
 from llm_datadist._shm.copyplan import plan_block_copy, plan_tensor_copy
 
-from .._engine import CacheRecord
 from .._errors import api_errors
+from .._owner.records import CacheRecord
 from .._validate import check_dict, check_int64, check_isinstance, check_items, check_uint32, check_uint64
 from ..status import LLMStatusCode, make_error
 from ..utils.log import log

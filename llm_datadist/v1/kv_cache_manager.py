@@ -11,8 +11,9 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
 from .._errors import api_errors
+from .._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, KeyId
+from .._owner.records import CacheRecord
 from .._transfer import (
     LayerArgs,
     TensorSelection,

@@ -20,8 +20,9 @@ from llm_datadist._shm.copyplan import plan_block_copy
 
 from .._copy import address_view
 from .._core import PLACEMENT_DEVICE, PLACEMENT_HOST, RemoteCache, RemoteTable, UnitRun
-from .._engine import KEY_BLOCKS, KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheRecord, KeyId
 from .._errors import api_errors
+from .._keys import KEY_BLOCKS, KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, KeyId
+from .._owner.records import CacheRecord
 from .._transfer import (
     LayerArgs,
     TensorSelection,

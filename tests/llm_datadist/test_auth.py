@@ -22,12 +22,14 @@ import pytest
 
 from llm_datadist import _auth
 from llm_datadist._admission import AdmissionLimits
-from llm_datadist._engine import CacheTable
 from llm_datadist._errors import StatusError
+from llm_datadist._owner.leases import Leases
+from llm_datadist._owner.service import CacheService, NodeHooks
+from llm_datadist._owner.table import CacheTable
 from llm_datadist._protocol.connection import Connection, ConnRole
 from llm_datadist._protocol.frames import encode_frame
 from llm_datadist._protocol.messages import PROTOCOL_VERSION, Challenge, Error, Hello, Message, Ping, Pong
-from llm_datadist._transport import ClientLink, Server, ServerHooks
+from llm_datadist._transport import ClientLink, Server
 from llm_datadist.status import LLMStatusCode
 from tests._logs import warning_lines
 
@@ -114,7 +116,7 @@ def test_proofs_bind_every_part_of_the_handshake() -> None:
 # ------------------------------------------------------------------ the TCP server before authentication
 
 
-class _RemoteHooks(ServerHooks):
+class _RemoteHooks(NodeHooks):
     """A server that takes proven peers on other hosts: metadata only, behind a made-up engine address."""
 
     def serve_remote(self, local_ip: str) -> str:
@@ -123,7 +125,9 @@ class _RemoteHooks(ServerHooks):
 
 def _tcp_server(admission: AdmissionLimits | None = None) -> Iterator[tuple[Server, int]]:
     table = CacheTable({}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
-    server = Server(cluster_id=1, role=1, table=table, secret=SECRET, admission=admission)
+    server = Server(
+        cluster_id=1, role=1, service=CacheService(Leases(table)), secret=SECRET, admission=admission
+    )
     server.start()
     try:
         port = server.listen_tcp("127.0.0.1", 0)
@@ -416,7 +420,7 @@ def test_a_peer_that_knows_the_secret_links_through_a_flood_from_another_address
     """The flood replaces each connection the server closes at once, so the listener's queue may never
     empty: the server still reads the proven peer's Hello and answers its requests."""
     table = CacheTable({}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
-    server = Server(cluster_id=1, role=1, table=table, secret=SECRET, hooks=_RemoteHooks())
+    server = Server(cluster_id=1, role=1, service=CacheService(Leases(table), _RemoteHooks()), secret=SECRET)
     server.start()
     try:
         port = server.listen_tcp("127.0.0.1", 0)
@@ -448,7 +452,7 @@ def test_a_peer_that_knows_the_secret_links_through_a_flood_from_another_address
 
 def test_no_secret_no_tcp_listener() -> None:
     table = CacheTable({}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
-    server = Server(cluster_id=1, role=1, table=table)
+    server = Server(cluster_id=1, role=1, service=CacheService(Leases(table)))
     server.start()
     try:
         with pytest.raises(StatusError, match="no shared secret"):

@@ -124,9 +124,9 @@ def test_kv_cache_del_frees_its_memory() -> None:
         kvm = dd.kv_cache_manager
         cache = kvm.allocate_cache(CacheDesc(1, [1, 4096], DataType.DT_UINT8))
         core = dd._require_core()
-        assert core.table.stats()["caches"] == 1
+        assert core.leases.stats()["caches"] == 1
         del cache
-        assert core.table.stats()["caches"] == 0
+        assert core.leases.stats()["caches"] == 0
 
 
 def test_create_cpu_cache() -> None:

@@ -23,9 +23,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from llm_datadist._dataplane import pin, unpin
-from llm_datadist._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheTable
 from llm_datadist._errors import StatusError
-from llm_datadist._rows import Holder
+from llm_datadist._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
+from llm_datadist._owner.leases import Leases
+from llm_datadist._owner.rows import Holder
+from llm_datadist._owner.table import CacheTable
 from llm_datadist._shm.index import Index
 from llm_datadist._shm.pool import Pool
 from llm_datadist._transport import PeerInfo
@@ -81,6 +83,7 @@ class IndexMachine(RuleBasedStateMachine):
             oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY,
             lock_timeout_s=0.01,
         )
+        self.leases = Leases(self.table)
         self.pullers: list[_Puller] = []
         self.stalled: Index | None = None  # another process's description of the index, holding its lock
         self.connections = 0
@@ -97,7 +100,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.connections += 1
         alive = self.connections % 2 == 0
         holder = Holder.of(os.getpid()) if alive else Holder(os.getpid(), -2)
-        row, ticket = self.table.assign_row(conn, 100 + i, holder)
+        row, ticket = self.leases.assign_row(conn, 100 + i, holder)
         assert row >= 0
         index = Index.attach(self.table.index.name, pid=os.getpid(), incarnation=0)
         return _Puller(conn, _Row(row, ticket), index, alive=alive)
@@ -161,7 +164,7 @@ class IndexMachine(RuleBasedStateMachine):
     def push_starts(self) -> None:
         """transfer_cache_async into the pullers' cluster: refused while one of them pins (a pull is in
         flight); once started, their pulls get LLM_LINK_BUSY until it ends."""
-        busy = self.table.start_push({9}, lambda cluster_id: [p.conn for p in self.pullers if not p.dropped])
+        busy = self.leases.start_push({9}, lambda cluster_id: [p.conn for p in self.pullers if not p.dropped])
         # A pin whose connection the owner ended belongs to no link of that cluster any more.
         if any(p.pinned is not None and not p.dropped for p in self.pullers):
             assert busy == 9
@@ -172,7 +175,7 @@ class IndexMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pushing and self.stalled is None)
     @rule()
     def push_ends(self) -> None:
-        self.table.end_push({9})
+        self.leases.end_push({9})
         self.pushing -= 1
 
     @precondition(lambda self: self.stalled is None)
@@ -314,7 +317,7 @@ class IndexMachine(RuleBasedStateMachine):
         puller = self.pullers[p]
         if puller.dropped or puller.alive:
             return
-        self.table.connection_ended(puller.conn)
+        self.leases.connection_ended(puller.conn)
         puller.index.close()
         self._ended(puller, False)
         self.pullers[p] = self._connect(p)
@@ -327,7 +330,7 @@ class IndexMachine(RuleBasedStateMachine):
         puller = self.pullers[p]
         if puller.dropped:
             return
-        self.table.connection_ended(puller.conn)
+        self.leases.connection_ended(puller.conn)
         if puller.alive and puller.pinned is not None:
             puller.dropped = True
             return
@@ -407,7 +410,7 @@ class IndexMachine(RuleBasedStateMachine):
     def owner_counters_match_the_model(self) -> None:
         if self.stalled is not None:
             return  # the owner cannot look now; it catches up when the lock is back
-        stats = self.table.stats()
+        stats = self.leases.stats()
         pins = sum(p.pinned is not None for p in self.pullers)
         # A key a pin emptied stays bound at the owner until that pin ends.
         keys = len(self.keys)
@@ -420,7 +423,7 @@ class IndexMachine(RuleBasedStateMachine):
         if self.stalled is not None:
             self.stalled.close()
         for _ in range(self.pushing):
-            self.table.end_push({9})
+            self.leases.end_push({9})
         for puller in self.pullers:
             puller.index.close()
         self.table.close()

@@ -105,7 +105,7 @@ def test_decoder_killed_mid_push(_runtime_dir) -> None:  # type: ignore[no-untyp
         assert not left(), left()
         # The source is unpinned: deallocating it frees the memory at once.
         kvm.deallocate_cache(source)
-        assert prompt._require_core().table.stats()["caches"] == 0
+        assert prompt._require_core().leases.stats()["caches"] == 0
     finally:
         if decoder.is_alive():
             decoder.kill()

@@ -7,8 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from llm_datadist._engine import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, CacheTable
 from llm_datadist._errors import StatusError
+from llm_datadist._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
+from llm_datadist._owner.leases import Leases
+from llm_datadist._owner.table import CacheTable
+from llm_datadist._protocol.messages import PullGrant, PullRequest
 from llm_datadist._shm.pool import Pool
 from llm_datadist.status import LLMStatusCode
 
@@ -20,8 +23,16 @@ def table() -> Iterator[CacheTable]:
     t.close()
 
 
-def _resolve(table: CacheTable, kind: int, ident: int, owner: object, **overrides: object):  # type: ignore[no-untyped-def]
+@pytest.fixture
+def leases(table: CacheTable) -> Iterator[Leases]:
+    book = Leases(table)
+    yield book
+    book.close()
+
+
+def _resolve(leases: Leases, kind: int, ident: int, owner: object, **overrides: object) -> PullGrant:
     args: dict[str, object] = {
+        "seq": 1,
         "key_kind": kind,
         "key_id": ident,
         "model_id": 0,
@@ -32,29 +43,28 @@ def _resolve(table: CacheTable, kind: int, ident: int, owner: object, **override
         "nbytes": 100,
         "src_offset": 0,
         "consume": True,
-        "owner": owner,
     }
     args.update(overrides)
-    return table.resolve(**args)  # type: ignore[arg-type]
+    return leases.resolve(PullRequest(**args), owner)  # type: ignore[arg-type]
 
 
-def test_keys_bind_slots_and_grants_point_at_them(table: CacheTable) -> None:
+def test_keys_bind_slots_and_grants_point_at_them(table: CacheTable, leases: Leases) -> None:
     record = table.allocate(
         num_tensors=4, tensor_nbytes=300, batch_size=3, keys=[(KEY_REQ, 1, 0), None, (KEY_REQ, 2, 0)]
     )
     assert record.cache_id == 1 and record.slot_nbytes == 100
-    grant = _resolve(table, KEY_REQ, 2, owner="a", src_offset=7, nbytes=93)
+    grant = _resolve(leases, KEY_REQ, 2, owner="a", src_offset=7, nbytes=93)
     assert grant.tensor_offsets == tuple(record.tensor_offset(t) + 2 * 100 + 7 for t in range(4))
-    assert grant.segment_name == record.block.segment.name
-    table.release(grant.lease_id, ok=True, owner="a")
+    assert grant.segment == record.block.segment.name
+    leases.release(grant.lease_id, ok=True, owner="a")
     assert not table.has_key((KEY_REQ, 2, 0)) and table.has_key((KEY_REQ, 1, 0))
 
 
-def test_duplicate_keys_last_wins_and_bound_keys_are_refused(table: CacheTable) -> None:
+def test_duplicate_keys_last_wins_and_bound_keys_are_refused(table: CacheTable, leases: Leases) -> None:
     record = table.allocate(
         num_tensors=1, tensor_nbytes=20, batch_size=2, keys=[(KEY_REQ, 1, 0), (KEY_REQ, 1, 0)]
     )
-    grant = _resolve(table, KEY_REQ, 1, owner="a", tensor_count=1, nbytes=10, consume=False)
+    grant = _resolve(leases, KEY_REQ, 1, owner="a", tensor_count=1, nbytes=10, consume=False)
     assert grant.tensor_offsets == (record.tensor_offset(0) + 10,)
     with pytest.raises(StatusError) as exc_info:
         table.allocate(num_tensors=1, tensor_nbytes=20, batch_size=1, keys=[(KEY_REQ, 1, 0)])
@@ -63,91 +73,95 @@ def test_duplicate_keys_last_wins_and_bound_keys_are_refused(table: CacheTable) 
         table.allocate(num_tensors=1, tensor_nbytes=20, batch_size=1, keys=[(KEY_REQ, 5, 0), (KEY_REQ, 6, 0)])
 
 
-def test_partial_pulls_consume_the_key_once_every_tensor_was_pulled(table: CacheTable) -> None:
+def test_partial_pulls_consume_the_key_once_every_tensor_was_pulled(
+    table: CacheTable, leases: Leases
+) -> None:
     table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
     for _ in range(2):  # pulling the same tensors twice does not count twice
-        grant = _resolve(table, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
-        table.release(grant.lease_id, ok=True, owner="a")
+        grant = _resolve(leases, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
+        leases.release(grant.lease_id, ok=True, owner="a")
         assert table.has_key((KEY_REQ, 1, 0))
-    grant = _resolve(table, KEY_REQ, 1, "a", tensor_start=0, tensor_count=2, whole=False)
-    table.release(grant.lease_id, ok=True, owner="a")
+    grant = _resolve(leases, KEY_REQ, 1, "a", tensor_start=0, tensor_count=2, whole=False)
+    leases.release(grant.lease_id, ok=True, owner="a")
     assert not table.has_key((KEY_REQ, 1, 0))
 
 
-def test_failed_or_unconsuming_pulls_keep_the_key(table: CacheTable) -> None:
+def test_failed_or_unconsuming_pulls_keep_the_key(table: CacheTable, leases: Leases) -> None:
     table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
-    grant = _resolve(table, KEY_REQ, 1, "a")
-    table.release(grant.lease_id, ok=False, owner="a")
-    grant = _resolve(table, KEY_REQ, 1, "a", consume=False)
-    table.release(grant.lease_id, ok=True, owner="a")
+    grant = _resolve(leases, KEY_REQ, 1, "a")
+    leases.release(grant.lease_id, ok=False, owner="a")
+    grant = _resolve(leases, KEY_REQ, 1, "a", consume=False)
+    leases.release(grant.lease_id, ok=True, owner="a")
     assert table.has_key((KEY_REQ, 1, 0))
 
 
-def test_prefix_keys_are_never_consumed(table: CacheTable) -> None:
+def test_prefix_keys_are_never_consumed(table: CacheTable, leases: Leases) -> None:
     table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_PREFIX, 9, 0)])
     for _ in range(2):
-        grant = _resolve(table, KEY_PREFIX, 9, "a")
-        table.release(grant.lease_id, ok=True, owner="a")
+        grant = _resolve(leases, KEY_PREFIX, 9, "a")
+        leases.release(grant.lease_id, ok=True, owner="a")
     assert table.has_key((KEY_PREFIX, 9, 0))
 
 
-def test_pull_by_cache_id_consumes_the_slots_req_key(table: CacheTable) -> None:
+def test_pull_by_cache_id_consumes_the_slots_req_key(table: CacheTable, leases: Leases) -> None:
     record = table.allocate(
         num_tensors=4, tensor_nbytes=200, batch_size=2, keys=[(KEY_REQ, 1, 0), (KEY_REQ, 2, 0)]
     )
-    grant = _resolve(table, KEY_CACHE_ID, record.cache_id, "a", batch_index=1)
-    table.release(grant.lease_id, ok=True, owner="a")
+    grant = _resolve(leases, KEY_CACHE_ID, record.cache_id, "a", batch_index=1)
+    leases.release(grant.lease_id, ok=True, owner="a")
     assert table.has_key((KEY_REQ, 1, 0)) and not table.has_key((KEY_REQ, 2, 0))
     with pytest.raises(StatusError) as exc_info:
-        _resolve(table, KEY_CACHE_ID, record.cache_id, "a", batch_index=2)
+        _resolve(leases, KEY_CACHE_ID, record.cache_id, "a", batch_index=2)
     assert exc_info.value.code == LLMStatusCode.LLM_PARAM_INVALID
 
 
-def test_a_dead_connections_leases_are_dropped_and_the_key_comes_back(table: CacheTable) -> None:
+def test_a_dead_connections_leases_are_dropped_and_the_key_comes_back(
+    table: CacheTable, leases: Leases
+) -> None:
     table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
-    _resolve(table, KEY_REQ, 1, "dead")
+    _resolve(leases, KEY_REQ, 1, "dead")
     # The key is taken while its pull is in flight: a second pull of it finds nothing.
     with pytest.raises(StatusError) as exc_info:
-        _resolve(table, KEY_REQ, 1, "other")
+        _resolve(leases, KEY_REQ, 1, "other")
     assert exc_info.value.code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
-    assert table.stats()["leases"] == 1
-    assert table.drop_owner("dead") == 1
-    assert table.stats()["leases"] == 0 and table.has_key((KEY_REQ, 1, 0))
-    grant = _resolve(table, KEY_REQ, 1, "next")  # pullable again, and consumed by a good pull
-    table.release(grant.lease_id, ok=True, owner="next")
+    assert leases.stats()["leases"] == 1
+    assert leases.drop_owner("dead") == 1
+    assert leases.stats()["leases"] == 0 and table.has_key((KEY_REQ, 1, 0))
+    grant = _resolve(leases, KEY_REQ, 1, "next")  # pullable again, and consumed by a good pull
+    leases.release(grant.lease_id, ok=True, owner="next")
     assert not table.has_key((KEY_REQ, 1, 0))
 
 
-def test_a_failed_partial_pull_gives_its_tensors_back(table: CacheTable) -> None:
+def test_a_failed_partial_pull_gives_its_tensors_back(table: CacheTable, leases: Leases) -> None:
     table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
-    first = _resolve(table, KEY_REQ, 1, "a", tensor_start=0, tensor_count=2, whole=False)
-    table.release(first.lease_id, ok=True, owner="a")
-    failed = _resolve(table, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
+    first = _resolve(leases, KEY_REQ, 1, "a", tensor_start=0, tensor_count=2, whole=False)
+    leases.release(first.lease_id, ok=True, owner="a")
+    failed = _resolve(leases, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
     assert not table.has_key((KEY_REQ, 1, 0))  # the last tensors were taken: the key is gone...
-    table.release(failed.lease_id, ok=False, owner="a")
+    leases.release(failed.lease_id, ok=False, owner="a")
     assert table.has_key((KEY_REQ, 1, 0))  # ...and back after the failure, with only those tensors
-    again = _resolve(table, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
-    table.release(again.lease_id, ok=True, owner="a")
+    again = _resolve(leases, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
+    leases.release(again.lease_id, ok=True, owner="a")
     assert not table.has_key((KEY_REQ, 1, 0))
 
 
-def test_memory_is_freed_only_when_nothing_references_it(table: CacheTable) -> None:
+def test_memory_is_freed_only_when_nothing_references_it(table: CacheTable, leases: Leases) -> None:
     record = table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
-    grant = _resolve(table, KEY_REQ, 1, "a")
+    grant = _resolve(leases, KEY_REQ, 1, "a")
     table.deallocate(record.cache_id)
     table.remove_key((KEY_REQ, 1, 0))
-    assert table.stats()["caches"] == 1  # a peer is still copying out of it
-    table.release(grant.lease_id, ok=True, owner="a")
-    assert table.stats() == {"caches": 0, "keys": 0, "leases": 0, "pins": 0, "pool_used_nbytes": 0}
+    assert leases.stats()["caches"] == 1  # a peer is still copying out of it
+    leases.release(grant.lease_id, ok=True, owner="a")
+    assert leases.stats() == {"caches": 0, "keys": 0, "leases": 0, "pins": 0, "pool_used_nbytes": 0}
 
 
-def test_leases_belong_to_their_connection(table: CacheTable) -> None:
+def test_leases_belong_to_their_connection(table: CacheTable, leases: Leases) -> None:
     table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
-    grant = _resolve(table, KEY_REQ, 1, "a")
+    grant = _resolve(leases, KEY_REQ, 1, "a")
     with pytest.raises(StatusError):
-        table.release(grant.lease_id, ok=True, owner="b")
+        leases.release(grant.lease_id, ok=True, owner="b")
     with pytest.raises(StatusError):
-        table.release(grant.lease_id + 1, ok=True, owner="a")
+        leases.release(grant.lease_id + 1, ok=True, owner="a")
 
 
 @pytest.mark.parametrize(
@@ -162,35 +176,37 @@ def test_leases_belong_to_their_connection(table: CacheTable) -> None:
         ({"src_offset": 1}, LLMStatusCode.LLM_PARAM_INVALID),
     ],
 )
-def test_resolve_checks(table: CacheTable, overrides: dict[str, object], code: LLMStatusCode) -> None:
+def test_resolve_checks(
+    table: CacheTable, leases: Leases, overrides: dict[str, object], code: LLMStatusCode
+) -> None:
     table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
     with pytest.raises(StatusError) as exc_info:
-        _resolve(table, KEY_REQ, 1, "a", **overrides)
+        _resolve(leases, KEY_REQ, 1, "a", **overrides)
     assert exc_info.value.code == code
-    assert table.stats()["leases"] == 0
+    assert leases.stats()["leases"] == 0
 
 
-def test_pool_exhaustion_uses_the_modes_code(table: CacheTable) -> None:
+def test_pool_exhaustion_uses_the_modes_code(table: CacheTable, leases: Leases) -> None:
     with pytest.raises(StatusError) as exc_info:
         table.allocate(num_tensors=2, tensor_nbytes=1 << 20, batch_size=1, keys=[])
     assert exc_info.value.code == LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
-    assert table.stats()["caches"] == 0
+    assert leases.stats()["caches"] == 0
 
 
-def test_a_key_a_pin_consumed_is_gone_for_a_request_too(table: CacheTable) -> None:
+def test_a_key_a_pin_consumed_is_gone_for_a_request_too(table: CacheTable, leases: Leases) -> None:
     """Pulls by key pin in the index; a request for the same key over the socket (the older path, still
     served) sees a key a pin emptied as gone, by key and by cache id and slot, and the key is unbound once
     the pin ends. The pin is made through a second open file description of the index, as a puller's."""
     import os
 
-    from llm_datadist._rows import Holder
+    from llm_datadist._owner.rows import Holder
     from llm_datadist._shm.index import KIND_REQ, Index
 
     record = table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 9, 0)])
     puller = Index.attach(table.index.name, pid=os.getpid(), incarnation=0)
     try:
         owner = object()
-        row, ticket = table.assign_row(owner, 5, Holder(0, -1))
+        row, ticket = leases.assign_row(owner, 5, Holder(0, -1))
         with puller.locked(1.0):
             name = puller.lookup(KIND_REQ, 9, 0)
             assert name is not None
@@ -198,17 +214,17 @@ def test_a_key_a_pin_consumed_is_gone_for_a_request_too(table: CacheTable) -> No
             puller.set_row(row, ticket, record.gen_slot, record.generation, name.number, 0b1111)
         for kind, ident in ((KEY_REQ, 9), (KEY_CACHE_ID, record.cache_id)):
             if kind == KEY_CACHE_ID:
-                grant = _resolve(table, kind, ident, owner="b")  # the slot's key is gone: nothing consumed
-                table.release(grant.lease_id, ok=True, owner="b")
+                grant = _resolve(leases, kind, ident, owner="b")  # the slot's key is gone: nothing consumed
+                leases.release(grant.lease_id, ok=True, owner="b")
                 continue
             with pytest.raises(StatusError) as exc_info:
-                _resolve(table, kind, ident, owner="b")
+                _resolve(leases, kind, ident, owner="b")
             assert exc_info.value.code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
-        assert table.stats()["keys"] == 1  # the pin still refers to it
+        assert leases.stats()["keys"] == 1  # the pin still refers to it
         with puller.locked(1.0):
             puller.clear_row(row, ticket)
             puller.bump_epoch()
-        assert table.stats()["keys"] == 0 and not table.has_key((KEY_REQ, 9, 0))
-        table.connection_ended(owner)
+        assert leases.stats()["keys"] == 0 and not table.has_key((KEY_REQ, 9, 0))
+        leases.connection_ended(owner)
     finally:
         puller.close()

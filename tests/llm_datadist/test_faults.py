@@ -112,13 +112,13 @@ def _no_leak(datadist: LLMDataDist) -> None:
     deadline = time.monotonic() + 10
     while True:
         core.table.sync()
-        stats = core.table.stats()
-        rows_free = len(core.table._rows._free) == core.table.index.rows
-        names_free = len(core.table._free_names) == core.table.index.names
+        stats = core.leases.stats()
+        rows_free = len(core.table.mirror.rows._free) == core.table.index.rows
+        names_free = len(core.table.mirror._free_names) == core.table.index.names
         if stats == {"caches": 0, "keys": 0, "leases": 0, "pins": 0, "pool_used_nbytes": 0} and rows_free:
             assert names_free
             return
-        assert time.monotonic() < deadline, (stats, rows_free, core.table._rows.orphans)
+        assert time.monotonic() < deadline, (stats, rows_free, core.table.mirror.rows.orphans)
         time.sleep(0.02)
 
 

@@ -1420,7 +1420,9 @@ def test_a_pull_request_on_registered_memory_is_refused_not_a_crash(_runtime_dir
             )
             reply = conn.receive()
             assert isinstance(reply, Error), f"the owner answered {reply!r} (None: it dropped the connection)"
-            assert datadist._require_core().table.stats()["leases"] == 0, "an Error reply left a lease pinned"
+            assert datadist._require_core().leases.stats()["leases"] == 0, (
+                "an Error reply left a lease pinned"
+            )
         finally:
             conn.close()
         datadist.cache_manager.unregister_cache(cache.cache_id)

@@ -118,10 +118,10 @@ def test_the_server_answers_and_loses_nothing_while_a_stopped_process_holds_the_
             time.sleep(0.02)
         manager.remove_cache_key(CacheKey(OWNER_ID, req_id=5))
         manager.deallocate_cache(cache)
-        table = datadist._require_core().table
+        leases = datadist._require_core().leases
         deadline = time.monotonic() + 10
-        while table.stats() != {"caches": 0, "keys": 0, "leases": 0, "pins": 0, "pool_used_nbytes": 0}:
-            assert time.monotonic() < deadline, table.stats()
+        while leases.stats() != {"caches": 0, "keys": 0, "leases": 0, "pins": 0, "pool_used_nbytes": 0}:
+            assert time.monotonic() < deadline, leases.stats()
             time.sleep(0.02)
     finally:
         asker.close(say_bye=True)

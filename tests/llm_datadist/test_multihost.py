@@ -120,7 +120,7 @@ def _v1(pair: HostPair, timeout_ms: int = 5000, **decoder_env: Any) -> tuple[Hos
 def _settled(prompt: HostProcess, seconds: float) -> dict[str, Any]:
     """The Prompt's table stats once it holds no lease, or as they are when `seconds` have passed."""
     deadline = time.monotonic() + seconds
-    while (stats := prompt.run("result = dd._require_core().table.stats()"))["leases"] and (
+    while (stats := prompt.run("result = dd._require_core().leases.stats()"))["leases"] and (
         time.monotonic() < deadline
     ):
         time.sleep(0.05)

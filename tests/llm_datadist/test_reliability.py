@@ -28,14 +28,18 @@ from llm_datadist import (
     LLMRole,
     LLMStatusCode,
     _core,
-    _engine,
     _transport,
 )
-from llm_datadist._engine import KEY_BLOCKS, CacheTable
 from llm_datadist._errors import PeerGone, StatusError
+from llm_datadist._keys import KEY_BLOCKS
+from llm_datadist._owner import leases as _leases
+from llm_datadist._owner.leases import Leases
+from llm_datadist._owner.service import CacheService, NodeHooks
+from llm_datadist._owner.table import CacheTable
 from llm_datadist._protocol.frames import encode_frame
 from llm_datadist._protocol.messages import (
     PROTOCOL_VERSION,
+    BlocksRequest,
     Hello,
     Location,
     Ping,
@@ -46,7 +50,7 @@ from llm_datadist._protocol.messages import (
     TableRequest,
 )
 from llm_datadist._shm.pool import Pool
-from llm_datadist._transport import ClientLink, Server, ServerHooks
+from llm_datadist._transport import ClientLink, Server
 from llm_datadist.ext import tensor_views
 from tests._peer import PROMPT_IP, PromptPeer, decoder, tensor_views_v2
 
@@ -196,14 +200,16 @@ def test_a_release_for_a_deallocated_cache_and_a_dropped_connection_leave_the_se
         assert stats["leases"] == 0 and stats["caches"] == 0 and stats["pool_used_nbytes"] == 0
 
 
-class _ExplodingHooks(ServerHooks):
+class _ExplodingHooks(NodeHooks):
     def is_pushing_to(self, cluster_id: int) -> bool:
         raise RuntimeError("a bug while handling one message")
 
 
 def test_an_exception_while_handling_one_message_drops_only_that_connection(tmp_path: Path) -> None:
     table = CacheTable({1: Pool(capacity_nbytes=1 << 20)}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
-    server = Server(cluster_id=P, role=1, table=table, hooks=_ExplodingHooks(), incarnation=5)
+    server = Server(
+        cluster_id=P, role=1, service=CacheService(Leases(table), _ExplodingHooks()), incarnation=5
+    )
     path = tmp_path / "s.sock"
     try:
         server.start()
@@ -357,7 +363,7 @@ def test_a_peer_that_never_reads_its_replies_is_dropped(
 ) -> None:
     monkeypatch.setattr(_transport, "MAX_OUTBUF_NBYTES", 64 << 10)
     table = CacheTable({1: Pool(capacity_nbytes=1 << 20)}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
-    server = Server(cluster_id=P, role=1, table=table, incarnation=5)
+    server = Server(cluster_id=P, role=1, service=CacheService(Leases(table)), incarnation=5)
     path = tmp_path / "s.sock"
     try:
         server.start()
@@ -391,24 +397,23 @@ def test_a_peer_that_never_reads_its_replies_is_dropped(
 
 
 def test_leases_per_connection_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_engine, "MAX_LEASES_PER_OWNER", 3)
+    monkeypatch.setattr(_leases, "MAX_LEASES_PER_OWNER", 3)
     table = CacheTable({1: Pool(capacity_nbytes=1 << 20)}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
+    leases = Leases(table)
+    request = BlocksRequest(1, model_id=0, tensor_start=0, tensor_count=1, whole=True)
     try:
         record = table.allocate(num_tensors=1, tensor_nbytes=4096, batch_size=1, keys=[], is_blocks=True)
         table.bind_blocks_key(0, record.cache_id)
         owner, other = object(), object()
-        grants = [
-            table.resolve_blocks(model_id=0, tensor_start=0, tensor_count=1, whole=True, owner=owner)
-            for _ in range(3)
-        ]
+        grants = [leases.resolve_blocks(request, owner) for _ in range(3)]
         with pytest.raises(StatusError) as info:
-            table.resolve_blocks(model_id=0, tensor_start=0, tensor_count=1, whole=True, owner=owner)
+            leases.resolve_blocks(request, owner)
         assert info.value.code == LLMStatusCode.LLM_FAILED and "limit" in info.value.detail
-        table.resolve_blocks(model_id=0, tensor_start=0, tensor_count=1, whole=True, owner=other)
-        table.release(grants[0].lease_id, ok=True, owner=owner)
-        table.resolve_blocks(model_id=0, tensor_start=0, tensor_count=1, whole=True, owner=owner)
-        assert table.drop_owner(owner) == 3 and table.drop_owner(other) == 1
-        assert not table.holds_leases(owner)
+        leases.resolve_blocks(request, other)
+        leases.release(grants[0].lease_id, ok=True, owner=owner)
+        leases.resolve_blocks(request, owner)
+        assert leases.drop_owner(owner) == 3 and leases.drop_owner(other) == 1
+        assert not leases.holds(owner)
     finally:
         table.close()
 

@@ -156,13 +156,13 @@ def test_soak_two_decoders_one_prompt(seed: int, _runtime_dir) -> None:  # type:
             assert status == "done", value
             pulled += value
             process.join(30)
-        stats = prompt._require_core().table.stats()
+        stats = prompt._require_core().leases.stats()
         print(f"soak: {SOAK_SECONDS:.0f} s, {pulled} pulls verified, {len(served)} keys served once, {stats}")
         assert pulled == len(served) == next_key - 1
         deadline = time.monotonic() + 10
-        while prompt._require_core().table.stats()["leases"] and time.monotonic() < deadline:
+        while prompt._require_core().leases.stats()["leases"] and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert prompt._require_core().table.stats() == {
+        assert prompt._require_core().leases.stats() == {
             "caches": 0,
             "keys": 0,
             "leases": 0,

@@ -13,13 +13,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from llm_datadist._engine import KEY_REQ, CacheTable
 from llm_datadist._errors import PeerGone
+from llm_datadist._keys import KEY_REQ
+from llm_datadist._owner.leases import Leases
+from llm_datadist._owner.service import CacheService, NodeHooks
+from llm_datadist._owner.table import CacheTable
 from llm_datadist._protocol.frames import HEADER_NBYTES
 from llm_datadist._protocol.integrity import TAG_NBYTES
 from llm_datadist._protocol.messages import Ping, Pong, PullGrant, PullRequest, Release
 from llm_datadist._shm.pool import Pool
-from llm_datadist._transport import ClientLink, Server, ServerHooks
+from llm_datadist._transport import ClientLink, Server
 from llm_datadist.status import LLMStatusCode
 from tests._logs import WarningLines, warning_lines
 
@@ -31,7 +34,7 @@ _UNTAGGED = {C2S: 1, S2C: 2}
 _WAIT_S = 10.0
 
 
-class _RemoteHooks(ServerHooks):
+class _RemoteHooks(NodeHooks):
     def serve_remote(self, local_ip: str) -> str:
         return f"{local_ip}:1"  # metadata only: no bytes move in this test
 
@@ -136,10 +139,10 @@ def _pull(link: ClientLink) -> PullGrant:
     return grant
 
 
-def _wait_for_no_lease(table: CacheTable) -> None:
+def _wait_for_no_lease(leases: Leases) -> None:
     deadline = time.monotonic() + _WAIT_S
-    while table.stats()["leases"]:
-        assert time.monotonic() < deadline, table.stats()
+    while leases.stats()["leases"]:
+        assert time.monotonic() < deadline, leases.stats()
         time.sleep(0.01)
 
 
@@ -152,7 +155,8 @@ def test_a_frame_changed_on_the_path_ends_only_that_connection(
 ) -> None:
     table = CacheTable({1: Pool(capacity_nbytes=1 << 20)}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
     table.allocate(num_tensors=2, tensor_nbytes=3333, batch_size=1, keys=[(KEY_REQ, 1, 0)])
-    server = Server(cluster_id=OWNER, role=1, table=table, secret=SECRET, hooks=_RemoteHooks())
+    leases = Leases(table)
+    server = Server(cluster_id=OWNER, role=1, service=CacheService(leases, _RemoteHooks()), secret=SECRET)
     server.start()
     relay: _Relay | None = None
     try:
@@ -161,7 +165,7 @@ def test_a_frame_changed_on_the_path_ends_only_that_connection(
         victim, bystander = _link(relay.port, 2), _link(port, 3)
         _ping(victim)
         grant = _pull(victim)
-        assert table.stats()["leases"] == 1
+        assert leases.stats()["leases"] == 1
 
         relay.arm(direction, action)
         if action == "drop":  # the Release is lost: the Ping after it gives that away
@@ -175,7 +179,7 @@ def test_a_frame_changed_on_the_path_ends_only_that_connection(
             assert "does not carry its tag" in victim.broken, victim.broken
 
         # The lease died with the connection and the key came back: the other link pulls it.
-        _wait_for_no_lease(table)
+        _wait_for_no_lease(leases)
         _ping(bystander)
         assert _pull(bystander).segment == grant.segment
         server.check_alive()
