@@ -1,7 +1,7 @@
 """Two-sided links (v2 `link(comm_name, cluster_rank_info)`, `unlink`, `query_register_mem_status`).
 
 Rules: `Comms` belongs to one `Core` and keeps only the communicators' own state; the links a communicator
-makes are the core's links (`Core._links`, under `Core._links_lock`, which also guards this state), so
+makes are the core's links (`Core.links`, under `Links.lock`, which also guards this state), so
 `pull`, `unlink` and `close` treat them like any other. Each member serves on a rendezvous socket named
 after the communicator and its rank, and, when the rank table puts it on a server ip of another host than
 some member's, on TCP at that ip and `HCCL_IF_BASE_PORT` + its rank; a background thread connects to the
@@ -111,8 +111,8 @@ class Comms:
                 core.server.unlisten(path)
                 raise
         total_s = core.settings.link_total_time_s or int(os.environ.get("HCCL_CONNECT_TIMEOUT", "120"))
-        with core._links_lock:
-            full = len(self._comms) >= MAX_COMMS or core._closed
+        with core.links.lock:
+            full = len(self._comms) >= MAX_COMMS or core.links.closed
             if not full:
                 comm = Comm(
                     self._next_comm_id,
@@ -132,7 +132,7 @@ class Comms:
             raise StatusError(LLMStatusCode.LLM_FAILED, f"{MAX_COMMS} open link() communicators is the limit")
         # Members that connected before the comm was recorded (the hook only sees later ones).
         connected = {peer.cluster_id for peer in core.server.peers()}
-        with core._links_lock:
+        with core.links.lock:
             comm.incoming |= connected & set(members)
         self.two_sided_links_made = True
         others = {cluster: rank for cluster, rank in members.items() if cluster != core.settings.cluster_id}
@@ -147,7 +147,7 @@ class Comms:
 
     def peer_linked(self, peer: PeerInfo) -> None:
         """Server thread: a peer completed its handshake; two-sided links count it as linked to us."""
-        with self._core._links_lock:
+        with self._core.links.lock:
             for comm in self._comms.values():
                 if peer.cluster_id in comm.members:
                     comm.incoming.add(peer.cluster_id)
@@ -160,41 +160,40 @@ class Comms:
         pending = dict(others)
         while not comm.stop.is_set():
             for cluster_id, rank in list(pending.items()):
-                with core._links_lock:
-                    if cluster_id in core._links:
+                with core.links.lock:
+                    if core.links.has(cluster_id):
                         del pending[cluster_id]
                         continue
                 deadline = min(comm.deadline, time.monotonic() + 5.0)
                 host = comm.hosts.get(cluster_id, "")
                 try:
                     if host:
-                        link = core.connect_tcp(cluster_id, host, _rendezvous_port(rank), deadline)
+                        link = core.links.connect_tcp(cluster_id, host, _rendezvous_port(rank), deadline)
                     else:
                         path = socket_path_in_runtime(f"comm-{digest}-r{rank}.sock")
                         if not path.exists():
                             continue
-                        link = core.connect_unix(path, cluster_id, deadline)
+                        link = core.links.connect_unix(path, cluster_id, deadline)
                 except StatusError as exc:
                     log.info("link %r: rank %d not reachable yet: %s", comm.name, rank, exc.detail)
                     continue
-                with core._links_lock:
+                with core.links.lock:
                     # unlink or close may have run while we connected: then the link is not wanted.
                     keep = (
-                        not core._closed
+                        not core.links.closed
                         and not comm.stop.is_set()
                         and self._comms.get(comm.comm_id) is comm
-                        and cluster_id not in core._links
+                        and not core.links.has(cluster_id)
                     )
                     if keep:
-                        link.on_broken = core._link_broken
-                        core._links[cluster_id] = link
+                        core.links.adopt(cluster_id, link)
                         comm.clusters.add(cluster_id)
                 if not keep:
                     link.close(say_bye=True)
                     if comm.stop.is_set():
                         return
                 del pending[cluster_id]
-            with core._links_lock:
+            with core.links.lock:
                 missing = sorted(set(pending) | (set(others) - comm.incoming))
             if not missing:
                 comm.status = COMM_OK
@@ -206,7 +205,7 @@ class Comms:
             comm.stop.wait(0.02)
 
     def status(self, comm_id: int) -> int:
-        with self._core._links_lock:
+        with self._core.links.lock:
             comm = self._comms.get(comm_id)
         if comm is None:
             raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"no link with comm_id {comm_id}")
@@ -214,18 +213,18 @@ class Comms:
 
     def unlink(self, comm_id: int) -> None:
         core = self._core
-        with core._links_lock:
+        with core.links.lock:
             comm = self._comms.get(comm_id)
             if comm is None:
                 raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"no link with comm_id {comm_id}")
-            links = [core._links[c] for c in comm.clusters if c in core._links]
+            links = core.links.held(sorted(comm.clusters))
         for link in links:
             with link.exclusive(0.0, busy_fails=True):
                 pass
-        with core._links_lock:
+        with core.links.lock:
             del self._comms[comm_id]
             for cluster_id in comm.clusters:
-                core._links.pop(cluster_id, None)
+                core.links.forget(cluster_id)
         comm.stop.set()
         core.server.unlisten(comm.path)
         if comm.tcp is not None:

@@ -43,6 +43,7 @@ from ._keys import (
     not_found,
     registered_for_v1,
 )
+from ._source import V2, SourceRef
 from ._transport import ClientLink, PeerInfo
 from .status import LLMStatusCode
 
@@ -102,31 +103,25 @@ def _row_taken_back(link: RowHolder) -> StatusError:
     return StatusError(LLMStatusCode.LLM_LINK_FAILED, f"cluster {link.peer.cluster_id} ended the link")
 
 
-# What a pull asks for, in the owner's terms: key kind, key id, model id, batch index, first tensor, tensor
-# count, whole (the source must have exactly that many tensors), bytes per tensor, source offset, consume.
-PinRequest = tuple[int, int, int, int, int, int, bool, int, int, bool]
-
-
 def pin(
     link: RowHolder,
     index: Index,
-    request: PinRequest,
+    ref: SourceRef,
     *,
     cluster_id: int,
     deadline: float,
     timeout_code: LLMStatusCode,
-    v2: bool = False,
-    for_write: bool = False,
 ) -> Pin | None:
-    """Find what a pull names in the owner's index, check it as the owner would and pin it through the
-    link's row, consuming the pulled tensors of a req key when it asks to; None: ask the owner. `v2`: the
-    cache-manager rules (a blocks cache may be named by id; a push into our cluster does not stop pulls);
-    `for_write`: pin for a push, which only reaches a cache its user still holds (and consumes nothing)."""
+    """Find what `ref` names in the owner's index, check it as the owner would and pin it through the
+    link's row, consuming the pulled tensors of a req key when it asks to; None: ask the owner. The
+    cache-manager rules (`ref.rules` V2): a blocks cache may be named by id, a push into our cluster does
+    not stop pulls; `ref.for_write`: pin for a push, which only reaches a cache its user still holds (and
+    consumes nothing)."""
     try:
         index.lock(max(deadline - time.monotonic(), 0.0))
         try:
-            pinned = _pin_locked(link, index, cluster_id, v2, *request)
-            if pinned is not None and for_write and pinned.cache.flags & CACHE_WITHDRAWN:
+            pinned = _pin_locked(link, index, cluster_id, ref)
+            if pinned is not None and ref.for_write and pinned.cache.flags & CACHE_WITHDRAWN:
                 index.clear_row(link.index_row, link.index_ticket)
                 raise StatusError(
                     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {pinned.cache.cache_id} was deallocated"
@@ -148,22 +143,11 @@ def raise_index_error(link: RowHolder, exc: ShmError, timeout_code: LLMStatusCod
     raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
 
 
-def _pin_locked(
-    link: RowHolder,
-    index: Index,
-    cluster_id: int,
-    v2: bool,
-    key_kind: int,
-    key_id: int,
-    model_id: int,
-    batch_index: int,
-    tensor_start: int,
-    tensor_count: int,
-    whole: bool,
-    nbytes: int,
-    src_offset: int,
-    consume: bool,
-) -> Pin | None:
+def _pin_locked(link: RowHolder, index: Index, cluster_id: int, ref: SourceRef) -> Pin | None:
+    key_kind, key_id, model_id, batch_index = ref.key_kind, ref.key_id, ref.model_id, ref.batch_index
+    tensor_start, tensor_count = ref.tensor_start, ref.tensor_count
+    v2 = ref.rules == V2
+    consume = ref.consume and not ref.for_write
     state, flags = index.header()
     if state != STATE_OPEN:
         raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "the peer closed its cache table")
@@ -201,9 +185,9 @@ def _pin_locked(
             consume_name = alias.target
     if batch_slot >= cache.batch_size:
         raise IndexCorrupt(f"name {name.number} names slot {batch_slot} of a batch of {cache.batch_size}")
-    check_tensors(cache.num_tensors, tensor_start, tensor_count, whole)
+    check_tensors(cache.num_tensors, tensor_start, tensor_count, ref.whole)
     if key_kind != KEY_BLOCKS:
-        check_source_bytes(cache.slot_nbytes, src_offset, nbytes)
+        check_source_bytes(cache.slot_nbytes, ref.src_offset, ref.nbytes)
     if cache.registered and not v2:
         raise registered_for_v1(cache.cache_id)
     taken = 0

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from llm_datadist._shm.copyplan import Run, plan_block_copy
 
 from ._errors import api_errors
+from ._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
+from ._movers import PushSpan
 from ._owner.records import CacheRecord
 from ._validate import check_index_lists, check_isinstance, check_range_step1, check_uint32, check_uint64
 from .status import LLMStatusCode, make_error, raise_if_true
-from .v2.llm_types import U64_MAX, CacheKey, LayerSynchronizer, TransferConfig
+from .v2.llm_types import U64_MAX, CacheKey, CacheKeyByIdAndIndex, LayerSynchronizer, TransferConfig
 from .v2.llm_utils import CacheTask, LayerPush, TransferJob
 
 if TYPE_CHECKING:
@@ -124,6 +126,21 @@ def check_cache_key(cache_key: CacheKey, *, prefix_label: str = "prefix id") -> 
     )
 
 
+def key_fields(api: str, key: CacheKey | CacheKeyByIdAndIndex) -> tuple[int, int, int, int, int]:
+    """(remote cluster id, key kind, key id, model id, batch index) of what a pull key names, as the
+    owner knows it (`SourceRef`); LLM_PARAM_INVALID unless exactly one of req_id and prefix_id is set."""
+    if isinstance(key, CacheKeyByIdAndIndex):
+        if key.cache_id < 0:
+            raise make_error(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key.cache_id}")
+        return key.cluster_id, KEY_CACHE_ID, key.cache_id, 0, key.batch_index
+    req_valid, prefix_valid = key.req_id != U64_MAX, key.prefix_id != U64_MAX
+    if req_valid == prefix_valid:
+        _param_invalid(api, "exactly one of req_id and prefix_id must be set in the cache key")
+    if req_valid:
+        return key.prompt_cluster_id, KEY_REQ, key.req_id, key.model_id, 0
+    return key.prompt_cluster_id, KEY_PREFIX, key.prefix_id, key.model_id, 0
+
+
 def check_transfer_args(
     api: str,
     layer_synchronizer: object,
@@ -157,7 +174,7 @@ def start_transfer(
     """Start a transfer_cache_async job (both modes): every destination must be linked (either way) and
     not pulling from us; the source stays pinned and pulls from the destinations are busy until it ends."""
     clusters = set(dst_cluster_ids)
-    linked = {peer.cluster_id for peer in core.server.peers()} | set(core.linked_clusters())
+    linked = {peer.cluster_id for peer in core.server.peers()} | set(core.links.clusters())
     for cluster_id in sorted(clusters):
         if cluster_id not in linked:
             raise make_error(api, LLMStatusCode.LLM_NOT_YET_LINK, f"cluster {cluster_id} is not linked")
@@ -204,8 +221,6 @@ class _TransferPlan:
     dst_start_offset: int
 
     def push(self, core: Core, record: CacheRecord, layer: int) -> None:
-        from ._core import PushSpan
-
         spans = []
         for j in range(2):
             tensor = 2 * layer + j
@@ -213,7 +228,7 @@ class _TransferPlan:
             dst_addr = self.dst_addrs[2 * (layer - self.layers.start) + j] + self.dst_start_offset
             runs = tuple(Run(base + run.src_offset, run.dst_offset, run.nbytes) for run in self.src_runs)
             spans.append(PushSpan(dst_addr, self.span_nbytes, runs))
-        core.push(self.dst_cluster_id, record, spans)
+        core.transfers.push(self.dst_cluster_id, record, spans)
 
 
 def plan_transfer(

@@ -925,6 +925,8 @@ class ClientLink:
         self.broken: str | None = None
         # Called once when the link breaks (the owner of the link uses it to clean up after a dead peer).
         self.on_broken: Callable[[ClientLink], None] | None = None
+        # How bytes move to and from this peer, chosen by whoever made the link (`_links.Links`).
+        self.mover: object = None
 
     @classmethod
     def connect(

@@ -453,6 +453,7 @@ def _index_holder_main(
     from pathlib import Path
 
     from llm_datadist._dataplane import peer_index, pin, unpin
+    from llm_datadist._source import V1, V2, SourceRef
     from llm_datadist._transport import ClientLink
     from llm_datadist.status import LLMStatusCode
 
@@ -476,11 +477,10 @@ def _index_holder_main(
     pinned = pin(
         link,
         index,
-        (kind, key_id, model_id, 0, 0, 2, True, 64, 0, True),
+        SourceRef(kind, key_id, model_id, 0, 0, 2, True, 64, 0, True, rules=V2 if mode == "pin-v2" else V1),
         cluster_id=77,
         deadline=time.monotonic() + 10,
         timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
-        v2=mode == "pin-v2",
     )
     pipe.send(("ok", "pinned" if pinned is not None else "not published"))
     if pipe.poll(600) and pipe.recv() == "unpin":

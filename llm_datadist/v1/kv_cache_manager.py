@@ -12,17 +12,20 @@ import functools
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._errors import api_errors
-from .._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, KeyId
+from .._keys import KEY_PREFIX, KEY_REQ, KeyId
 from .._owner.records import CacheRecord
+from .._source import SourceRef
 from .._transfer import (
     LayerArgs,
     TensorSelection,
     check_cache_key,
     check_transfer_args,
+    key_fields,
     parse_layer_kwargs,
     plan_transfer,
     start_transfer,
 )
+from .._transfers import BlocksSpec, PullSpec
 from .._validate import (
     check_index_lists,
     check_int64,
@@ -47,7 +50,7 @@ from ..v2.llm_utils import CacheTask, LayerPush
 from . import _local_ops
 
 if TYPE_CHECKING:
-    from .._core import Core, PullSpec
+    from .._core import Core
 
 
 def _param_invalid(api: str, context: str) -> NoReturn:
@@ -248,7 +251,6 @@ class KvCacheManager:
         if isinstance(cache_key, CacheKey):
             check_cache_key(cache_key)
         layers = parse_layer_kwargs(kwargs)
-        spec_args = self._key_fields(api, cache_key)
         record = self._record_of(api, core, kv_cache)
         if batch_index >= record.batch_size:
             _param_invalid(api, f"batch_index {batch_index} out of range for batch size {record.batch_size}")
@@ -262,20 +264,21 @@ class KvCacheManager:
                 api,
                 f"dst_cache_offset {dst_base} + size {nbytes} does not fit the slot of {slot_nbytes} bytes",
             )
-        from .._core import PullSpec
-
-        spec = PullSpec(
-            **spec_args,
-            src_tensor_start=selection.src_start,
-            tensor_count=selection.count,
-            whole=selection.whole,
-            nbytes=nbytes,
-            src_offset=src_offset or 0,
+        remote_cluster_id, kind, key_id, model_id, source_batch = key_fields(api, cache_key)
+        ref = SourceRef(
+            kind,
+            key_id,
+            model_id,
+            source_batch,
+            selection.src_start,
+            selection.count,
+            selection.whole,
+            nbytes,
+            src_offset or 0,
             # v1 never consumes a key pulled with offsets (reference §16).
             consume=src_offset is None and dst_offset is None,
-            dst_tensor_start=selection.dst_start,
-            dst_base_offset=batch_index * slot_nbytes + dst_base,
         )
+        spec = PullSpec(remote_cluster_id, ref, selection.dst_start, batch_index * slot_nbytes + dst_base)
         self._run_pull(api, core, spec, record)
 
     @staticmethod
@@ -288,30 +291,7 @@ class KvCacheManager:
 
     def _run_pull(self, api: str, core: Core, spec: PullSpec, record: CacheRecord) -> None:
         with api_errors(api), core.table.pinned(record.cache_id) as pinned:
-            core.pull(spec, pinned)
-
-    @staticmethod
-    def _key_fields(api: str, cache_key: CacheKey | CacheKeyByIdAndIndex) -> dict[str, int]:
-        if isinstance(cache_key, CacheKeyByIdAndIndex):
-            if cache_key.cache_id < 0:
-                raise make_error(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {cache_key.cache_id}")
-            return {
-                "remote_cluster_id": cache_key.cluster_id,
-                "key_kind": KEY_CACHE_ID,
-                "key_id": cache_key.cache_id,
-                "model_id": 0,
-                "batch_index": cache_key.batch_index,
-            }
-        req_valid = cache_key.req_id != U64_MAX  # the caller checked the key
-        return {
-            "remote_cluster_id": cache_key.prompt_cluster_id,
-            "key_kind": KEY_REQ if req_valid else KEY_PREFIX,
-            "key_id": cache_key.req_id if req_valid else cache_key.prefix_id,
-            "model_id": cache_key.model_id,
-            "batch_index": 0,
-        }
-
-    # ------------------------------------------------------------------ later issues
+            core.transfers.pull(spec, pinned)
 
     def _not_yet(self, api: str) -> NoReturn:
         self._require_core(api)
@@ -355,8 +335,6 @@ class KvCacheManager:
                 api, f"decoder block {max(decoder_blocks)} >= the cache's {record.batch_size} blocks"
             )
         selection = self._select(api, core, layers, record)
-        from .._core import BlocksSpec
-
         spec = BlocksSpec(
             remote_cluster_id=prompt_cache_key.cluster_id,
             model_id=prompt_cache_key.model_id,
@@ -368,7 +346,7 @@ class KvCacheManager:
             dst_blocks=tuple(decoder_blocks),
         )
         with api_errors(api), core.table.pinned(record.cache_id) as pinned:
-            core.pull_blocks(spec, pinned)
+            core.transfers.pull_blocks(spec, pinned)
 
     def copy_cache(
         self,

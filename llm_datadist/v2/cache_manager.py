@@ -19,15 +19,18 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from llm_datadist._shm.copyplan import plan_block_copy
 
 from .._copy import address_view
-from .._core import PLACEMENT_DEVICE, PLACEMENT_HOST, RemoteCache, RemoteTable, UnitRun
+from .._core import PLACEMENT_DEVICE, PLACEMENT_HOST
 from .._errors import api_errors
-from .._keys import KEY_BLOCKS, KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, KeyId
+from .._keys import KEY_BLOCKS, KEY_PREFIX, KEY_REQ, KeyId
+from .._movers import UnitRun
 from .._owner.records import CacheRecord
+from .._source import V2, RemoteCache, RemoteTable, SourceRef
 from .._transfer import (
     LayerArgs,
     TensorSelection,
     check_cache_key,
     check_transfer_args,
+    key_fields,
     parse_layer_kwargs,
     plan_transfer,
     start_transfer,
@@ -69,8 +72,6 @@ if TYPE_CHECKING:
 
     # (remote slot, remote unit bytes, remote unit count) -> the byte runs to copy in every tensor.
     _RunsFor = Callable[[int, int, int], list[UnitRun]]
-
-from llm_datadist._protocol.messages import ResolveRequest
 
 # The real library caps the addresses registered over all register calls (240; 256 before 8.1).
 MAX_REGISTERED_ADDRS = 240
@@ -509,21 +510,21 @@ class CacheManager:
         core = pull.core
         with self._timeout_errors(api), core.table.pinned(pull.record.cache_id) as pinned:
             self._one_sided(api, pinned)
-            link = core.check_peer(pull.cluster_id)
+            link = core.oneside.check_peer(pull.cluster_id)
             found, selection = pull.found, pull.selection
             if (
                 found is not None
                 and found.link is link
                 and found.table is link.remote_table
                 and pinned is pull.record
-                and core.remote_cache_current(
+                and core.oneside.remote_cache_current(
                     link,
                     found.remote,
                     found.table if pull.model_id is not None else None,
                     words=found.words,
                 )
             ):
-                core.transfer_one_sided(
+                core.oneside.read(
                     pull.cluster_id,
                     found.remote,
                     selection.src_start,
@@ -552,7 +553,7 @@ class CacheManager:
 
         Nothing learnt from a peer is trusted once it ended: a dead peer is a link failure before any
         check against its table."""
-        core.check_peer(cluster_id)
+        core.oneside.check_peer(cluster_id)
         return self._find_remote(api, core, cluster_id, cache_id, model_id)[1]
 
     @staticmethod
@@ -563,15 +564,19 @@ class CacheManager:
         up only in a table whose version is current (the owner may have bound it to another cache since), a
         cache id in any (ids are never reused)."""
         for refresh in (False, True):
-            table = core.remote_table(cluster_id, refresh=refresh)
-            if model_id is not None and not refresh and not core.remote_table_current(cluster_id, table):
+            table = core.oneside.remote_table(cluster_id, refresh=refresh)
+            if (
+                model_id is not None
+                and not refresh
+                and not core.oneside.remote_table_current(cluster_id, table)
+            ):
                 continue
             wanted = table.blocks.get(model_id) if model_id is not None else cache_id
             # An entry whose cache the owner has freed since the table was fetched is stale: refetch.
             if (
                 wanted is not None
                 and wanted in table.caches
-                and core.remote_is_current(cluster_id, table.caches[wanted])
+                and core.oneside.remote_is_current(cluster_id, table.caches[wanted])
             ):
                 return table, table.caches[wanted]
         name = f"model_id {model_id}" if model_id is not None else f"cache id {cache_id}"
@@ -660,7 +665,7 @@ class CacheManager:
             self._run_one_sided(api, pull)
             return
         with self._timeout_errors(api), core.table.pinned(record.cache_id) as pinned:
-            self._pull_resolved(core, self._key_fields(api, cache_key), pinned, selection, runs_for)
+            self._pull_resolved(core, key_fields(api, cache_key), pinned, selection, runs_for)
 
     def pull_blocks(
         self,
@@ -759,7 +764,7 @@ class CacheManager:
             if isinstance(src_cache_key, BlocksCacheKey):
                 fields = (src_cache_key.cluster_id, KEY_BLOCKS, 0, src_cache_key.model_id, 0)
             else:
-                fields = self._key_fields(api, src_cache_key)
+                fields = key_fields(api, src_cache_key)
             self._pull_resolved(core, fields, pinned, selection, runs_for)
 
     def push_cache(
@@ -967,7 +972,7 @@ class CacheManager:
                 runs = [UnitRun(key.batch_index * remote.unit_nbytes, config.src_batch_index * unit, unit)]
             self._check_remote_tensors(api, remote, TensorSelection(2 * dst_layer, 2, False, 2 * layer))
             with api_errors(api, timeout_code=LLMStatusCode.LLM_TIMEOUT):
-                core.transfer_pinned(
+                core.transfers.transfer_pinned(
                     key.cluster_id, remote, 2 * dst_layer, record, 2 * layer, 2, runs, write=True
                 )
 
@@ -1175,7 +1180,7 @@ class CacheManager:
         over `link` (`Core.check_peer`'s); the runs read and what the read prepared, for a repeat."""
         self._check_remote_tensors(api, remote, selection)
         runs = runs_for(slot, remote.unit_nbytes, remote.num_units)
-        prepared = core.transfer_one_sided(
+        prepared = core.oneside.read(
             cluster_id,
             remote,
             selection.src_start,
@@ -1197,8 +1202,7 @@ class CacheManager:
     ) -> None:
         """Pull through the peer, which resolves the key (fields as `_key_fields` gives them) and pins."""
         cluster_id, kind, key_id, model_id, slot = fields
-        request = ResolveRequest(
-            0,
+        ref = SourceRef(
             kind,
             key_id,
             model_id,
@@ -1206,12 +1210,12 @@ class CacheManager:
             selection.src_start,
             selection.count,
             selection.whole,
-            False,
-            True,
+            consume=True,
+            rules=V2,
         )
-        core.transfer_resolved(
+        core.transfers.transfer_resolved(
             cluster_id,
-            request,
+            ref,
             local,
             selection.dst_start,
             lambda loc: runs_for(loc.slot, loc.unit_nbytes, loc.num_units),
@@ -1247,7 +1251,9 @@ class CacheManager:
         for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
             n = per_layer
             self._check_remote_tensors(api, remote, TensorSelection(dst_layer * n, n, False, src_layer * n))
-            core.transfer_pinned(cluster_id, remote, dst_layer * n, local, src_layer * n, n, runs, write=True)
+            core.transfers.transfer_pinned(
+                cluster_id, remote, dst_layer * n, local, src_layer * n, n, runs, write=True
+            )
 
     @staticmethod
     def _push_layers(
@@ -1266,20 +1272,6 @@ class CacheManager:
                 api, f"layer ranges {src} and {dst} must be non-empty, of equal length, within the cache"
             )
         return src, dst
-
-    @staticmethod
-    def _key_fields(api: str, key: CacheKey | CacheKeyByIdAndIndex) -> tuple[int, int, int, int, int]:
-        """(cluster id, key kind, key id, model id, batch index) of a pull key."""
-        if isinstance(key, CacheKeyByIdAndIndex):
-            if key.cache_id < 0:
-                raise make_error(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key.cache_id}")
-            return key.cluster_id, KEY_CACHE_ID, key.cache_id, 0, key.batch_index
-        req_valid, prefix_valid = key.req_id != U64_MAX, key.prefix_id != U64_MAX
-        if req_valid == prefix_valid:
-            _invalid(api, "exactly one of req_id and prefix_id must be set in the cache key")
-        if req_valid:
-            return key.prompt_cluster_id, KEY_REQ, key.req_id, key.model_id, 0
-        return key.prompt_cluster_id, KEY_PREFIX, key.prefix_id, key.model_id, 0
 
 
 __all__ = ["PLACEMENT_HOST", "CacheManager"]

@@ -194,7 +194,9 @@ class LLMDataDist:
             # Over TCP (a peer on another host) the link leaves from the local ip given, when it is ours.
             local_ip = ip_int_to_str(info.local_ip_info_list[0][0]) if info.local_ip_info_list else ""
             with api_errors(api):
-                results.append(core.link(info.remote_cluster_id, ip_int_to_str(ip), port, deadline, local_ip))
+                results.append(
+                    core.links.link(info.remote_cluster_id, ip_int_to_str(ip), port, deadline, local_ip)
+                )
         return _overall(results), results
 
     def unlink_clusters(
@@ -217,7 +219,7 @@ class LLMDataDist:
         results: list[LLMStatusCode] = []
         for info in infos:
             assert info.remote_cluster_id is not None  # checked above
-            code = core.unlink(info.remote_cluster_id, force=force)
+            code = core.links.unlink(info.remote_cluster_id, force=force)
             if (
                 code == LLMStatusCode.LLM_NOT_YET_LINK
                 and self._v2(core)
@@ -239,7 +241,7 @@ class LLMDataDist:
             )
         check_uint64("remote_cluster_id", remote_cluster_id)
         with api_errors(api):
-            core.check_link(remote_cluster_id)
+            core.links.check(remote_cluster_id)
 
     def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
         """Change this instance's role. v1: refuses the current role, a PROMPT needs
@@ -276,7 +278,7 @@ class LLMDataDist:
             raise make_error(
                 api, LLMStatusCode.LLM_PARAM_INVALID, "not supported with several devices in one process"
             )
-        if core.linked_clusters() or core.server.peers():
+        if core.links.clusters() or core.server.peers():
             raise make_error(api, LLMStatusCode.LLM_EXIST_LINK, "unlink every cluster first")
         with api_errors(api):
             core.stop_public()

@@ -508,15 +508,15 @@ def test_one_sided_readers_notice_a_freed_or_reused_cache(seed: int) -> None:
         cm = dd.cache_manager
         cm.pull_blocks(BlocksCacheKey(P, 0), local, [1], [1])  # the table (with cache `first`) is cached now
         core = dd._require_core()
-        stale = core.remote_table(P).caches[first]
+        stale = core.oneside.remote_table(P).caches[first]
         # The owner frees the cache and allocates another over the same pool memory, same model id.
         peer.call("v2_dealloc_blocks", first)
         second = peer.call("v2_alloc", (2, [4, 64], [], 0))
-        assert not core.remote_is_current(P, stale)
+        assert not core.oneside.remote_is_current(P, stale)
         # A transfer through the stale entry refuses instead of returning the new cache's bytes as the old's.
         pinned = core.table.get(local.cache_id)
         with pytest.raises(Exception, match="was freed"):
-            core.transfer_one_sided(P, stale, 0, pinned, 0, 2, [])
+            core.oneside.read(P, stale, 0, pinned, 0, 2, [])
         # Through the API the stale entry is noticed and the table fetched again: the new cache is read.
         cm.pull_blocks(BlocksCacheKey(P, 0), local, [2], [0])
         for t, array in enumerate(arrays):

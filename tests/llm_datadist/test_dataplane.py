@@ -222,12 +222,13 @@ def test_a_row_the_owner_took_back_ends_the_link(linked) -> None:  # type: ignor
     and its lock on the index: the row it finds is no longer its own, and the pull reports the link gone
     (LLM_LINK_FAILED), not a corrupt index. The race is made deterministic by pinning without the look."""
     from llm_datadist._dataplane import peer_index, pin
+    from llm_datadist._source import SourceRef
 
     peer, dd = linked
     peer.alloc(2, [1, 32], [(P, 1)])
     dst = dd.kv_cache_manager.allocate_cache(_desc(2, [1, 32]))
     core = dd._require_core()
-    link = core.get_link(P)
+    link = core.links.get(P)
     index = peer_index(link, core.incarnation, time.monotonic() + 5, core.settings.timeout_code)
     assert index is not None
     assert peer.call("drop", 2)  # clears our row, closes our connection
@@ -235,7 +236,7 @@ def test_a_row_the_owner_took_back_ends_the_link(linked) -> None:  # type: ignor
         pin(
             link,
             index,
-            (REQ, 1, 0, 0, 0, 2, True, 64, 0, True),
+            SourceRef(REQ, 1, 0, 0, 0, 2, True, 64, 0, True),
             cluster_id=2,
             deadline=time.monotonic() + 5,
             timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,

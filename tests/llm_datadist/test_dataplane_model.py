@@ -30,6 +30,7 @@ from llm_datadist._owner.rows import Holder
 from llm_datadist._owner.table import CacheTable
 from llm_datadist._shm.index import Index
 from llm_datadist._shm.pool import Pool
+from llm_datadist._source import V2, SourceRef
 from llm_datadist._transport import PeerInfo
 from llm_datadist.status import LLMStatusCode
 
@@ -188,7 +189,7 @@ class IndexMachine(RuleBasedStateMachine):
         cache_ids = [*sorted(self.caches), 99]
         cache_id = cache_ids[pick % len(cache_ids)]
         cache = self.caches.get(cache_id)
-        request = (KEY_CACHE_ID, cache_id, 0, 0, 0, NUM_TENSORS, True, 0, 0, False)
+        request = SourceRef(KEY_CACHE_ID, cache_id, 0, 0, 0, NUM_TENSORS, True, for_write=True, rules=V2)
         try:
             pinned = pin(
                 puller.link,
@@ -197,8 +198,6 @@ class IndexMachine(RuleBasedStateMachine):
                 cluster_id=9,
                 deadline=1e18,
                 timeout_code=LLMStatusCode.LLM_TIMEOUT,
-                v2=True,
-                for_write=True,
             )
         except StatusError as exc:
             assert cache is None or not cache.external, f"write pin of a held cache refused: {exc}"
@@ -227,7 +226,7 @@ class IndexMachine(RuleBasedStateMachine):
             cache_ids = [*sorted(self.caches), 99]
             cache_id = cache_ids[pick % len(cache_ids)]
             slot = pick % BATCH
-            request = (
+            request = SourceRef(
                 KEY_CACHE_ID,
                 cache_id,
                 0,
@@ -249,7 +248,7 @@ class IndexMachine(RuleBasedStateMachine):
             )
         else:
             key = [*KEYS, (KEY_REQ, 77)][pick % (len(KEYS) + 1)]
-            request = (key[0], key[1], 0, 0, tensors[0], len(tensors), layer is None, 1, 0, consume)
+            request = SourceRef(key[0], key[1], 0, 0, tensors[0], len(tensors), layer is None, 1, 0, consume)
             live = key in self.keys and not (key[0] == KEY_REQ and not self.keys[key][2])
             if live:
                 cache_id, slot, _ = self.keys[key]

@@ -123,7 +123,7 @@ def test_pull_by_cache_id_and_index_consumes_bound_key(linked) -> None:  # type:
     assert _status(exc_info) == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
     kvm.pull_cache(CacheKey(P, 1), dst)  # the other slot's key is untouched
     # Two pulls from one segment mapped it once for this link.
-    link = dd._require_core().get_link(P)
+    link = dd._require_core().links.get(P)
     assert len(link.mappings) == 1
 
 

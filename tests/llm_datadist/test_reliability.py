@@ -27,7 +27,7 @@ from llm_datadist import (
     LLMException,
     LLMRole,
     LLMStatusCode,
-    _core,
+    _links,
     _transport,
 )
 from llm_datadist._errors import PeerGone, StatusError
@@ -437,7 +437,7 @@ def test_a_failed_generation_slot_gives_the_pool_block_back() -> None:
 
 
 def test_links_per_process_are_bounded(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_core, "MAX_LINKS", 0)
+    monkeypatch.setattr(_links, "MAX_LINKS", 0)
     with PromptPeer(P, next(_ports), seed) as peer, decoder(D) as dd:
         assert dd.link_clusters([peer.cluster_info()], 5000)[1] == [LLMStatusCode.LLM_LINK_FAILED]
 

@@ -1,0 +1,144 @@
+"""The one home of the puller's pin and lease life cycle: `Acquirer.acquire(link, ref, deadline)`.
+
+Rules: the caller holds the link exclusively. `acquire` pins what `ref` names through the link's row of
+the owner's index when the owner gave one and published it there (no message: `_dataplane`), and asks the
+owner for a lease otherwise (peers on other hosts, what the owner could not publish); either way it yields
+one `Location` and, however the with-block ends, ends what it began: an unpin (after a failed copy, what
+the pin consumed goes back) or a one-way `Release` (ok or not). The fault-injection points "pinned",
+"copied" and "released" (`_faults`) are passed here and nowhere else.
+
+    state      means                                           next
+    asked      nothing held yet (the socket says the owner     pinned | leased | refused (StatusError)
+               is alive; a dead owner's index is never read)
+    pinned     our row of its index pins the cache             unpinned (the with-block ended)
+    leased     the owner pins it for us until we release       released (the with-block ended)
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from llm_datadist._protocol.messages import (
+    BlocksGrant,
+    Message,
+    PullGrant,
+    Release,
+)
+from llm_datadist._protocol.messages import Location as LocationMessage
+from llm_datadist._shm.index import Index
+
+from . import _faults
+from ._dataplane import peer_index, pin, unpin
+from ._errors import PeerGone, StatusError
+from ._source import Location, SourceRef
+from ._transport import ClientLink
+from .status import LLMStatusCode
+
+_GRANTS = (PullGrant, BlocksGrant, LocationMessage)
+
+
+class Acquirer:
+    """Pins and leases of one process (its cluster id and incarnation name it in owners' indexes)."""
+
+    def __init__(self, cluster_id: int, incarnation: int, timeout_code: LLMStatusCode) -> None:
+        self.cluster_id = cluster_id
+        self.incarnation = incarnation
+        self.timeout_code = timeout_code
+
+    def acquire(self, link: ClientLink, ref: SourceRef, deadline: float) -> Held:
+        """`with acquirer.acquire(link, ref, deadline) as location:` copy; ended on the way out."""
+        return Held(self, link, ref, deadline)
+
+    def pinned_in_index(
+        self, link: ClientLink, ref: SourceRef, deadline: float
+    ) -> tuple[Index, Location] | None:
+        """Pin `ref` through the link's row of the owner's index: the index and where the cache is, or None
+        when the owner must be asked. The link's socket says first whether the owner is alive."""
+        link.check_usable()
+        link.check_peer_alive()
+        index = peer_index(link, self.incarnation, deadline, self.timeout_code)
+        if index is None:
+            return None
+        pinned = pin(
+            link, index, ref, cluster_id=self.cluster_id, deadline=deadline, timeout_code=self.timeout_code
+        )
+        if pinned is None:
+            return None
+        return index, Location.from_pin(link.peer.pid, pinned.cache, pinned.batch_slot, ref)
+
+
+class Held:
+    """`Acquirer.acquire`: a class, not @contextmanager, since every transfer enters one."""
+
+    __slots__ = ("_acquirer", "_deadline", "_index", "_link", "_location", "_ref")
+
+    def __init__(self, acquirer: Acquirer, link: ClientLink, ref: SourceRef, deadline: float) -> None:
+        self._acquirer = acquirer
+        self._link = link
+        self._ref = ref
+        self._deadline = deadline
+        self._index: Index | None = None
+        self._location: Location | None = None
+
+    def __enter__(self) -> Location:
+        link, ref = self._link, self._ref
+        pinned = self._acquirer.pinned_in_index(link, ref, self._deadline)
+        if pinned is not None:
+            self._index, location = pinned
+        else:
+            seq = link.next_seq()
+            reply = link.request(ref.to_message(seq), seq, self._deadline)
+            if not isinstance(reply, _GRANTS):
+                raise PeerGone(f"expected a grant, got {type(reply).__name__}")
+            location = _checked(link, reply, ref, self._deadline)
+        self._location = location
+        if _faults.hook is not None:
+            try:
+                _faults.at("pinned")
+            except BaseException:
+                self._end(ok=False)
+                raise
+        return location
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        ok = exc_type is None
+        if ok and _faults.hook is not None:
+            try:
+                _faults.at("copied")
+            except BaseException:
+                self._end(ok=False)
+                raise
+        self._end(ok=ok)
+        if ok and _faults.hook is not None:
+            _faults.at("released")
+
+    def _end(self, *, ok: bool) -> None:
+        location, self._location = self._location, None
+        if location is None:
+            return
+        if self._index is not None:
+            index, self._index = self._index, None
+            unpin(self._link, index, ok=ok)
+            return
+        end_lease(self._link, location.lease_id, ok=ok, deadline=self._deadline)
+
+
+def _checked(link: ClientLink, reply: Message, ref: SourceRef, deadline: float) -> Location:
+    """The grant as a location; a grant that does not match what was asked is released (not ok) first."""
+    assert isinstance(reply, _GRANTS)
+    try:
+        return Location.from_message(link.peer.pid, reply, ref)
+    except StatusError:
+        end_lease(link, reply.lease_id, ok=False, deadline=deadline)
+        raise
+
+
+def end_lease(link: ClientLink, lease_id: int, *, ok: bool, deadline: float) -> None:
+    """One way: the owner releases (or, after a failure, gives the key back) in order with this link's next
+    messages; waiting for it would cost a round trip per transfer. After a failure, best effort: the
+    original error is the one to report."""
+    if ok:
+        link.send_only(Release(lease_id, True), deadline)
+    elif link.broken is None:
+        with contextlib.suppress(StatusError):
+            link.send_only(Release(lease_id, False), deadline)

@@ -1,0 +1,208 @@
+"""This process's side of links across hosts: the shared secret, its transfer engine and the memory it
+exposes to it, and where peers on other hosts keep their segments.
+
+Rules: the engine starts on first use (a TCP link made or served, `_remote.shared_engine`). Memory is
+exposed to the engine only when a peer on another host was granted it (our pool segments, registered
+caches), over RDMA also our own side of a transfer, and withdrawn before it is unmapped or handed back to
+the user (`segment_released`, `registered_released`); `close` withdraws the rest once the engine drained.
+A transfer that fails or times out breaks its link: whatever the engine still does, our memory stays
+pinned (`table.hold`) until it ended.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from llm_datadist._protocol.messages import MAX_ADDRESS_NAMES, Addresses, AddressRequest
+from llm_datadist._shm.segment import Segment
+
+from . import _auth
+from ._errors import PeerGone, StatusError
+from ._owner.records import CacheRecord
+from ._owner.table import CacheTable
+from ._remote import MissingExtra, RemoteEngine, engine_available, shared_engine
+from ._transport import ClientLink
+from .status import LLMStatusCode
+
+
+class CrossHost:
+    """The secret, the engine and the exposed memory of one initialised instance."""
+
+    def __init__(self, table: CacheTable, timeout_code: LLMStatusCode) -> None:
+        self._table = table
+        self._timeout_code = timeout_code
+        self.secret: bytes | None = None
+        self.secret_problem = (
+            f"no shared secret: set {_auth.ENV_SECRET} (or {_auth.ENV_SECRET_FILE}, a file of mode 0600) "
+            "to the same value on both hosts"
+        )
+        self.secret_unusable = False  # one is configured, but cannot be used (said at every use)
+        try:
+            self.secret = _auth.load_secret()
+        except _auth.SecretError as exc:
+            self.secret_problem = str(exc)
+            self.secret_unusable = True
+        self._engine: RemoteEngine | None = None
+        self._exposed: dict[int, int] = {}  # address -> nbytes registered with the engine
+        self._lock = threading.Lock()
+        self._tcp_callbacks: dict[str, int] = {}  # our ip -> the port we serve TCP callbacks on
+        # Serves TCP at (ip, port 0: any) and returns the port: the server's, once it runs.
+        self.listen_tcp: Callable[[str, int], int] | None = None
+
+    def require(self, why: str) -> bytes:
+        """The shared secret, when this process can reach other hosts; else StatusError(LLM_LINK_FAILED):
+        MissingExtra, naming the extra, without the transfer engine; `why` + what is wrong without a usable
+        secret."""
+        problem = engine_available()
+        if problem is not None:
+            raise MissingExtra(LLMStatusCode.LLM_LINK_FAILED, problem)
+        if self.secret is None:
+            raise StatusError(LLMStatusCode.LLM_LINK_FAILED, why + self.secret_problem)
+        return self.secret
+
+    def engine(self, local_ip: str) -> RemoteEngine:
+        """This process's transfer engine (started on `local_ip` on first use)."""
+        with self._lock:
+            if self._engine is None:
+                self._engine = shared_engine(local_ip)
+            return self._engine
+
+    def tcp_callback_port(self, local_ip: str) -> int:
+        """The port where we serve TCP on `local_ip` for peers on other hosts we linked to (their way back
+        to push into our memory); started on first use."""
+        assert self.listen_tcp is not None, "the server serves before any link is made"
+        with self._lock:
+            port = self._tcp_callbacks.get(local_ip)
+            if port is None:
+                port = self.listen_tcp(local_ip, 0)
+                self._tcp_callbacks[local_ip] = port
+            return port
+
+    # ----------------------------------------------------------------- serving (server thread)
+
+    def serve_remote(self, local_ip: str) -> str:
+        """A peer on another host linked to us at `local_ip`: our engine's address."""
+        problem = engine_available()
+        if problem is not None:
+            raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"the serving side cannot: {problem}")
+        return self.engine(local_ip).address
+
+    def segment_addresses(self, names: tuple[str, ...]) -> tuple[int, ...]:
+        """Where our segments `names` are, registered with our engine for a remote peer."""
+        engine = self._engine
+        if engine is None:
+            raise StatusError(LLMStatusCode.LLM_FAILED, "no transfer engine runs here")
+        addrs = []
+        for name in names:
+            found = self._table.segment_address(name)
+            if found is None:
+                raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"no segment {name} here")
+            self._expose(engine, *found)
+            addrs.append(found[0])
+        return tuple(addrs)
+
+    def expose_ranges(self, addrs: tuple[int, ...], nbytes: int) -> None:
+        """Registered memory a remote peer was granted, made transferable."""
+        engine = self._engine
+        if engine is None:
+            raise StatusError(LLMStatusCode.LLM_FAILED, "no transfer engine runs here")
+        for addr in addrs:
+            self._expose(engine, addr, nbytes)
+
+    def _expose(self, engine: RemoteEngine, addr: int, nbytes: int) -> None:
+        with self._lock:
+            if self._exposed.get(addr, 0) >= nbytes:
+                return
+            engine.register(addr, nbytes)
+            self._exposed[addr] = nbytes
+
+    def _withdraw(self, addr: int) -> None:
+        with self._lock:
+            exposed = self._exposed.pop(addr, None)
+            engine = self._engine
+        if exposed is not None and engine is not None:
+            engine.unregister(addr)
+
+    def segment_released(self, segment: Segment) -> None:
+        """A pool segment is about to be unmapped: no engine may reach it afterwards."""
+        if self._exposed:
+            self._withdraw(segment.address)
+
+    def registered_released(self, record: CacheRecord) -> None:
+        """A registered cache is forgotten: its memory goes back to the user, out of every engine's reach."""
+        if self._exposed:
+            for addr in record.addrs:
+                self._withdraw(addr)
+
+    # ----------------------------------------------------------------- transfers
+
+    def segment_bases(self, link: ClientLink, names: list[str], deadline: float) -> list[int]:
+        """Where the remote peer has its segments `names` (asked once per segment and link)."""
+        missing = list(dict.fromkeys(name for name in names if name not in link.segment_addrs))
+        for start in range(0, len(missing), MAX_ADDRESS_NAMES):
+            chunk = tuple(missing[start : start + MAX_ADDRESS_NAMES])
+            seq = link.next_seq()
+            reply = link.request(AddressRequest(seq, chunk), seq, deadline)
+            if not isinstance(reply, Addresses) or len(reply.addrs) != len(chunk):
+                raise PeerGone(f"expected {len(chunk)} Addresses, got {type(reply).__name__}")
+            if len(link.segment_addrs) > 4096:
+                link.segment_addrs.clear()  # a long-lived peer's pools come and go: forget old names
+            link.segment_addrs.update(zip(chunk, reply.addrs, strict=True))
+        return [link.segment_addrs[name] for name in names]
+
+    def copy(
+        self,
+        link: ClientLink,
+        local: CacheRecord,
+        local_addrs: list[int],
+        remote_addrs: list[int],
+        lengths: list[int],
+        *,
+        write: bool,
+        deadline: float,
+    ) -> None:
+        """Move runs between `local` and the remote peer's memory through the transfer engines. A failure
+        or a timeout breaks the link (whatever the engine still does, the local memory stays pinned)."""
+        engine = self.engine(link.local_ip)
+        if engine.protocol != "tcp":
+            # RDMA reads and writes only registered local memory; over TCP the engine copies to and from
+            # the local side itself, and registering it would only open it to the engine's port.
+            if local.block is not None:
+                segment = local.block.segment
+                self._expose(engine, segment.address, segment.nbytes)
+            else:
+                for addr in local.addrs:
+                    self._expose(engine, addr, local.tensor_nbytes)
+        try:
+            engine.transfer(
+                link.peer.engine,
+                local_addrs,
+                remote_addrs,
+                lengths,
+                write=write,
+                deadline=deadline,
+                timeout_code=self._timeout_code,
+                check_peer=link.check_peer_alive,
+                hold=lambda: self._table.hold(local),
+            )
+        except PeerGone:
+            raise
+        except StatusError as exc:
+            link.fail(exc.detail)
+            raise
+
+    # ----------------------------------------------------------------- teardown
+
+    def drain(self) -> None:
+        """Wait for transfers that outlived their calls (they may still write into our pool)."""
+        if self._engine is not None:
+            self._engine.drain()
+
+    def close(self) -> None:
+        """Registered memory goes back to the user out of the engine's reach."""
+        with self._lock:
+            exposed, self._exposed = self._exposed, {}
+        if self._engine is not None:
+            for addr in exposed:
+                self._engine.unregister(addr)

@@ -1,0 +1,316 @@
+"""The links of one initialised instance: those it made (one per remote cluster) and those back to peers
+that linked to it (to push into their memory), and how bytes move on each.
+
+Rules: one lock guards both registries (`lock`; the two-sided links of `_comm` keep their state under it
+too). A link's mover is chosen once, when the link is made: `HostMover` through a Unix socket, a peer on
+this host; `EngineMover` over TCP, a peer on another host; no transfer asks again. A link the registry no
+longer holds is closed by whoever removed it; once `closed`, no link is added.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import cast
+
+from llm_datadist._protocol.messages import Ping, Pong
+
+from ._crosshost import CrossHost
+from ._errors import PeerGone, StatusError
+from ._movers import EngineMover, HostMover, Mover
+from ._remote import MissingExtra
+from ._runtime import is_local_ip, socket_path, socket_path_in_runtime
+from ._transport import ClientLink, Server
+from .status import LLMStatusCode
+from .utils.log import log
+
+# Per process: links we made (one per remote cluster).
+MAX_LINKS = 512
+
+
+class Links:
+    """Our links, by remote cluster id, and the links back to peers that linked to us."""
+
+    def __init__(
+        self,
+        *,
+        cluster_id: int,
+        incarnation: int,
+        callback_name: str,
+        server: Server,
+        cross: CrossHost,
+        host_mover: HostMover,
+        engine_mover: EngineMover,
+        on_broken: Callable[[ClientLink], None],
+        timeout_s: float,
+    ) -> None:
+        self._cluster_id = cluster_id
+        self._incarnation = incarnation
+        self._callback_name = callback_name
+        self._server = server
+        self._cross = cross
+        self._host_mover = host_mover
+        self._engine_mover = engine_mover
+        self._on_broken = on_broken
+        self._timeout_s = timeout_s
+        self.lock = threading.Lock()
+        self.closed = False
+        self._links: dict[int, ClientLink] = {}
+        # Links back to peers that linked to us, used to push into their memory; keyed by cluster id.
+        self._push_links: dict[int, ClientLink] = {}
+        self._push_connect_lock = threading.Lock()
+
+    # ----------------------------------------------------------------- making links
+
+    def connect_unix(
+        self, path: Path, remote_cluster_id: int, deadline: float, *, announce_callback: bool = True
+    ) -> ClientLink:
+        """A link through the Unix socket at `path` (see `ClientLink.connect`); `announce_callback`: tell
+        the peer our callback socket (not on a link that is itself the way back)."""
+        link = ClientLink.connect(
+            path,
+            cluster_id=self._cluster_id,
+            remote_cluster_id=remote_cluster_id,
+            role=self._server.role,
+            deadline=deadline,
+            callback=self._callback_name if announce_callback else "",
+            incarnation=self._incarnation,
+        )
+        link.mover = self._host_mover
+        return link
+
+    def connect_tcp(
+        self,
+        remote_cluster_id: int,
+        ip: str,
+        port: int,
+        deadline: float,
+        local_ip: str = "",
+        *,
+        serve_callback: bool = True,
+    ) -> ClientLink:
+        """A link over TCP to a peer on another host (see `ClientLink.connect_tcp`), from `local_ip` when
+        that is one of ours. `serve_callback`: announce a TCP port of ours the peer may push through (not
+        on a link that is itself the way back)."""
+        secret = self._cross.require(f"{ip} is on another host and ")
+        link = ClientLink.connect_tcp(
+            ip,
+            port,
+            secret=secret,
+            local_ip=local_ip if local_ip and is_local_ip(local_ip) and local_ip != "0.0.0.0" else "",
+            engine=lambda our_ip: self._cross.engine(our_ip).address,
+            callback_port=self._cross.tcp_callback_port if serve_callback else lambda our_ip: 0,
+            cluster_id=self._cluster_id,
+            remote_cluster_id=remote_cluster_id,
+            role=self._server.role,
+            deadline=deadline,
+            incarnation=self._incarnation,
+        )
+        link.mover = self._engine_mover
+        return link
+
+    def link(
+        self, remote_cluster_id: int, ip: str, port: int, deadline: float, local_ip: str = ""
+    ) -> LLMStatusCode:
+        """Link to the side listening at `ip:port`: through its Unix socket when `ip` is this host's, over
+        TCP otherwise (from `local_ip` when that is one of ours). MissingExtra (raised) when the link
+        needs the transfer engine and it is not installed; every other failure is a returned code."""
+        self._server.check_alive()
+        with self.lock:
+            if remote_cluster_id in self._links:
+                return LLMStatusCode.LLM_ALREADY_LINK
+            if len(self._links) >= MAX_LINKS:
+                log.error("link to cluster %d refused: %d links is the limit", remote_cluster_id, MAX_LINKS)
+                return LLMStatusCode.LLM_LINK_FAILED
+        try:
+            if is_local_ip(ip):
+                link = self.connect_unix(socket_path(ip, port), remote_cluster_id, deadline)
+            else:
+                link = self.connect_tcp(remote_cluster_id, ip, port, deadline, local_ip)
+        except MissingExtra:
+            raise
+        except StatusError as exc:
+            log.error("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc.detail)
+            return exc.code
+        except Exception as exc:
+            log.error("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc)
+            return LLMStatusCode.LLM_LINK_FAILED
+        with self.lock:
+            refused = (
+                LLMStatusCode.LLM_ALREADY_LINK
+                if remote_cluster_id in self._links
+                else LLMStatusCode.LLM_FAILED
+                if self.closed
+                else None
+            )
+            if refused is None:
+                self._adopt(remote_cluster_id, link)
+        if refused is not None:
+            link.close(say_bye=True)
+            return refused
+        return LLMStatusCode.LLM_SUCCESS
+
+    def adopt(self, remote_cluster_id: int, link: ClientLink) -> None:
+        """Hold a link made elsewhere (a two-sided link of `_comm`); the caller holds `lock` and checked
+        that the cluster has no link and the registry is not closed."""
+        self._adopt(remote_cluster_id, link)
+
+    def _adopt(self, remote_cluster_id: int, link: ClientLink) -> None:
+        self._links[remote_cluster_id] = link
+        link.on_broken = self._on_broken
+
+    # ----------------------------------------------------------------- looking links up
+
+    def has(self, remote_cluster_id: int) -> bool:
+        """Whether we hold a link to `remote_cluster_id` (the caller holds `lock`)."""
+        return remote_cluster_id in self._links
+
+    def held(self, cluster_ids: list[int]) -> list[ClientLink]:
+        """The links we hold to those of `cluster_ids` we are linked to (the caller holds `lock`)."""
+        return [self._links[c] for c in cluster_ids if c in self._links]
+
+    def forget(self, remote_cluster_id: int) -> ClientLink | None:
+        """Stop holding our link to `remote_cluster_id` (the caller holds `lock`, and closes it)."""
+        return self._links.pop(remote_cluster_id, None)
+
+    def get(self, remote_cluster_id: int) -> ClientLink:
+        """Our link to `remote_cluster_id`; StatusError(LLM_NOT_YET_LINK) if there is none."""
+        self._server.check_alive()
+        with self.lock:
+            link = self._links.get(remote_cluster_id)
+        if link is None:
+            raise StatusError(LLMStatusCode.LLM_NOT_YET_LINK, f"no link to cluster {remote_cluster_id}")
+        return link
+
+    def clusters(self) -> list[int]:
+        with self.lock:
+            return list(self._links)
+
+    def all(self) -> list[ClientLink]:
+        with self.lock:
+            return list(self._links.values()) + list(self._push_links.values())
+
+    def link_to(self, remote_cluster_id: int, deadline: float) -> ClientLink:
+        """A link to `remote_cluster_id`: ours if we linked to it, else the link back to its callback socket
+        when it linked to us (in v2 either side may pull and push)."""
+        self._server.check_alive()
+        with self.lock:
+            link = self._links.get(remote_cluster_id)
+        return link if link is not None else self.push_link(remote_cluster_id, deadline)
+
+    def unlink(self, remote_cluster_id: int, *, force: bool) -> LLMStatusCode:
+        with self.lock:
+            link = self._links.get(remote_cluster_id)
+            if link is None:
+                return LLMStatusCode.LLM_NOT_YET_LINK
+            try:
+                with link.exclusive(0.0, busy_fails=True):
+                    pass
+            except StatusError as exc:
+                if exc.code == LLMStatusCode.LLM_LINK_BUSY:
+                    return exc.code
+            del self._links[remote_cluster_id]
+        link.close(say_bye=not force)
+        return LLMStatusCode.LLM_SUCCESS
+
+    def check(self, remote_cluster_id: int) -> None:
+        """A round trip on our link to `remote_cluster_id` (busy: LLM_LINK_BUSY at once)."""
+        link = self.get(remote_cluster_id)
+        deadline = time.monotonic() + self._timeout_s
+        with link.exclusive(deadline, busy_fails=True):
+            seq = link.next_seq()
+            reply = link.request(Ping(seq), seq, deadline)
+            if not isinstance(reply, Pong):
+                raise PeerGone(f"expected Pong, got {type(reply).__name__}")
+
+    # ----------------------------------------------------------------- links back
+
+    def push_link(self, remote_cluster_id: int, deadline: float) -> ClientLink:
+        """The link back to `remote_cluster_id` (a peer linked to us), connected on first use."""
+        # One connector at a time: two transfers must not each connect and close the other's link.
+        self._server.check_alive()
+        with self._push_connect_lock:
+            return self._push_link(remote_cluster_id, deadline)
+
+    def _push_link(self, remote_cluster_id: int, deadline: float) -> ClientLink:
+        # The most recent connection from that cluster that announced a callback socket: after a restart,
+        # the new incarnation's (a connection without one, such as a probe, is no way back).
+        peers = [p for p in self._server.peers() if p.cluster_id == remote_cluster_id]
+        peer = next((p for p in reversed(peers) if p.callback), peers[-1] if peers else None)
+        with self.lock:
+            link = self._push_links.get(remote_cluster_id)
+        if (
+            link is not None
+            and link.broken is None
+            and (peer is None or link.peer.incarnation == peer.incarnation)
+        ):
+            return link
+        if peer is None:
+            raise StatusError(
+                LLMStatusCode.LLM_NOT_YET_LINK, f"cluster {remote_cluster_id} is not linked to us"
+            )
+        # The way back: a TCP port a peer on another host serves (it proved our secret, so we have one), or
+        # the callback socket a peer on this host announced.
+        if not (peer.callback_port if peer.remote else peer.callback):
+            raise StatusError(LLMStatusCode.LLM_LINK_FAILED, f"cluster {remote_cluster_id} accepts no pushes")
+        if peer.remote:
+            link = self.connect_tcp(
+                remote_cluster_id, peer.host, peer.callback_port, deadline, serve_callback=False
+            )
+        else:
+            link = self.connect_unix(
+                socket_path_in_runtime(peer.callback), remote_cluster_id, deadline, announce_callback=False
+            )
+        if link.peer.incarnation != peer.incarnation or (not peer.remote and link.peer.pid != peer.pid):
+            link.close(say_bye=True)
+            raise StatusError(
+                LLMStatusCode.LLM_LINK_FAILED, "the callback socket is served by another process"
+            )
+        link.on_broken = self._on_broken
+        with self.lock:
+            old = self._push_links.pop(remote_cluster_id, None)
+            self._push_links[remote_cluster_id] = link
+        if old is not None:
+            old.close(say_bye=False)
+        return link
+
+    def drop_push_link(self, remote_cluster_id: int) -> bool:
+        """Close our link back to `remote_cluster_id`, if any; True if there was one."""
+        with self.lock:
+            link = self._push_links.pop(remote_cluster_id, None)
+        if link is not None:
+            link.close(say_bye=True)
+        return link is not None
+
+    # ----------------------------------------------------------------- housekeeping and teardown
+
+    def unmap_retired(self) -> None:
+        """Unmap the segments peers have retired (a growing pool unlinks a segment that fell empty), so that
+        no freed memory stays alive through our mappings."""
+        for link in self.all():
+            for name in link.mappings.drop_unlinked():
+                link.owned_segments.discard(name.lstrip("/"))
+                link.owned_segments.discard(name)
+
+    def close_all(self, before: Callable[[], None]) -> list[ClientLink]:
+        """No more links: every link is taken out of the registries (`before` runs first, under the
+        lock); the caller closes them."""
+        with self.lock:
+            self.closed = True
+            self._on_broken = _ignore  # a bound method of our owner: no cycle outlives the close
+            before()
+            links = list(self._links.values()) + list(self._push_links.values())
+            self._links.clear()
+            self._push_links.clear()
+        return links
+
+
+def mover_of(link: ClientLink) -> Mover:
+    """The mover chosen for `link` when it was made."""
+    return cast(Mover, link.mover)
+
+
+def _ignore(link: ClientLink) -> None:
+    return None

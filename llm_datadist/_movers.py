@@ -1,0 +1,400 @@
+"""How bytes move between this process and one peer, chosen once, when the link is made: `HostMover` for a
+peer on this host (its segments mapped here and copied by the copy kernel, its registered memory by
+cross-memory attach), `EngineMover` for a peer on another host (Mooncake Transfer Engine).
+
+Rules: a mover only moves bytes between memory that is already pinned on both sides (the caller holds the
+source or destination through `_acquire` and its own cache through the table); it never asks the peer to
+pin anything. Every range it is given is checked against what it lands in before any byte moves: a
+peer's description of its memory is never trusted (a segment must be the peer's own and hold the range).
+A device-memory mover fits beside these two: it implements `Mover` and is chosen when the link is made.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import psutil
+
+from llm_datadist._protocol.messages import WriteGrant
+from llm_datadist._shm.copyplan import BlockPlan, Run, StridedCopy, block_runs, plan_tensor_copy
+from llm_datadist._shm.errors import ShmError
+from llm_datadist._shm.names import parse_segment_name
+from llm_datadist._shm.segment import Segment
+
+from ._copy import Copier, address_view, vm_columns
+from ._errors import PeerGone, StatusError
+from ._owner.records import CacheRecord
+from ._source import Location
+from ._transport import ClientLink
+from ._vm import FEW_RUNS, PreparedRuns, VmBadAddress, VmError, VmNotPermitted, VmProcessGone, VmRun
+from .status import LLMStatusCode
+
+if TYPE_CHECKING:
+    from ._crosshost import CrossHost
+
+
+@dataclass(frozen=True)
+class UnitRun:
+    """`nbytes` between byte `remote_offset` of a remote tensor and byte `local_offset` of the matching
+    local tensor; the same runs apply to every tensor of a transfer."""
+
+    remote_offset: int
+    local_offset: int
+    nbytes: int
+
+
+class RangeUnmapped(StatusError):
+    """A cross-memory copy met an address range that is not mapped (on either side)."""
+
+
+@dataclass(frozen=True)
+class PushSpan:
+    """Bytes to push into [dst_addr, dst_addr + nbytes) of the peer: runs from our segment, their
+    destination offsets relative to dst_addr."""
+
+    dst_addr: int
+    nbytes: int
+    runs: tuple[Run, ...]
+
+
+class Mover(Protocol):
+    """Moves bytes between pinned memory of ours and of the peer at the other end of `link`."""
+
+    # The peer's memory is visible here (mapped, or attachable): what it publishes there (generation
+    # words) can be read, so reads need no pin (`_oneside`).
+    sees_peer_memory: bool
+
+    def read_tensors(
+        self,
+        link: ClientLink,
+        loc: Location,
+        dst: CacheRecord,
+        dst_offsets: list[int],
+        nbytes: int,
+        deadline: float,
+    ) -> None:
+        """`nbytes` from each `loc.tensor_bases[i]` to `dst`'s segment at `dst_offsets[i]` (a v1 pull)."""
+        ...
+
+    def read_blocks(
+        self, link: ClientLink, loc: Location, plan: BlockPlan, dst: CacheRecord, deadline: float
+    ) -> None:
+        """A paged copy from `loc`'s segment into `dst`'s (v1 `pull_blocks`)."""
+        ...
+
+    def copy_units(
+        self,
+        link: ClientLink,
+        loc: Location,
+        local: CacheRecord,
+        local_tensor_start: int,
+        runs: list[UnitRun],
+        *,
+        write: bool,
+        deadline: float,
+        prepared: PreparedRuns | None = None,
+    ) -> PreparedRuns | None:
+        """`runs` of each of `loc`'s tensors from or (`write`) to our tensors from `local_tensor_start`
+        (v2). Returns what a repeat of the very same copy may pass back as `prepared` (or None)."""
+        ...
+
+    def write_ranges(
+        self, link: ClientLink, grant: WriteGrant, src: CacheRecord, spans: list[PushSpan], deadline: float
+    ) -> None:
+        """Push `spans` of `src`'s segment into the ranges the peer granted (v1 `transfer_cache_async`)."""
+        ...
+
+
+def _local_addrs(local: CacheRecord, start: int, count: int, runs: list[UnitRun]) -> list[int]:
+    for run in runs:
+        if run.local_offset + run.nbytes > local.tensor_nbytes:
+            raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, "the transfer does not fit the local tensors")
+    return local.tensor_addrs()[start : start + count]
+
+
+def _outside_segment() -> StatusError:
+    return StatusError(LLMStatusCode.LLM_FAILED, "peer granted memory outside its segment")
+
+
+# ====================================================================== a peer on this host
+
+
+def peer_segment(link: ClientLink, name: str, nbytes: int, *, writable: bool) -> Segment:
+    """Map a segment a peer on this host named. Never trust a peer's description of memory: the segment
+    must be the peer's own (its pid and our uid in the name) and hold what the grant says. A segment that
+    cannot be mapped because its owner died is a link failure, not a shared-memory one."""
+    if name not in link.owned_segments:
+        owner = parse_segment_name(name)
+        if owner is None or owner.pid != link.peer.pid or owner.uid != os.getuid():
+            raise StatusError(LLMStatusCode.LLM_FAILED, f"peer granted a segment it does not own: {name}")
+        link.owned_segments.add(name)  # a name carries its owner: once checked, it stays the peer's
+    try:
+        return link.mappings.get(name, min_nbytes=nbytes, writable=writable)
+    except ShmError as exc:
+        # An owner unlinks a segment with something granted in it only when it finalizes or dies, and it
+        # closes its connections first: the link tells which.
+        link.check_peer_alive()
+        if process_alive(link.peer.pid):
+            raise
+        raise peer_ended(link, exc) from exc
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def peer_ended(link: ClientLink, cause: Exception) -> PeerGone:
+    """Break `link` because its peer's process ended; the error to raise (from `cause`)."""
+    link.fail(f"process {link.peer.pid} is gone")
+    return PeerGone(f"cluster {link.peer.cluster_id} (pid {link.peer.pid}) is gone: {cause}")
+
+
+class HostMover:
+    """A peer on this host: its pool segments mapped here, its registered memory by cross-memory attach."""
+
+    sees_peer_memory = True
+
+    def __init__(self, copier: Copier) -> None:
+        self._copier = copier
+
+    def read_tensors(
+        self,
+        link: ClientLink,
+        loc: Location,
+        dst: CacheRecord,
+        dst_offsets: list[int],
+        nbytes: int,
+        deadline: float,
+    ) -> None:
+        src = peer_segment(link, loc.segment, loc.segment_nbytes, writable=False)
+        # Tensors are a constant pitch apart on each side: one strided copy, else a list of runs.
+        strided = StridedCopy.from_offsets(loc.tensor_bases, dst_offsets, nbytes)
+        if strided is not None:
+            self._copier.run_strided(strided, src.array, dst.pool_block.segment.array)
+        else:
+            runs = plan_tensor_copy(loc.tensor_bases, dst_offsets, nbytes)
+            self._copier.run(runs, src.array, dst.pool_block.segment.array)
+
+    def read_blocks(
+        self, link: ClientLink, loc: Location, plan: BlockPlan, dst: CacheRecord, deadline: float
+    ) -> None:
+        src = peer_segment(link, loc.segment, loc.segment_nbytes, writable=False)
+        self._copier.run_blocks(plan, src.array, dst.pool_block.segment.array)
+
+    def copy_units(
+        self,
+        link: ClientLink,
+        loc: Location,
+        local: CacheRecord,
+        local_tensor_start: int,
+        runs: list[UnitRun],
+        *,
+        write: bool,
+        deadline: float,
+        prepared: PreparedRuns | None = None,
+    ) -> PreparedRuns | None:
+        bases = loc.tensor_bases
+        if not loc.segment:
+            return self._attach_copy(link, loc, local, local_tensor_start, runs, write, prepared)
+        local_addrs = _local_addrs(local, local_tensor_start, len(bases), runs)
+        mapped = peer_segment(link, loc.segment, loc.segment_nbytes, writable=write)
+        if local.block is not None:
+            local_array = local.block.segment.array
+            local_bases = [local.tensor_offset(local_tensor_start + i) for i in range(len(bases))]
+        else:
+            low = min(local_addrs)
+            local_array = address_view(low, max(local_addrs) + local.tensor_nbytes - low)
+            local_bases = [addr - low for addr in local_addrs]
+        if write:
+            copy_runs = [
+                Run(local_base + run.local_offset, base + run.remote_offset, run.nbytes)
+                for base, local_base in zip(bases, local_bases, strict=True)
+                for run in runs
+            ]
+            self._copier.run(copy_runs, local_array, mapped.array)
+        else:
+            copy_runs = [
+                Run(base + run.remote_offset, local_base + run.local_offset, run.nbytes)
+                for base, local_base in zip(bases, local_bases, strict=True)
+                for run in runs
+            ]
+            self._copier.run(copy_runs, mapped.array, local_array)
+        return None
+
+    def _attach_copy(
+        self,
+        link: ClientLink,
+        loc: Location,
+        local: CacheRecord,
+        local_tensor_start: int,
+        runs: list[UnitRun],
+        write: bool,
+        prepared: PreparedRuns | None,
+    ) -> PreparedRuns | None:
+        """The peer's registered memory: one kernel copy between the two address spaces."""
+        pid, bases = loc.pid, loc.tensor_bases
+        if pid != link.peer.pid:
+            raise StatusError(LLMStatusCode.LLM_FAILED, f"peer {link.peer.pid} named memory of process {pid}")
+        try:
+            if prepared is not None:
+                prepared()
+                return prepared
+            local_addrs = _local_addrs(local, local_tensor_start, len(bases), runs)
+            if len(runs) * len(bases) <= FEW_RUNS:  # `_vm`'s ctypes fast path
+                vm_runs = [
+                    VmRun(addr + run.local_offset, base + run.remote_offset, run.nbytes)
+                    for addr, base in zip(local_addrs, bases, strict=True)
+                    for run in runs
+                ]
+                prepared = PreparedRuns(pid, vm_runs, write=write)
+                prepared()
+                return prepared
+            # Many runs (a block table): numpy columns, split over the copy threads by bytes.
+            columns = vm_columns(
+                local_addrs,
+                [run.local_offset for run in runs],
+                bases,
+                [run.remote_offset for run in runs],
+                [run.nbytes for run in runs],
+            )
+            self._copier.run_vm(pid, *columns, write=write)
+            return None
+        except VmNotPermitted as exc:
+            raise StatusError(
+                LLMStatusCode.LLM_FAILED, f"cross-memory attach to pid {pid} refused: {exc}"
+            ) from exc
+        except VmError as exc:
+            # The peer died (or is exiting, its memory already unmapped): a link failure, noticed here
+            # before the socket said so.
+            if isinstance(exc, VmProcessGone) or not process_alive(pid):
+                raise peer_ended(link, exc) from exc
+            error = RangeUnmapped if isinstance(exc, VmBadAddress) else StatusError
+            raise error(
+                LLMStatusCode.LLM_PARAM_INVALID, f"cross-memory copy with pid {pid} failed: {exc}"
+            ) from exc
+
+    def write_ranges(
+        self, link: ClientLink, grant: WriteGrant, src: CacheRecord, spans: list[PushSpan], deadline: float
+    ) -> None:
+        targets = [
+            peer_segment(link, name, nbytes, writable=True)
+            for name, nbytes in zip(grant.segments, grant.segment_nbytes, strict=True)
+        ]
+        by_target: dict[int, list[Run]] = {}
+        for span, index, offset in zip(spans, grant.range_segments, grant.range_offsets, strict=True):
+            if offset + span.nbytes > targets[index].nbytes:
+                raise _outside_segment()
+            by_target.setdefault(index, []).extend(
+                Run(run.src_offset, offset + run.dst_offset, run.nbytes) for run in span.runs
+            )
+        for index, runs in by_target.items():
+            self._copier.run(runs, src.pool_block.segment.array, targets[index].array)
+
+
+# ====================================================================== a peer on another host
+
+
+class EngineMover:
+    """A peer on another host: every copy is one batch of address runs through the transfer engines."""
+
+    sees_peer_memory = False
+
+    def __init__(self, cross: CrossHost) -> None:
+        self._cross = cross
+
+    def read_tensors(
+        self,
+        link: ClientLink,
+        loc: Location,
+        dst: CacheRecord,
+        dst_offsets: list[int],
+        nbytes: int,
+        deadline: float,
+    ) -> None:
+        runs = plan_tensor_copy(loc.tensor_bases, dst_offsets, nbytes)
+        (src_base,) = self._cross.segment_bases(link, [loc.segment], deadline)
+        dst_base = dst.pool_block.segment.address
+        self._cross.copy(
+            link,
+            dst,
+            [dst_base + run.dst_offset for run in runs],
+            [src_base + run.src_offset for run in runs],
+            [run.nbytes for run in runs],
+            write=False,
+            deadline=deadline,
+        )
+
+    def read_blocks(
+        self, link: ClientLink, loc: Location, plan: BlockPlan, dst: CacheRecord, deadline: float
+    ) -> None:
+        # The grant's blocks must lie in its segment and ours in our segment, as the local copy checks.
+        try:
+            plan.check(loc.segment_nbytes, dst.pool_block.segment.nbytes)
+        except ShmError as exc:
+            raise StatusError(LLMStatusCode.LLM_FAILED, f"peer granted blocks out of range: {exc}") from exc
+        (src_base,) = self._cross.segment_bases(link, [loc.segment], deadline)
+        dst_base = dst.pool_block.segment.address
+        src_starts, dst_starts, lengths = block_runs(plan)
+        count = len(plan.src_tensor_offsets)
+        # Every tensor's runs at once: (tensor, run) grids of addresses, flattened in tensor order.
+        remote = src_base + np.add.outer(np.array(plan.src_tensor_offsets, dtype=np.int64), src_starts)
+        local = dst_base + np.add.outer(np.array(plan.dst_tensor_offsets, dtype=np.int64), dst_starts)
+        self._cross.copy(
+            link,
+            dst,
+            local.ravel().tolist(),
+            remote.ravel().tolist(),
+            np.tile(lengths, count).tolist(),
+            write=False,
+            deadline=deadline,
+        )
+
+    def copy_units(
+        self,
+        link: ClientLink,
+        loc: Location,
+        local: CacheRecord,
+        local_tensor_start: int,
+        runs: list[UnitRun],
+        *,
+        write: bool,
+        deadline: float,
+        prepared: PreparedRuns | None = None,
+    ) -> PreparedRuns | None:
+        # Segment offsets (or registered addresses) become addresses there, for its engine.
+        bases = loc.tensor_bases
+        local_addrs = _local_addrs(local, local_tensor_start, len(bases), runs)
+        (segment_base,) = self._cross.segment_bases(link, [loc.segment], deadline) if loc.segment else (0,)
+        self._cross.copy(
+            link,
+            local,
+            [addr + run.local_offset for addr in local_addrs for run in runs],
+            [segment_base + base + run.remote_offset for base in bases for run in runs],
+            [run.nbytes for _ in bases for run in runs],
+            write=write,
+            deadline=deadline,
+        )
+        return None
+
+    def write_ranges(
+        self, link: ClientLink, grant: WriteGrant, src: CacheRecord, spans: list[PushSpan], deadline: float
+    ) -> None:
+        bases = self._cross.segment_bases(link, list(grant.segments), deadline)
+        src_base = src.pool_block.segment.address
+        local: list[int] = []
+        remote: list[int] = []
+        lengths: list[int] = []
+        for span, index, offset in zip(spans, grant.range_segments, grant.range_offsets, strict=True):
+            if offset + span.nbytes > grant.segment_nbytes[index]:
+                raise _outside_segment()
+            for run in span.runs:
+                local.append(src_base + run.src_offset)
+                remote.append(bases[index] + offset + run.dst_offset)
+                lengths.append(run.nbytes)
+        self._cross.copy(link, src, local, remote, lengths, write=True, deadline=deadline)

@@ -1,0 +1,316 @@
+"""v2 one-sided reads: a peer's table of remote-accessible caches, read once per link, and reads from
+them with no message to the peer.
+
+Rules: everything learnt from a peer belongs to its link (a restarted peer is a new link with no table).
+The table comes from the peer's index (no message) or, when the peer could not publish every cache there,
+page by page from the peer. A read without a pin is trusted only if the cache's generation word, checked
+after the copy, still says the owner holds it: a change means freed or reused memory and the read fails
+with LLM_KV_CACHE_NOT_EXIST. Only a mover that sees the peer's memory (`Mover.sees_peer_memory`) can read
+so; through any other the read pins the cache by id for its duration (`Transfers.transfer_pinned`).
+Writes never go unpinned (a write cannot be taken back once it landed in reused memory).
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+from typing import cast
+
+from llm_datadist._protocol.messages import Table, TableRequest
+from llm_datadist._shm.errors import ShmError
+from llm_datadist._shm.generations import read_generation
+from llm_datadist._shm.index import CACHE_REMOTE, CACHE_WITHDRAWN, FLAG_CACHES_UNPUBLISHED, STATE_OPEN
+from llm_datadist._shm.segment import Segment
+
+from ._acquire import Acquirer
+from ._dataplane import peer_index, raise_index_error
+from ._errors import PeerGone, StatusError
+from ._links import Links, mover_of
+from ._movers import RangeUnmapped, UnitRun, peer_segment
+from ._owner.records import CacheRecord
+from ._source import RemoteCache, RemoteTable
+from ._transfers import Transfers
+from ._transport import ClientLink
+from ._vm import PreparedRuns
+from .status import LLMStatusCode
+
+# A peer's one-sided table comes in pages; more pages than this is a peer describing more than it can own.
+_MAX_TABLE_PAGES = 1024
+
+
+class OneSided:
+    """The one-sided reads of one initialised instance."""
+
+    def __init__(self, links: Links, acquirer: Acquirer, transfers: Transfers, timeout_s: float) -> None:
+        self._links = links
+        self._acquirer = acquirer
+        self._transfers = transfers
+        self._timeout_s = timeout_s
+
+    def remote_table(self, remote_cluster_id: int, *, refresh: bool = False) -> RemoteTable:
+        """The peer's table of remote-accessible caches, read from its index (or, when the peer could not
+        publish every cache there, fetched page by page) on first use and kept on the link: a new link, to
+        a restarted peer, starts with no table."""
+        deadline = time.monotonic() + self._timeout_s
+        link = self._links.link_to(remote_cluster_id, deadline)
+        table = None if refresh else link.remote_table
+        if isinstance(table, RemoteTable):
+            return table
+        with link.exclusive(deadline):
+            table = self._index_table(link, deadline) or _fetched_table(link, deadline)
+            link.remote_table = table
+        return table
+
+    def _index_table(self, link: ClientLink, deadline: float) -> RemoteTable | None:
+        """The peer's one-sided table as its index holds it, with no message; None when the peer has no
+        index or could not publish every cache in it."""
+        link.check_usable()
+        link.check_peer_alive()
+        timeout_code = self._acquirer.timeout_code
+        index = peer_index(link, self._acquirer.incarnation, deadline, timeout_code)
+        if index is None:
+            return None
+        try:
+            generations = index.generations
+            if not generations:
+                return None
+            # The version word before the entries: a change in between makes the reader refetch once more.
+            words = peer_segment(link, generations, 8, writable=False)
+            version = read_generation(words, 0)
+            order_loads()
+            index.lock(max(deadline - time.monotonic(), 0.0))
+            try:
+                state, flags = index.header()
+                if state != STATE_OPEN:
+                    raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "the peer closed its cache table")
+                if flags & FLAG_CACHES_UNPUBLISHED:
+                    return None
+                entries = index.live_caches()
+                names = index.blocks_names()
+            finally:
+                index.unlock()
+        except ShmError as exc:
+            raise_index_error(link, exc, timeout_code)
+        pid = link.peer.pid
+        caches: dict[int, RemoteCache] = {}
+        by_slot: dict[tuple[int, int], int] = {}
+        for entry in entries:
+            if entry.flags & CACHE_WITHDRAWN or not entry.flags & CACHE_REMOTE:
+                continue
+            caches[entry.cache_id] = RemoteCache(
+                entry.cache_id,
+                entry.is_blocks,
+                pid,
+                entry.segment,
+                entry.segment_nbytes,
+                entry.tensor_bases(0, entry.num_tensors),
+                entry.slot_nbytes,
+                entry.batch_size,
+                generations,
+                entry.slot,
+                entry.generation,
+            )
+            by_slot[(entry.slot, entry.generation)] = entry.cache_id
+        blocks: dict[int, int] = {}
+        for name in names:
+            cache_id = by_slot.get((name.cache_slot, name.generation))
+            if cache_id is not None:
+                blocks[name.model_id] = cache_id
+        return RemoteTable(caches, blocks, generations, version)
+
+    def remote_table_current(self, remote_cluster_id: int, table: RemoteTable) -> bool:
+        """Whether what `table`'s model ids name is still what the peer's keys name (its version word)."""
+        deadline = time.monotonic() + self._timeout_s
+        link = self._links.link_to(remote_cluster_id, deadline)
+        if not mover_of(link).sees_peer_memory or not table.version or not table.generations:
+            return False
+        words = peer_segment(link, table.generations, 8, writable=False)
+        order_loads()
+        return read_generation(words, 0) == table.version
+
+    def check_peer(self, remote_cluster_id: int) -> ClientLink:
+        """LLM_LINK_FAILED at once if the link to `remote_cluster_id` is broken or its peer has ended: a
+        one-sided transfer checks this before it trusts anything it learnt from that peer. Returns the
+        link (`link_to`)."""
+        deadline = time.monotonic() + self._timeout_s
+        link = self._links.link_to(remote_cluster_id, deadline)
+        link.check_usable()
+        link.check_peer_alive()
+        return link
+
+    def read(
+        self,
+        remote_cluster_id: int,
+        remote: RemoteCache,
+        remote_tensor_start: int,
+        local: CacheRecord,
+        local_tensor_start: int,
+        tensor_count: int,
+        runs: list[UnitRun],
+        *,
+        link: ClientLink | None = None,
+        prepared: PreparedRuns | None = None,
+        words: Segment | None = None,
+    ) -> tuple[PreparedRuns | None, Segment | None]:
+        """Read from a peer's cache (from its table) into ours with no round trip to the peer.
+
+        The cache's generation word is checked after the copy: if the owner freed or reused the cache
+        meanwhile, the bytes cannot be trusted and the read fails with LLM_KV_CACHE_NOT_EXIST instead of
+        returning stale data. No check is needed before: callers take `remote` from a table entry they just
+        found current, and a change since then fails the check after.
+
+        `link`: the link `link_to` just gave (spares looking it up again). Returns what a caller that
+        repeats this very read (same link, entry, local record and runs) may pass back to skip building it
+        again: the prepared copy and the entry's generation segment as mapped (`remote_cache_current`'s
+        `words`).
+        """
+        deadline = time.monotonic() + self._timeout_s
+        if link is None:
+            link = self._links.link_to(remote_cluster_id, deadline)
+        mover = mover_of(link)
+        if not mover.sees_peer_memory:
+            # Nothing of the peer is mapped here to check a generation in: it pins the cache for the read
+            # instead (one round trip, then the mover's read).
+            self._transfers.transfer_pinned(
+                remote_cluster_id, remote, remote_tensor_start, local, local_tensor_start, tensor_count, runs
+            )
+            return None, None
+        location = remote.location(remote_tensor_start, tensor_count)
+        with link.exclusive(deadline):
+            try:
+                prepared = mover.copy_units(
+                    link,
+                    location,
+                    local,
+                    local_tensor_start,
+                    runs,
+                    write=False,
+                    deadline=deadline,
+                    prepared=prepared,
+                )
+            except RangeUnmapped as exc:
+                # The owner unregistered and freed that memory during the read (nothing pins it): the
+                # generation check tells that from a bad local range.
+                if not self.remote_cache_current(link, remote, words=words):
+                    raise StatusError(
+                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                        f"remote cache {remote.cache_id} was unregistered during the transfer",
+                    ) from exc
+                raise
+            link.check_peer_alive()
+            if words is None or words.closed:
+                words = peer_segment(link, remote.generations, (remote.gen_slot + 1) * 8, writable=False)
+            if not self.remote_cache_current(link, remote, words=words):
+                raise StatusError(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    f"remote cache {remote.cache_id} was freed or reused during the transfer",
+                )
+        return prepared, words
+
+    def remote_cache_current(
+        self,
+        link: ClientLink,
+        remote: RemoteCache,
+        table: RemoteTable | None = None,
+        *,
+        words: Segment | None = None,
+    ) -> bool:
+        """Whether the owner still holds the cache this table entry describes (its generation word). A
+        generation segment that is gone because its owner ended is a link failure (see `peer_segment`).
+
+        With `table` (the entry's), also whether what its model ids name is still current, as
+        `remote_table_current` says, in the same look at the segment: False for a table whose version
+        word is unknown or lives in another segment than the entry's. `words`: the entry's generation
+        segment as an earlier call on this link mapped it, used while it is open (the link's mapping cache
+        closes what it drops)."""
+        if not mover_of(link).sees_peer_memory:
+            return False  # nothing of it is mapped here: the caller looks the cache up again
+        if table is not None and (
+            not table.version or not table.generations or table.generations != remote.generations
+        ):
+            return False
+        if words is None or words.closed:
+            words = peer_segment(link, remote.generations, (remote.gen_slot + 1) * 8, writable=False)
+        order_loads()
+        if table is not None and read_generation(words, 0) != table.version:
+            return False
+        return read_generation(words, remote.gen_slot) == remote.generation
+
+    def remote_is_current(self, remote_cluster_id: int, remote: RemoteCache) -> bool:
+        deadline = time.monotonic() + self._timeout_s
+        link = self._links.link_to(remote_cluster_id, deadline)
+        if not mover_of(link).sees_peer_memory:
+            return True  # the transfer pins it by id at the peer, which says if it is gone
+        return self.remote_cache_current(link, remote)
+
+
+def _fetched_table(link: ClientLink, deadline: float) -> RemoteTable:
+    """The peer's one-sided table, asked for page by page (the caller holds the link)."""
+    caches: dict[int, RemoteCache] = {}
+    blocks: dict[int, int] = {}
+    start_cache_id = 1
+    versions: set[int] = set()
+    generations = ""
+    for _ in range(_MAX_TABLE_PAGES):
+        seq = link.next_seq()
+        reply = link.request(TableRequest(seq, start_cache_id), seq, deadline)
+        if not isinstance(reply, Table):
+            raise PeerGone(f"expected Table, got {type(reply).__name__}")
+        if reply.pid != link.peer.pid:
+            raise StatusError(
+                LLMStatusCode.LLM_FAILED, f"peer {link.peer.pid} sent the table of pid {reply.pid}"
+            )
+        _add_table_page(reply, caches, blocks)
+        versions.add(reply.version)
+        generations = reply.generations
+        if reply.next_cache_id == 0:
+            break
+        if reply.next_cache_id <= start_cache_id:
+            raise StatusError(LLMStatusCode.LLM_FAILED, "peer's table pages go backwards")
+        start_cache_id = reply.next_cache_id
+    else:
+        raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's table has over {_MAX_TABLE_PAGES} pages")
+    # Pages taken at different versions: keep the table for this call, refetch at the next.
+    version = versions.pop() if len(versions) == 1 else 0
+    return RemoteTable(caches, blocks, generations, version)
+
+
+def _add_table_page(reply: Table, caches: dict[int, RemoteCache], blocks: dict[int, int]) -> None:
+    for entry in reply.entries:
+        # The protocol validated every entry's shape and ranges; this only restores the types.
+        cache_id, is_blocks, model_ids, segment, segment_nbytes, bases, unit, units, slot, gen = cast(
+            tuple[int, bool, tuple[int, ...], str, int, tuple[int, ...], int, int, int, int], entry
+        )
+        caches[cache_id] = RemoteCache(
+            cache_id,
+            is_blocks,
+            reply.pid,
+            segment,
+            segment_nbytes,
+            bases,
+            unit,
+            units,
+            reply.generations,
+            slot,
+            gen,
+        )
+        for model_id in model_ids:
+            blocks[model_id] = cache_id
+
+
+# x86-64 never reorders a load with an earlier load, so the copy's loads are done before the generation
+# word is read. Weakly ordered CPUs (aarch64) may read the word first: there a lock's release followed by
+# an acquire sits between them (a store-release is never reordered with a later load-acquire, and neither
+# with the loads on its side), which is the barrier CPython can place without compiled code.
+_STRONGLY_ORDERED = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
+_FENCE = threading.Lock()
+
+
+def order_loads() -> None:
+    if _STRONGLY_ORDERED:
+        return
+    with _FENCE:
+        pass
+    with _FENCE:
+        pass

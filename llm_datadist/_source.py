@@ -1,0 +1,233 @@
+"""What a transfer names at its peer (`SourceRef`) and where the peer says that is (`Location`): the one
+request value and the one location value of the puller, the owner and the protocol adapters.
+
+Rules: both are frozen. A `SourceRef` is checked by the public faces before it is built; the owner and the
+puller check it against the cache it names (`_keys`). `to_message`/`from_message` are the only places a
+ref is spelled as a protocol request, `Location.from_pin`/`from_message` the only places a pin or a grant
+becomes a location. `tensor_bases[i]` is where tensor i's named bytes start: the slot and source offset of
+a v1 pull already added (`slot` is then 0), the tensor's first unit otherwise (`slot` is the unit a key is
+bound to). With a `segment`, bases are offsets in it; with segment "", addresses in process `pid`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llm_datadist._protocol.messages import (
+    BlocksGrant,
+    BlocksRequest,
+    PullGrant,
+    PullRequest,
+    ResolveRequest,
+)
+from llm_datadist._protocol.messages import Location as LocationMessage
+from llm_datadist._shm.index import CacheEntry
+
+from ._errors import StatusError
+from ._keys import KEY_BLOCKS
+from .status import LLMStatusCode
+
+# Which rules name the source: v1 (`pull_cache`/`pull_blocks`: keys on pool memory, a blocks cache only
+# by its blocks key, a push into our cluster makes pulls busy) or the cache manager's (v2).
+V1 = 1
+V2 = 2
+
+SourceRequest = PullRequest | BlocksRequest | ResolveRequest
+
+
+@dataclass(frozen=True, slots=True)
+class SourceRef:
+    """What a pull (or a v2 push) names: a key (`key_kind`, `key_id`, `model_id`) or a cache id and batch
+    slot (`batch_index`), tensors [tensor_start, +tensor_count) of it (`whole`: the cache has exactly
+    that many), and for v1 pulls `nbytes` of each tensor's slot from `src_offset`. `consume`: a pull that
+    ends well consumes what it pulled of a req key. `for_write`: a push into it (consumes nothing)."""
+
+    key_kind: int
+    key_id: int
+    model_id: int
+    batch_index: int
+    tensor_start: int
+    tensor_count: int
+    whole: bool
+    nbytes: int = 0
+    src_offset: int = 0
+    consume: bool = False
+    for_write: bool = False
+    rules: int = V1
+
+    def to_message(self, seq: int) -> SourceRequest:
+        """The request that asks the owner for it (when its index cannot serve it)."""
+        if self.rules == V2:
+            return ResolveRequest(
+                seq,
+                self.key_kind,
+                self.key_id,
+                self.model_id,
+                self.batch_index,
+                self.tensor_start,
+                self.tensor_count,
+                self.whole,
+                self.for_write,
+                self.consume and not self.for_write,
+            )
+        if self.key_kind == KEY_BLOCKS:
+            return BlocksRequest(seq, self.model_id, self.tensor_start, self.tensor_count, self.whole)
+        return PullRequest(
+            seq,
+            self.key_kind,
+            self.key_id,
+            self.model_id,
+            self.batch_index,
+            self.tensor_start,
+            self.tensor_count,
+            self.whole,
+            self.nbytes,
+            self.src_offset,
+            self.consume,
+        )
+
+    @classmethod
+    def from_message(cls, msg: SourceRequest) -> SourceRef:
+        """The ref a peer's request names (the owner's side)."""
+        if isinstance(msg, ResolveRequest):
+            return cls(
+                msg.key_kind,
+                msg.key_id,
+                msg.model_id,
+                msg.batch_index,
+                msg.tensor_start,
+                msg.tensor_count,
+                msg.whole,
+                consume=msg.consume and not msg.for_write,
+                for_write=msg.for_write,
+                rules=V2,
+            )
+        if isinstance(msg, BlocksRequest):
+            return cls(KEY_BLOCKS, 0, msg.model_id, 0, msg.tensor_start, msg.tensor_count, msg.whole)
+        return cls(
+            msg.key_kind,
+            msg.key_id,
+            msg.model_id,
+            msg.batch_index,
+            msg.tensor_start,
+            msg.tensor_count,
+            msg.whole,
+            msg.nbytes,
+            msg.src_offset,
+            msg.consume,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where the tensors a `SourceRef` names are, in the owner's memory, and what pins them there
+    (`lease_id` > 0: a lease the owner granted by message; 0: a pin through our row of its index)."""
+
+    pid: int
+    segment: str
+    segment_nbytes: int
+    tensor_bases: tuple[int, ...]
+    unit_nbytes: int
+    num_units: int
+    slot: int
+    lease_id: int = 0
+
+    @classmethod
+    def from_pin(cls, pid: int, cache: CacheEntry, batch_slot: int, ref: SourceRef) -> Location:
+        """A cache pinned through our row of the owner's index (`_dataplane.pin`)."""
+        bases = cache.tensor_bases(ref.tensor_start, ref.tensor_count)
+        if ref.rules == V1 and ref.key_kind != KEY_BLOCKS:
+            shift = batch_slot * cache.slot_nbytes + ref.src_offset
+            return cls(
+                pid,
+                cache.segment,
+                cache.segment_nbytes,
+                tuple(base + shift for base in bases),
+                cache.slot_nbytes,
+                cache.batch_size,
+                0,
+            )
+        return cls(
+            pid, cache.segment, cache.segment_nbytes, bases, cache.slot_nbytes, cache.batch_size, batch_slot
+        )
+
+    @classmethod
+    def from_message(
+        cls, pid: int, msg: PullGrant | BlocksGrant | LocationMessage, ref: SourceRef
+    ) -> Location:
+        """A grant of the owner (a lease), checked against what was asked."""
+        if isinstance(msg, PullGrant):
+            if len(msg.tensor_offsets) != ref.tensor_count or msg.nbytes != ref.nbytes:
+                raise _other_range()
+            return cls(
+                pid, msg.segment, msg.segment_nbytes, msg.tensor_offsets, msg.nbytes, 1, 0, msg.lease_id
+            )
+        if isinstance(msg, BlocksGrant):
+            if len(msg.tensor_offsets) != ref.tensor_count:
+                raise _other_range()
+            return cls(
+                pid,
+                msg.segment,
+                msg.segment_nbytes,
+                msg.tensor_offsets,
+                msg.block_nbytes,
+                msg.num_blocks,
+                0,
+                msg.lease_id,
+            )
+        if len(msg.tensor_bases) != ref.tensor_count:
+            raise StatusError(LLMStatusCode.LLM_FAILED, "peer resolved a different tensor range")
+        return cls(
+            msg.pid,
+            msg.segment,
+            msg.segment_nbytes,
+            msg.tensor_bases,
+            msg.unit_nbytes,
+            msg.num_units,
+            msg.slot,
+            msg.lease_id,
+        )
+
+
+@dataclass(frozen=True)
+class RemoteCache:
+    """Where a peer's cache is: tensor bases as segment offsets, or as addresses in process `pid` when
+    `segment` is "" (memory the peer registered)."""
+
+    cache_id: int
+    is_blocks: bool
+    pid: int
+    segment: str
+    segment_nbytes: int
+    tensor_bases: tuple[int, ...]
+    unit_nbytes: int
+    num_units: int
+    generations: str
+    gen_slot: int
+    generation: int
+
+    def location(self, tensor_start: int, tensor_count: int) -> Location:
+        return Location(
+            self.pid,
+            self.segment,
+            self.segment_nbytes,
+            self.tensor_bases[tensor_start : tensor_start + tensor_count],
+            self.unit_nbytes,
+            self.num_units,
+            0,
+        )
+
+
+@dataclass
+class RemoteTable:
+    """A peer's remote-accessible caches, fetched once per link (as the real library caches it), with the
+    version word it was fetched at (0: unknown, refetch before trusting its model ids)."""
+
+    caches: dict[int, RemoteCache]
+    blocks: dict[int, int]
+    generations: str = ""
+    version: int = 0
+
+
+def _other_range() -> StatusError:
+    return StatusError(LLMStatusCode.LLM_FAILED, "peer granted a different range than requested")
