@@ -4,7 +4,7 @@ drives NIXL and Mooncake between two spawned processes, `proc` holds the timing 
 `hosts` is `bench --hosts` (two network namespaces).
 
 Rules: bench imports llm_datadist's public API and, where it measures internals, its private modules, always
-by absolute name; its own modules relatively. Nothing in llm_datadist imports bench except `_cli`.
+by absolute name; its own modules relatively. Nothing in llm_datadist imports bench except `_tools/cli.py`.
 """
 
 from .suite import add_arguments, run

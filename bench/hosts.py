@@ -171,7 +171,7 @@ def _by_layer(manager: Any, key: Any, cache: Any) -> None:
 def _ours(results: Results, pair: Any, plan: Plan, port: int, env: dict[str, str], timeout_ms: int) -> None:
     owner = _Owner("v1", port, timeout_ms, ip=pair.ip_a, netns=pair.ns_a, env=env, quiet=True)
     try:
-        from llm_datadist._netns import in_netns
+        from llm_datadist._tools.netns import in_netns
 
         reader = in_netns(pair.ns_b, functools.partial(peers.quietly, _ours_main), env)
         measurer = Child(reader, port, pair.ip_a, pair.ip_b, timeout_ms)
@@ -305,7 +305,7 @@ def _mooncake_reader(pipe: Connection, ip: str, session: str, remote: int, plan:
 
 
 def _mooncake(results: Results, pair: Any, plan: Plan) -> None:
-    from llm_datadist._netns import in_netns
+    from llm_datadist._tools.netns import in_netns
 
     owner = Child(in_netns(pair.ns_a, _mooncake_owner), pair.ip_a, plan.pool_nbytes)
     try:
@@ -394,7 +394,7 @@ def _tcp_client(pipe: Connection, ip: str, port: int, plan: Plan) -> None:
 
 
 def _tcp(results: Results, pair: Any, plan: Plan) -> None:
-    from llm_datadist._netns import in_netns
+    from llm_datadist._tools.netns import in_netns
 
     server = Child(in_netns(pair.ns_a, _tcp_server), pair.ip_a, plan.nbytes)
     try:
@@ -473,9 +473,9 @@ the kernel, not a wire, so only the ratios of one run mean anything."""
 
 def run(args: argparse.Namespace) -> int:
     from llm_datadist._auth import ENV_SECRET
-    from llm_datadist._demo import hosts_unavailable
-    from llm_datadist._netns import NamespacePair, sigterm_as_exit
     from llm_datadist._shm.reaper import reap
+    from llm_datadist._tools.demo import hosts_unavailable
+    from llm_datadist._tools.netns import NamespacePair, sigterm_as_exit
 
     reason = hosts_unavailable()
     if reason is not None:

@@ -383,7 +383,7 @@ class _Owner(Child):
         env: dict[str, str] | None = None,
         quiet: bool = False,
     ) -> None:
-        from llm_datadist._netns import in_netns
+        from llm_datadist._tools.netns import in_netns
 
         target: Callable[..., None] = functools.partial(peers.quietly, _owner) if quiet else _owner
         super().__init__(in_netns(netns, target, env) if netns else target, mode, port, timeout_ms, ip)

@@ -35,7 +35,7 @@ FORBIDDEN = {
 # The folders installed under llm_datadist through the links of these names in llm_datadist/.
 ROOMS = {"_shm": "shm", "_protocol": "protocol", "_bench": "bench"}
 # The only modules of llm_datadist that may import bench.
-IMPORTS_BENCH = {"llm_datadist/_cli.py"}
+IMPORTS_BENCH = {"llm_datadist/_tools/cli.py"}
 
 
 def _imported_roots(path: Path) -> set[str]:
@@ -117,7 +117,7 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     assert "llm_datadist._bench" in _imported_modules(sample, "llm_datadist")
     assert _package_of(ROOT / "llm_datadist" / "v1" / "__init__.py") == "llm_datadist.v1"
     assert _package_of(ROOT / "llm_datadist" / "v1" / "kv_cache_manager.py") == "llm_datadist.v1"
-    assert _package_of(ROOT / "llm_datadist" / "_cli.py") == "llm_datadist"
+    assert _package_of(ROOT / "llm_datadist" / "_tools" / "cli.py") == "llm_datadist._tools"
 
 
 def test_the_rooms_are_installed_under_the_package() -> None:

@@ -23,7 +23,7 @@ import numpy as np
 from llm_datadist import CacheDesc, DataType, LLMClusterInfo, LLMConfig, LLMStatusCode
 
 if TYPE_CHECKING:
-    from ._soak_memdebug import MemoryProbe
+    from .memdebug import MemoryProbe
 
 IP = "127.0.0.1"
 PORT_RANGE = (26000, 26999)
@@ -236,6 +236,6 @@ def memory_probe(label: str, interval_s: float) -> MemoryProbe | None:
     """`--debug-memory`: the probe that dumps this child's memory every `interval_s` (0: none)."""
     if interval_s <= 0:
         return None
-    from ._soak_memdebug import MemoryProbe
+    from .memdebug import MemoryProbe
 
     return MemoryProbe(label, interval_s)

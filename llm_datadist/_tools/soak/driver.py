@@ -27,19 +27,18 @@ from typing import Any
 
 import psutil
 
-from llm_datadist._netns import Hosts, in_netns
-
-from ._soak_figures import (
+from ..netns import Hosts, in_netns
+from .figures import (
     MOONCAKE_LANES_PER_PEER,
     Figures,
     sample,
     segment_pid,
     shm_entries,
 )
-from ._soak_owners import owner_main
-from ._soak_pullers import PullerSummary, puller_main
-from ._soak_sampler import Member, RunSampler
-from ._soak_spec import IP, PULLER_CLUSTER_BASE, START_TIMEOUT_S, OwnerRef, OwnerSpec, PullerSpec
+from .owners import owner_main
+from .pullers import PullerSummary, puller_main
+from .sampler import Member, RunSampler
+from .spec import IP, PULLER_CLUSTER_BASE, START_TIMEOUT_S, OwnerRef, OwnerSpec, PullerSpec
 
 HANG_S = 30.0  # a process silent this long is hung
 WARM_TIMEOUT_S = 60.0

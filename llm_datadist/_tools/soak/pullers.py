@@ -33,7 +33,7 @@ from llm_datadist import (
     LLMStatusCode,
 )
 
-from ._soak_spec import (
+from .spec import (
     BIG_PULL_NBYTES,
     EXPECTED_ALWAYS,
     HEARTBEAT_S,

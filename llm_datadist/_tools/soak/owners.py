@@ -29,7 +29,7 @@ from llm_datadist import (
     LLMStatusCode,
 )
 
-from ._soak_spec import (
+from .spec import (
     HEARTBEAT_S,
     OWNER_UNLINK_CHANCE,
     PULLER_CLUSTER_BASE,

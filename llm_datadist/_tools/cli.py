@@ -8,14 +8,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import _bench, _demo, _soak
+from llm_datadist import _bench
+
+from . import demo as _demo
+from .soak import run as _soak
 
 
 def _gc(args: argparse.Namespace) -> int:
+    from llm_datadist._runtime import remove_stale_sockets
     from llm_datadist._shm.reaper import reap
 
-    from ._netns import remove_stale_namespaces
-    from ._runtime import remove_stale_sockets
+    from .netns import remove_stale_namespaces
 
     removed = reap()
     for name in removed:
@@ -42,7 +45,7 @@ def _ls(args: argparse.Namespace) -> int:
         state = "alive" if info.alive else "dead"
         print(f"{info.name:<64} {info.owner.pid:>8} {state:>6} {info.nbytes:>14}")
     print(f"{len(segments)} segment(s)")
-    from ._runtime import list_sockets, runtime_dir
+    from llm_datadist._runtime import list_sockets, runtime_dir
 
     sockets = list_sockets()
     print(f"\n{'socket (in ' + str(runtime_dir()) + ')':<64} {'pid':>8} {'state':>8}")

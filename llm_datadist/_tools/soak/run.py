@@ -2,8 +2,8 @@
 
 Rules: four owners (v1 and v2, one of each long-lived, one of each restarted at the same address by SIGKILL
 or `finalize()`) allocate, register, free and unregister caches while three pullers pull and verify every
-byte; the driver (`_soak_driver`) relays the owners' catalogues, samples every long-lived process's RSS,
-fds, threads and /dev/shm mappings every few seconds (`_soak_sampler`) and at two quiescent checkpoints,
+byte; the driver (`driver`) relays the owners' catalogues, samples every long-lived process's RSS,
+fds, threads and /dev/shm mappings every few seconds (`sampler`) and at two quiescent checkpoints,
 and this exits 0 only when nothing failed, every figure is back at the end and no memory grows. With
 `--hosts` the owners run in one network namespace and the pullers in another (two "hosts" joined by a veth
 pair), linked over TCP with a fresh secret, the bytes moved by the transfer engine.
@@ -24,16 +24,15 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from llm_datadist._netns import Hosts, NamespacePair, sigterm_as_exit
-
-from ._soak_driver import Soak
-from ._soak_report import report
-from ._soak_spec import IP, PORT_RANGE
+from ..netns import Hosts, NamespacePair, sigterm_as_exit
+from .driver import Soak
+from .report import report
+from .spec import IP, PORT_RANGE
 
 
 def _pick_ports(rng: random.Random, count: int, ip: str) -> list[int]:
     """Ports in 26000-26999 whose socket for `ip` is not already in the runtime directory."""
-    from ._runtime import socket_path
+    from llm_datadist._runtime import socket_path
 
     ports: list[int] = []
     while len(ports) < count:
@@ -155,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         print("soak: the duration must be positive", file=sys.stderr)
         return 2
     if args.hosts:
-        from ._demo import hosts_unavailable
+        from ..demo import hosts_unavailable
 
         reason = hosts_unavailable()
         if reason is not None:

@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from ._soak_figures import (
+from .figures import (
     MEMORY_TREND,
     RSS_TOLERANCE_NBYTES,
     RULES,
@@ -22,11 +22,11 @@ from ._soak_figures import (
     Series,
     is_flat,
 )
-from ._soak_sampler import SAMPLE_EVERY_S
-from ._soak_trend import Trend
+from .sampler import SAMPLE_EVERY_S
+from .trend import Trend
 
 if TYPE_CHECKING:
-    from ._soak_driver import Soak
+    from .driver import Soak
 
 COLUMN = 14  # characters a figure's column takes
 

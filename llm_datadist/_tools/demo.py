@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from llm_datadist._netns import Hosts
+    from .netns import Hosts
 
 BLOCK_TOKENS = 16  # tokens per paged block, as vLLM's default
 PAGED_MODEL_ID = 0
@@ -642,7 +642,7 @@ def _run_pair(
 ) -> dict[str, Any] | None:
     """Run a Prompt and a Decoder process; `together` starts both at once (a two-sided link needs both).
     With `hosts`, each enters its namespace first thing and the Prompt listens on its namespace's address."""
-    from llm_datadist._netns import in_netns
+    from .netns import in_netns
 
     ctx = mp.get_context("spawn")
     prompt_pipe, prompt_child = ctx.Pipe()
@@ -699,7 +699,8 @@ def _run_pair(
 def hosts_unavailable() -> str | None:
     """Why `--hosts` cannot run here (no network namespaces, no transfer engine), or None."""
     from llm_datadist import _remote
-    from llm_datadist._netns import netns_unavailable
+
+    from .netns import netns_unavailable
 
     reason = netns_unavailable()
     if reason is not None:
@@ -722,9 +723,9 @@ def _run_hosts(
     shape: Shape, port: int, timeout_ms: int
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """The v1 pair, then the v2 pair, with the Prompt in one fresh namespace and the Decoder in another
-    (see `_netns.Hosts`; the v2 rank table names each side's address); the namespaces are deleted before it
+    (see `netns.Hosts`; the v2 rank table names each side's address); the namespaces are deleted before it
     returns."""
-    from llm_datadist._netns import Hosts, NamespacePair, sigterm_as_exit
+    from .netns import Hosts, NamespacePair, sigterm_as_exit
 
     try:
         with sigterm_as_exit(), NamespacePair() as pair:
