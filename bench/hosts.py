@@ -474,8 +474,7 @@ the kernel, not a wire, so only the ratios of one run mean anything."""
 def run(args: argparse.Namespace) -> int:
     from llm_datadist._auth import ENV_SECRET
     from llm_datadist._shm.reaper import reap
-    from llm_datadist._tools.demo import hosts_unavailable
-    from llm_datadist._tools.netns import NamespacePair, sigterm_as_exit
+    from llm_datadist._tools.netns import NamespacePair, hosts_unavailable, sigterm_as_exit
 
     reason = hosts_unavailable()
     if reason is not None:

@@ -17,12 +17,11 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .netns import Hosts
+from .netns import Hosts, NamespacePair, hosts_unavailable, in_netns, sigterm_as_exit
 
 BLOCK_TOKENS = 16  # tokens per paged block, as vLLM's default
 PAGED_MODEL_ID = 0
@@ -642,8 +641,6 @@ def _run_pair(
 ) -> dict[str, Any] | None:
     """Run a Prompt and a Decoder process; `together` starts both at once (a two-sided link needs both).
     With `hosts`, each enters its namespace first thing and the Prompt listens on its namespace's address."""
-    from .netns import in_netns
-
     ctx = mp.get_context("spawn")
     prompt_pipe, prompt_child = ctx.Pipe()
     decoder_pipe, decoder_child = ctx.Pipe()
@@ -696,21 +693,6 @@ def _run_pair(
     return result
 
 
-def hosts_unavailable() -> str | None:
-    """Why `--hosts` cannot run here (no network namespaces, no transfer engine), or None."""
-    from llm_datadist import _remote
-
-    from .netns import netns_unavailable
-
-    reason = netns_unavailable()
-    if reason is not None:
-        return f"cannot make two network namespaces here: {reason}"
-    reason = _remote.engine_available()
-    if reason is not None:
-        return f"cannot move bytes between hosts: {reason}"
-    return None
-
-
 V1_START = "v1 (kv_cache_manager): starting a Prompt that allocates, prefaults and fills the requests..."
 HOSTS_NOTE = """\
 Across hosts: these rows ran across two network namespaces joined by a veth pair, linked over TCP
@@ -725,8 +707,6 @@ def _run_hosts(
     """The v1 pair, then the v2 pair, with the Prompt in one fresh namespace and the Decoder in another
     (see `netns.Hosts`; the v2 rank table names each side's address); the namespaces are deleted before it
     returns."""
-    from .netns import Hosts, NamespacePair, sigterm_as_exit
-
     try:
         with sigterm_as_exit(), NamespacePair() as pair:
             hosts = Hosts.of(pair)

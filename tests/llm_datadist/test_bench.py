@@ -153,8 +153,7 @@ def test_the_targets_judge_each_ratio_and_say_what_is_missing() -> None:
 
 def test_hosts_bench_reports_every_kind_with_its_ratios(tmp_path: Path) -> None:
     from llm_datadist._bench.hosts import GROUPS, KINDS
-    from llm_datadist._tools.demo import hosts_unavailable
-    from llm_datadist._tools.netns import netns_list
+    from llm_datadist._tools.netns import hosts_unavailable, netns_list
 
     reason = hosts_unavailable()
     if reason is not None:

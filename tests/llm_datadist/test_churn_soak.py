@@ -57,7 +57,7 @@ def test_short_churn_soak_across_hosts_passes(seed: int) -> None:
     """The same soak with the owners in one network namespace and the pullers in another: links over TCP,
     bytes through the transfer engine, and the same flat figures (the engine's own connections to owners
     that are gone are reported apart and bounded)."""
-    from llm_datadist._tools.demo import hosts_unavailable
+    from llm_datadist._tools.netns import hosts_unavailable
 
     reason = hosts_unavailable()
     if reason is not None:

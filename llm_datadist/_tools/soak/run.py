@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from ..netns import Hosts, NamespacePair, sigterm_as_exit
+from ..netns import Hosts, NamespacePair, hosts_unavailable, sigterm_as_exit
 from .driver import Soak
 from .report import report
 from .spec import IP, PORT_RANGE
@@ -153,12 +153,8 @@ def run(args: argparse.Namespace) -> int:
     if not math.isfinite(duration_s) or duration_s <= 0:
         print("soak: the duration must be positive", file=sys.stderr)
         return 2
-    if args.hosts:
-        from ..demo import hosts_unavailable
-
-        reason = hosts_unavailable()
-        if reason is not None:
-            print(f"soak --hosts: {reason}", file=sys.stderr)
-            return 2
+    if args.hosts and (reason := hosts_unavailable()) is not None:
+        print(f"soak --hosts: {reason}", file=sys.stderr)
+        return 2
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     return soak(duration_s, seed, hosts=args.hosts, debug_memory_s=args.debug_memory)
