@@ -10,7 +10,7 @@ import sys
 
 from llm_datadist import _bench
 
-from . import demo as _demo
+from .demo import run as _demo
 from .soak import run as _soak
 
 

@@ -86,7 +86,7 @@ def test_ls_and_gc_show_and_clean_sockets(seed: int, _runtime_dir) -> None:  # t
 
 
 def test_hosts_demo_runs_across_two_namespaces_and_leaves_nothing() -> None:
-    from llm_datadist._tools.demo import HOSTS_NOTE
+    from llm_datadist._tools.demo.run import HOSTS_NOTE
     from llm_datadist._tools.netns import hosts_unavailable, netns_list
 
     reason = hosts_unavailable()
