@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from llm_datadist._shm.names import parse_segment_name
+
 from .spec import PORT_RANGE
 from .trend import Trend, TrendRule, judge
 
@@ -53,8 +55,6 @@ class Figures:
 
 
 def segment_pid(name: str) -> int | None:
-    from llm_datadist._shm.names import parse_segment_name
-
     owner = parse_segment_name(name)
     return None if owner is None else owner.pid
 

@@ -10,8 +10,9 @@ import math
 import os
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .driver import Soak
 from .figures import (
     MEMORY_TREND,
     RSS_TOLERANCE_NBYTES,
@@ -24,9 +25,6 @@ from .figures import (
 )
 from .sampler import SAMPLE_EVERY_S
 from .trend import Trend
-
-if TYPE_CHECKING:
-    from .driver import Soak
 
 COLUMN = 14  # characters a figure's column takes
 

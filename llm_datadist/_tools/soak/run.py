@@ -2,11 +2,11 @@
 
 Rules: four owners (v1 and v2, one of each long-lived, one of each restarted at the same address by SIGKILL
 or `finalize()`) allocate, register, free and unregister caches while three pullers pull and verify every
-byte; the driver (`driver`) relays the owners' catalogues, samples every long-lived process's RSS,
-fds, threads and /dev/shm mappings every few seconds (`sampler`) and at two quiescent checkpoints,
-and this exits 0 only when nothing failed, every figure is back at the end and no memory grows. With
-`--hosts` the owners run in one network namespace and the pullers in another (two "hosts" joined by a veth
-pair), linked over TCP with a fresh secret, the bytes moved by the transfer engine.
+byte; the driver (`driver`, its processes served by `crew`) relays the owners' catalogues, samples every
+long-lived process's RSS, fds, threads and /dev/shm mappings every few seconds (`sampler`) and at two
+quiescent checkpoints, and this exits 0 only when nothing failed, every figure is back at the end and no
+memory grows. With `--hosts` the owners run in one network namespace and the pullers in another (two
+"hosts" joined by a veth pair), linked over TCP with a fresh secret, the bytes moved by the transfer engine.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+from llm_datadist._runtime import socket_path
+
 from ..netns import Hosts, NamespacePair, hosts_unavailable, sigterm_as_exit
 from .driver import Soak
 from .report import report
@@ -32,8 +34,6 @@ from .spec import IP, PORT_RANGE
 
 def _pick_ports(rng: random.Random, count: int, ip: str) -> list[int]:
     """Ports in 26000-26999 whose socket for `ip` is not already in the runtime directory."""
-    from llm_datadist._runtime import socket_path
-
     ports: list[int] = []
     while len(ports) < count:
         port = rng.randint(*PORT_RANGE)

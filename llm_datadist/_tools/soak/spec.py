@@ -16,14 +16,13 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from llm_datadist import CacheDesc, DataType, LLMClusterInfo, LLMConfig, LLMStatusCode
 
-if TYPE_CHECKING:
-    from .memdebug import MemoryProbe
+from .memdebug import MemoryProbe
 
 IP = "127.0.0.1"
 PORT_RANGE = (26000, 26999)
@@ -236,6 +235,4 @@ def memory_probe(label: str, interval_s: float) -> MemoryProbe | None:
     """`--debug-memory`: the probe that dumps this child's memory every `interval_s` (0: none)."""
     if interval_s <= 0:
         return None
-    from .memdebug import MemoryProbe
-
     return MemoryProbe(label, interval_s)
