@@ -18,6 +18,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable
+from importlib import metadata
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
@@ -395,8 +396,6 @@ def _block_id(peer: str, pattern: BlockPattern, requests: int = 1) -> str:
 
 
 def _version(module: str) -> str:
-    from importlib import metadata
-
     for distribution in (module, f"{module}-cu12", "mooncake-transfer-engine-non-cuda"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             return metadata.version(distribution)

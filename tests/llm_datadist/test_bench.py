@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 
 from llm_datadist._bench import peers, suite
-from llm_datadist._bench.proc import BLOCK_SIZES, block_patterns
-from llm_datadist._bench.suite import Results
+from llm_datadist._bench.proc import BLOCK_SIZES, Results, block_patterns
 
 CLI = [sys.executable, "-m", "llm_datadist._tools.cli"]
 TARGET_KEYS = {
