@@ -30,6 +30,7 @@ from llm_datadist import (
     LLMStatusCode,
 )
 from llm_datadist._tools.netns import in_netns
+from llm_datadist._tools.patterns import unit_bytes
 from llm_datadist.ext import tensor_views
 
 from . import peers
@@ -44,7 +45,7 @@ PREFIX = 7  # the owner binds every benchmark cache to this prefix key: prefix k
 def fill_value(tensor_index: int, row: np.ndarray) -> np.ndarray:
     """The byte the owner's "fill" writes into row `row` (a batch slot or a block) of tensor `tensor_index`:
     different for neighbouring rows and tensors, so a row pulled from or into the wrong place shows."""
-    return ((tensor_index * 31 + row) % 251 + 1).astype(np.uint8)
+    return unit_bytes(tensor_index * 31 + row)
 
 
 def _owner(pipe: Connection, mode: str, port: int, timeout_ms: int, ip: str = IP) -> None:

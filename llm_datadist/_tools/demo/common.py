@@ -15,6 +15,8 @@ import numpy as np
 
 from llm_datadist import LLMConfig
 
+from ..patterns import golden_bytes
+
 BLOCK_TOKENS = 16  # tokens per paged block, as vLLM's default
 PAGED_MODEL_ID = 0
 PAGED_SLOT = 100  # the pattern "slot" of the Prompt's paged pool
@@ -22,7 +24,6 @@ PUSHED_SLOT = 3  # the Prompt slot pushed layer by layer
 PROMPT_CLUSTER = 1
 DECODER_CLUSTER = 2
 IP = "127.0.0.1"
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 U64_MAX = 2**64 - 1
 
 
@@ -63,15 +64,9 @@ def block_order(shape: Shape, which: int) -> list[int]:
 
 
 def expected_slot(tensor_index: int, slot: int, nbytes: int) -> np.ndarray:
-    """The bytes the Prompt writes into one (tensor, slot): cheap to regenerate, different everywhere."""
-    words = nbytes // 8
-    out = np.empty(nbytes, dtype=np.uint8)
-    values = np.arange(words, dtype=np.uint64) * _GOLDEN + np.uint64(
-        tensor_index * 1_000_003 + slot * 7_919 + 1
-    )
-    out[: words * 8] = values.view(np.uint8)
-    out[words * 8 :] = (tensor_index + slot) & 0xFF
-    return out
+    """The bytes the Prompt writes into one (tensor, slot): golden bytes seeded by both, cheap to
+    regenerate and different everywhere."""
+    return golden_bytes(tensor_index * 1_000_003 + slot * 7_919 + 1, nbytes)
 
 
 def options(listen: str | None, timeout_ms: int) -> dict[str, str]:

@@ -29,6 +29,7 @@ from llm_datadist import (
     LLMStatusCode,
 )
 
+from ..patterns import fill_unit, make_stamp
 from .spec import (
     HEARTBEAT_S,
     OWNER_UNLINK_CHANCE,
@@ -37,8 +38,6 @@ from .spec import (
     ChildPipe,
     Entry,
     OwnerSpec,
-    fill_unit,
-    make_stamp,
     memory_at,
     memory_probe,
     options,

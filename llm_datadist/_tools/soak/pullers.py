@@ -33,6 +33,7 @@ from llm_datadist import (
     LLMStatusCode,
 )
 
+from ..patterns import body_matches, make_stamp, read_stamp
 from .spec import (
     BIG_PULL_NBYTES,
     EXPECTED_ALWAYS,
@@ -45,13 +46,10 @@ from .spec import (
     ChildPipe,
     Entry,
     PullerSpec,
-    body_matches,
     cluster_info,
-    make_stamp,
     memory_at,
     memory_probe,
     options,
-    read_stamp,
     redirect_output,
     report_thread_deaths,
     settle_pool,
