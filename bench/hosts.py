@@ -27,22 +27,16 @@ from typing import Any
 
 import numpy as np
 
+from llm_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType
+from llm_datadist._auth import ENV_SECRET
 from llm_datadist._remote import MAX_DESCRIPTORS
+from llm_datadist._shm.reaper import reap
+from llm_datadist._tools.netns import NamespacePair, hosts_unavailable, in_netns, sigterm_as_exit
+from llm_datadist.ext import tensor_views
 
 from . import peers
-from .proc import BlockPattern, Child, timed
-from .suite import (
-    OWNER,
-    PREFIX,
-    U64_MAX,
-    Results,
-    _copy_samples,
-    _fmt_nbytes,
-    _link,
-    _measurer,
-    _Owner,
-    fill_value,
-)
+from .ours import OWNER, PREFIX, U64_MAX, Owner, fill_value, link, measurer
+from .proc import BlockPattern, Child, Results, copy_samples, fmt_nbytes, timed
 
 TENSORS = 32  # 16 layers of K and V
 BLOCK_NBYTES = 64 << 10
@@ -100,8 +94,8 @@ def _ours_main(pipe: Connection, port: int, owner_ip: str, local_ip: str, timeou
     samples of that kind (`_ours_kind`); the parent has the owner allocate and fill what each kind pulls."""
     datadist = None
     try:
-        datadist = _measurer("v1", timeout_ms)
-        _link(datadist, port, owner_ip, local_ip)
+        datadist = measurer("v1", timeout_ms)
+        link(datadist, port, owner_ip, local_ip)
         pipe.send(("ok", os.getpid()))
         while pipe.poll(3600):
             command, plan = pipe.recv()
@@ -118,9 +112,6 @@ def _ours_main(pipe: Connection, port: int, owner_ip: str, local_ip: str, timeou
 
 def _ours_kind(manager: Any, kind: str, plan: Plan) -> list[float]:
     """One pull of `kind` into a fresh cache of this process, checked, then `repeats` timed ones."""
-    from llm_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType
-    from llm_datadist.ext import tensor_views
-
     key = CacheKey(OWNER, U64_MAX, 0, PREFIX)
     pattern = plan.pattern
     src_rows, dst_rows = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
@@ -169,10 +160,8 @@ def _by_layer(manager: Any, key: Any, cache: Any) -> None:
 
 
 def _ours(results: Results, pair: Any, plan: Plan, port: int, env: dict[str, str], timeout_ms: int) -> None:
-    owner = _Owner("v1", port, timeout_ms, ip=pair.ip_a, netns=pair.ns_a, env=env, quiet=True)
+    owner = Owner("v1", port, timeout_ms, ip=pair.ip_a, netns=pair.ns_a, env=env, quiet=True)
     try:
-        from llm_datadist._netns import in_netns
-
         reader = in_netns(pair.ns_b, functools.partial(peers.quietly, _ours_main), env)
         measurer = Child(reader, port, pair.ip_a, pair.ip_b, timeout_ms)
         try:
@@ -185,7 +174,7 @@ def _ours(results: Results, pair: Any, plan: Plan, port: int, env: dict[str, str
 
             owner.call("alloc", (TENSORS, [1, plan.slice_nbytes // 2]))
             owner.call("fill")
-            slices = f"{TENSORS} x {_fmt_nbytes(plan.slice_nbytes)}"
+            slices = f"{TENSORS} x {fmt_nbytes(plan.slice_nbytes)}"
             results.add(
                 "ours", f"pull_cache whole, {slices}", plan.nbytes, measure("whole"), id="hosts.ours.whole"
             )
@@ -195,12 +184,12 @@ def _ours(results: Results, pair: Any, plan: Plan, port: int, env: dict[str, str
             pattern = plan.pattern
             owner.call("alloc_blocks", (pattern.tensors, [pattern.pool_blocks, pattern.block_nbytes // 2], 0))
             owner.call("fill")
-            name = f"pull_blocks {pattern.table} scattered x {_fmt_nbytes(pattern.block_nbytes)} x {TENSORS}"
+            name = f"pull_blocks {pattern.table} scattered x {fmt_nbytes(pattern.block_nbytes)} x {TENSORS}"
             results.add("ours", name, pattern.nbytes, measure("blocks"), id="hosts.ours.blocks")
             owner.call("free")
             owner.call("alloc", (1, [1, SMALL_NBYTES // 2]))
             owner.call("fill")
-            name = f"pull_cache 1 tensor x {_fmt_nbytes(SMALL_NBYTES)}"
+            name = f"pull_cache 1 tensor x {fmt_nbytes(SMALL_NBYTES)}"
             results.add("ours", name, SMALL_NBYTES, measure("small"), id="hosts.ours.small")
             owner.call("free")
         finally:
@@ -305,8 +294,6 @@ def _mooncake_reader(pipe: Connection, ip: str, session: str, remote: int, plan:
 
 
 def _mooncake(results: Results, pair: Any, plan: Plan) -> None:
-    from llm_datadist._netns import in_netns
-
     owner = Child(in_netns(pair.ns_a, _mooncake_owner), pair.ip_a, plan.pool_nbytes)
     try:
         session, remote = owner.reply(_WAIT_S)
@@ -318,23 +305,23 @@ def _mooncake(results: Results, pair: Any, plan: Plan) -> None:
     finally:
         owner.close()
     version = peers._version("mooncake")
-    slices = f"{TENSORS} x {_fmt_nbytes(plan.slice_nbytes)}"
+    slices = f"{TENSORS} x {fmt_nbytes(plan.slice_nbytes)}"
     descriptors = plan.pattern.tensors * plan.pattern.table
     batches = -(-descriptors // MAX_DESCRIPTORS)
     rows = (
         ("whole", f"batch read, 1 batch of {slices}", plan.nbytes),
         (
             "layers",
-            f"batch read, {TENSORS // 2} batches of 2 x {_fmt_nbytes(plan.slice_nbytes)}",
+            f"batch read, {TENSORS // 2} batches of 2 x {fmt_nbytes(plan.slice_nbytes)}",
             plan.nbytes,
         ),
         (
             "blocks",
             f"batch read, {batches} batch{'es' if batches > 1 else ''} of "
-            f"{descriptors} x {_fmt_nbytes(BLOCK_NBYTES)} in all",
+            f"{descriptors} x {fmt_nbytes(BLOCK_NBYTES)} in all",
             plan.pattern.nbytes,
         ),
-        ("small", f"batch read, 1 x {_fmt_nbytes(SMALL_NBYTES)}", SMALL_NBYTES),
+        ("small", f"batch read, 1 x {fmt_nbytes(SMALL_NBYTES)}", SMALL_NBYTES),
     )
     for kind, name, nbytes in rows:
         results.add("mooncake", name, nbytes, measured[kind], id=f"hosts.mooncake.{kind}", version=version)
@@ -394,8 +381,6 @@ def _tcp_client(pipe: Connection, ip: str, port: int, plan: Plan) -> None:
 
 
 def _tcp(results: Results, pair: Any, plan: Plan) -> None:
-    from llm_datadist._netns import in_netns
-
     server = Child(in_netns(pair.ns_a, _tcp_server), pair.ip_a, plan.nbytes)
     try:
         port = server.reply(_WAIT_S)
@@ -406,19 +391,19 @@ def _tcp(results: Results, pair: Any, plan: Plan) -> None:
             client.close()
     finally:
         server.close()
-    name = f"socket sendall -> recv_into, {_fmt_nbytes(plan.nbytes)} per request"
+    name = f"socket sendall -> recv_into, {fmt_nbytes(plan.nbytes)} per request"
     results.add("tcp", name, plan.nbytes, measured["bulk"], id="hosts.tcp.bulk")
-    name = f"request -> {_fmt_nbytes(SMALL_NBYTES)} response, TCP_NODELAY"
+    name = f"request -> {fmt_nbytes(SMALL_NBYTES)} response, TCP_NODELAY"
     results.add("tcp", name, SMALL_NBYTES, measured["small"], id="hosts.tcp.small")
 
 
 def _memcpy(results: Results, plan: Plan) -> None:
     name = "numpy.copyto, 2 threads"
     results.add(
-        "memcpy", name, plan.nbytes, _copy_samples(plan.nbytes, 2, plan.repeats), id="hosts.memcpy.bulk"
+        "memcpy", name, plan.nbytes, copy_samples(plan.nbytes, 2, plan.repeats), id="hosts.memcpy.bulk"
     )
     name = "numpy.copyto, 1 thread"
-    samples = _copy_samples(SMALL_NBYTES, 1, plan.small_repeats)
+    samples = copy_samples(SMALL_NBYTES, 1, plan.small_repeats)
     results.add("memcpy", name, SMALL_NBYTES, samples, id="hosts.memcpy.small")
 
 
@@ -454,7 +439,7 @@ def _report(results: Results) -> None:
             for key, width in (("x_mooncake", 10), ("x_tcp", 7), ("x_memcpy", 8))
         )
         line = (
-            f"{row['group']:<9} {row['name']:<58} {_fmt_nbytes(row['nbytes']):>9} {row['gbps']:7.2f} "
+            f"{row['group']:<9} {row['name']:<58} {fmt_nbytes(row['nbytes']):>9} {row['gbps']:7.2f} "
             f"{row['p50_us']:10.1f} {row['p99_us']:10.1f} {ratios}"
         )
         print(line.rstrip())
@@ -472,11 +457,6 @@ the kernel, not a wire, so only the ratios of one run mean anything."""
 
 
 def run(args: argparse.Namespace) -> int:
-    from llm_datadist._auth import ENV_SECRET
-    from llm_datadist._demo import hosts_unavailable
-    from llm_datadist._netns import NamespacePair, sigterm_as_exit
-    from llm_datadist._shm.reaper import reap
-
     reason = hosts_unavailable()
     if reason is not None:
         print(f"bench --hosts: {reason}", file=sys.stderr)

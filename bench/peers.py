@@ -18,10 +18,13 @@ import os
 import time
 import traceback
 from collections.abc import Callable
+from importlib import metadata
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 import numpy as np
+
+from llm_datadist._tools.patterns import unit_bytes
 
 from .proc import BlockPattern, Child, timed
 
@@ -61,9 +64,9 @@ def _pool_nbytes(patterns: list[BlockPattern]) -> int:
 
 
 def _pool_fill(pool: np.ndarray) -> None:
-    """Chunk c (16 KiB) of the pool holds the byte c % 251 + 1: writes every page once (prefaulted)."""
+    """Chunk c (16 KiB) of the pool holds the byte `unit_bytes(c)`: writes every page once (prefaulted)."""
     chunks = pool.reshape(-1, _CHUNK)
-    chunks[:] = (np.arange(len(chunks)) % 251 + 1).astype(np.uint8)[:, None]
+    chunks[:] = unit_bytes(np.arange(len(chunks)))[:, None]
 
 
 def _descs(pattern: BlockPattern, local_addr: int, remote_addr: int) -> tuple[list[int], list[int]]:
@@ -86,7 +89,7 @@ def _check_blocks(pool: np.ndarray, pattern: BlockPattern) -> None:
         base = tensor * pattern.tensor_nbytes
         region = pool[base : base + pattern.tensor_nbytes].reshape(pattern.pool_blocks, per_block, _CHUNK)
         chunks = base // _CHUNK + (src[:, None] * per_block + np.arange(per_block)[None, :])
-        expected = (chunks % 251 + 1).astype(np.uint8)
+        expected = unit_bytes(chunks)
         if not (region[dst] == expected[..., None]).all():
             raise RuntimeError(f"the block READ returned other bytes than the owner's (tensor {tensor})")
 
@@ -395,8 +398,6 @@ def _block_id(peer: str, pattern: BlockPattern, requests: int = 1) -> str:
 
 
 def _version(module: str) -> str:
-    from importlib import metadata
-
     for distribution in (module, f"{module}-cu12", "mooncake-transfer-engine-non-cuda"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             return metadata.version(distribution)

@@ -1,5 +1,6 @@
-"""Plumbing shared by `suite` and `peers`: timing a call repeatedly, a spawned helper process that answers
-over a pipe, and the scattered-block pattern that our `pull_blocks` and the peers both read.
+"""Plumbing shared by `suite`, `hosts` and `peers`: the rows of a run (`Results`), timing a call repeatedly
+and memcpy the same way, a spawned helper process that answers over a pipe, and the scattered-block pattern
+that our `pull_blocks` and the peers both read.
 
 Rules: a helper answers each request with ("ok", value) or ("error", text); every wait on it is bounded;
 `close` asks it to stop, then kills and reaps it if it has not. A pattern is drawn from a fixed seed, so
@@ -10,6 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import statistics
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +25,47 @@ BLOCK_SIZES = (16 << 10, 64 << 10, 256 << 10)
 BLOCK_TENSORS = 64
 
 
+class Results:
+    """The rows of one run, in the order measured; each is printed to stderr as it comes unless `quiet`."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.quiet = quiet
+
+    def add(self, group: str, name: str, nbytes: int, seconds: list[float], **extra: Any) -> None:
+        ordered = sorted(seconds)
+        p50 = statistics.median(ordered)
+        p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+        row = {
+            "group": group,
+            "name": name,
+            "nbytes": nbytes,
+            "gbps": nbytes / p50 / 1e9 if nbytes else None,
+            "p50_us": p50 * 1e6,
+            "p99_us": p99 * 1e6,
+            "samples": len(seconds),
+            **extra,
+        }
+        self.rows.append(row)
+        if not self.quiet:
+            print(
+                f"  {group:<10} {name:<48} {fmt_nbytes(nbytes):>9}  p50 {p50 * 1e6:10.1f} us",
+                file=sys.stderr,
+            )
+
+    def skip(self, group: str, name: str, reason: str, **extra: Any) -> None:
+        self.rows.append({"group": group, "name": name, "skipped": reason, **extra})
+        if not self.quiet:
+            print(f"  {group:<10} {name:<48} skipped: {reason}", file=sys.stderr)
+
+
+def fmt_nbytes(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
 def timed(action: Callable[[], object], repeats: int) -> list[float]:
     """Seconds each of `repeats` calls of `action` took."""
     samples = []
@@ -29,6 +74,27 @@ def timed(action: Callable[[], object], repeats: int) -> list[float]:
         action()
         samples.append(time.perf_counter() - started)
     return samples
+
+
+def copy_samples(nbytes: int, threads: int, repeats: int) -> list[float]:
+    """`timed` numpy.copyto of `nbytes` between two warm private buffers, split over `threads`: memcpy."""
+    src = np.full(nbytes, 7, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    np.copyto(dst, src)  # warm: both buffers faulted in
+    bounds = np.linspace(0, nbytes, threads + 1, dtype=np.int64)
+
+    def part(i: int) -> None:
+        np.copyto(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]])
+
+    def once() -> None:
+        workers = [threading.Thread(target=part, args=(i,)) for i in range(1, threads)]
+        for worker in workers:
+            worker.start()
+        part(0)
+        for worker in workers:
+            worker.join()
+
+    return timed(once, repeats)
 
 
 class Child:

@@ -22,9 +22,7 @@ import socket
 import statistics
 import struct
 import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -34,55 +32,15 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from llm_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType
+from llm_datadist._runtime import ensure_runtime_dir
+from llm_datadist._shm.reaper import reap
+
 from . import peers
-from .proc import BlockPattern, Child, block_patterns, timed
-
-OWNER, MEASURER = 1, 2
-IP = "127.0.0.1"
-U64_MAX = 2**64 - 1
-PREFIX = 7  # the owner binds every benchmark cache to this prefix key: prefix keys are never consumed
-
+from .ours import OWNER, PREFIX, U64_MAX, Owner, link, measurer
+from .proc import BlockPattern, Results, block_patterns, copy_samples, fmt_nbytes, timed
 
 # ====================================================================== helpers
-
-
-class Results:
-    def __init__(self, quiet: bool) -> None:
-        self.rows: list[dict[str, Any]] = []
-        self.quiet = quiet
-
-    def add(self, group: str, name: str, nbytes: int, seconds: list[float], **extra: Any) -> None:
-        ordered = sorted(seconds)
-        p50 = statistics.median(ordered)
-        p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-        row = {
-            "group": group,
-            "name": name,
-            "nbytes": nbytes,
-            "gbps": nbytes / p50 / 1e9 if nbytes else None,
-            "p50_us": p50 * 1e6,
-            "p99_us": p99 * 1e6,
-            "samples": len(seconds),
-            **extra,
-        }
-        self.rows.append(row)
-        if not self.quiet:
-            print(
-                f"  {group:<10} {name:<48} {_fmt_nbytes(nbytes):>9}  p50 {p50 * 1e6:10.1f} us",
-                file=sys.stderr,
-            )
-
-    def skip(self, group: str, name: str, reason: str, **extra: Any) -> None:
-        self.rows.append({"group": group, "name": name, "skipped": reason, **extra})
-        if not self.quiet:
-            print(f"  {group:<10} {name:<48} skipped: {reason}", file=sys.stderr)
-
-
-def _fmt_nbytes(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes} B"
 
 
 def _cpu_ns(pid: int) -> int | None:
@@ -127,28 +85,8 @@ def _one_sided_repeats(nbytes: int, quick: bool) -> int:
 # ====================================================================== baselines
 
 
-def _copy_samples(nbytes: int, threads: int, repeats: int) -> list[float]:
-    src = np.full(nbytes, 7, dtype=np.uint8)
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    np.copyto(dst, src)  # warm: both buffers faulted in
-    bounds = np.linspace(0, nbytes, threads + 1, dtype=np.int64)
-
-    def part(i: int) -> None:
-        np.copyto(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]])
-
-    def once() -> None:
-        workers = [threading.Thread(target=part, args=(i,)) for i in range(1, threads)]
-        for worker in workers:
-            worker.start()
-        part(0)
-        for worker in workers:
-            worker.join()
-
-    return timed(once, repeats)
-
-
 def _memcpy_step(results: Results, name: str, nbytes: int, threads: int, quick: bool) -> None:
-    results.add("memcpy", name, nbytes, _copy_samples(nbytes, threads, _repeats(nbytes, quick)))
+    results.add("memcpy", name, nbytes, copy_samples(nbytes, threads, _repeats(nbytes, quick)))
 
 
 def _socket_server(path: str, mode: str, nbytes: int) -> None:
@@ -283,150 +221,6 @@ def _peers(results: Results, quick: bool) -> None:
     peers.run(results, functools.partial(_one_sided_repeats, quick=quick), block_patterns(quick))
 
 
-# ====================================================================== the owner process
-
-
-def fill_value(tensor_index: int, row: np.ndarray) -> np.ndarray:
-    """The byte the owner's "fill" writes into row `row` (a batch slot or a block) of tensor `tensor_index`:
-    different for neighbouring rows and tensors, so a row pulled from or into the wrong place shows."""
-    return ((tensor_index * 31 + row) % 251 + 1).astype(np.uint8)
-
-
-def _owner(pipe: Connection, mode: str, port: int, timeout_ms: int, ip: str = IP) -> None:
-    """Owns the caches; answers commands until told to stop."""
-    from llm_datadist import (
-        BlocksCacheKey,
-        CacheDesc,
-        CacheKey,
-        DataType,
-        LLMConfig,
-        LLMDataDist,
-        LLMRole,
-    )
-
-    datadist = LLMDataDist(LLMRole.PROMPT, OWNER)
-    config = LLMConfig()
-    config.device_id = 0
-    config.sync_kv_timeout = timeout_ms
-    config.listen_ip_info = f"{ip}:{port}"
-    options = dict(config.generate_options())
-    if mode == "v2":
-        options.update({"llm.EnableCacheManager": "1", "llm.EnableRemoteCacheAccessible": "1"})
-    keep: list[Any] = []
-    try:
-        datadist.init(options)
-        pipe.send(("ok", os.getpid()))
-        while True:
-            if not pipe.poll(3600):
-                break
-            command, args = pipe.recv()
-            if command == "stop":
-                break
-            if command == "alloc":  # v1: a continuous cache bound to the prefix key
-                num_tensors, shape = args
-                desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)
-                cache = datadist.kv_cache_manager.allocate_cache(desc, [CacheKey(OWNER, U64_MAX, 0, PREFIX)])
-                keep.append(cache)
-                pipe.send(("ok", cache.cache_id))
-            elif command == "alloc_blocks":
-                num_tensors, shape, model_id = args
-                desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)
-                cache = datadist.kv_cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(OWNER, model_id))
-                keep.append(cache)
-                pipe.send(("ok", cache.cache_id))
-            elif command == "fill":  # every allocated cache: each row of tensor t holds fill_value(t, row)
-                from llm_datadist.ext import tensor_views
-
-                for cache in keep:
-                    for t, view in enumerate(tensor_views(cache)):
-                        rows = view.view(np.uint8).reshape(view.shape[0], -1)
-                        rows[:] = fill_value(t, np.arange(rows.shape[0]))[:, None]
-                pipe.send(("ok", None))
-            elif command == "free":
-                manager = datadist.kv_cache_manager
-                manager.remove_cache_key(CacheKey(OWNER, U64_MAX, 0, PREFIX))
-                for cache in keep:
-                    manager.deallocate_cache(cache)
-                keep.clear()
-                pipe.send(("ok", None))
-            elif command == "register_blocks":  # v2: memory this process owns, registered
-                num_tensors, shape, model_id = args
-                arrays = [np.ones(int(np.prod(shape)), dtype=np.float16) for _ in range(num_tensors)]
-                desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)
-                registered = datadist.cache_manager.register_blocks_cache(
-                    desc, [a.ctypes.data for a in arrays], BlocksCacheKey(OWNER, model_id)
-                )
-                keep.append((registered, arrays))
-                pipe.send(("ok", registered.cache_id))
-            else:
-                pipe.send(("error", f"unknown command {command}"))
-    except Exception:
-        pipe.send(("error", traceback.format_exc()))
-    finally:
-        keep.clear()
-        datadist.finalize()
-
-
-class _Owner(Child):
-    """The spawned process that owns the caches a benchmark pulls from (`_owner`), listening on `ip`; with
-    `netns`, it enters that network namespace first, with `env` added to its environment; `quiet` sends its
-    stdout and stderr to /dev/null (its engine's log lines; failures come through the pipe)."""
-
-    def __init__(
-        self,
-        mode: str,
-        port: int,
-        timeout_ms: int,
-        *,
-        ip: str = IP,
-        netns: str = "",
-        env: dict[str, str] | None = None,
-        quiet: bool = False,
-    ) -> None:
-        from llm_datadist._netns import in_netns
-
-        target: Callable[..., None] = functools.partial(peers.quietly, _owner) if quiet else _owner
-        super().__init__(in_netns(netns, target, env) if netns else target, mode, port, timeout_ms, ip)
-        self.port = port
-        self.reply(600)
-
-    def call(self, command: str, args: Any = None) -> Any:
-        self.pipe.send((command, args))
-        return self.reply(600)
-
-
-def _measurer(mode: str, timeout_ms: int) -> Any:
-    from llm_datadist import LLMConfig, LLMDataDist, LLMRole
-
-    datadist = LLMDataDist(LLMRole.DECODER, MEASURER)
-    config = LLMConfig()
-    config.device_id = 0
-    config.sync_kv_timeout = timeout_ms
-    options = dict(config.generate_options())
-    if mode == "v2":
-        options.update(
-            {
-                "llm.EnableCacheManager": "1",
-                "llm.EnableRemoteCacheAccessible": "1",
-                "llm.MemPoolConfig": json.dumps({"memory_size": 1 << 30, "page_shift": 16}),
-            }
-        )
-    datadist.init(options)
-    return datadist
-
-
-def _link(datadist: Any, port: int, ip: str = IP, local_ip: str = IP) -> None:
-    from llm_datadist import LLMClusterInfo, LLMStatusCode
-
-    info = LLMClusterInfo()
-    info.remote_cluster_id = OWNER
-    info.append_local_ip_info(local_ip, 0)
-    info.append_remote_ip_info(ip, port)
-    ret, codes = datadist.link_clusters([info], timeout=10000)
-    if ret != LLMStatusCode.LLM_SUCCESS:
-        raise RuntimeError(f"link_clusters failed: {codes}")
-
-
 # ====================================================================== our engine
 
 
@@ -447,12 +241,10 @@ def _breakdown(datadist: Any) -> Callable[[], dict[str, float] | None]:
 
 
 def _bench_v1(results: Results, port: int, args: argparse.Namespace) -> None:
-    from llm_datadist import CacheDesc, CacheKey, DataType
-
-    owner = _Owner("v1", port, args.timeout_ms)
-    datadist = _measurer("v1", args.timeout_ms)
+    owner = Owner("v1", port, args.timeout_ms)
+    datadist = measurer("v1", args.timeout_ms)
     try:
-        _link(datadist, port)
+        link(datadist, port)
         manager = datadist.kv_cache_manager
         last_breakdown = _breakdown(datadist)
         key = CacheKey(OWNER, U64_MAX, 0, PREFIX)
@@ -478,7 +270,7 @@ def _bench_v1(results: Results, port: int, args: argparse.Namespace) -> None:
             if breakdowns:
                 phases = [k for k in breakdowns[0] if all(k in b for b in breakdowns)]
                 extra["breakdown_us"] = {k: statistics.median(b[k] for b in breakdowns) * 1e6 for k in phases}
-            name = f"whole, {tensors} x {_fmt_nbytes(slice_nbytes)}"
+            name = f"whole, {tensors} x {fmt_nbytes(slice_nbytes)}"
             results.add("pull_cache", name, nbytes, samples, **extra)
             manager.deallocate_cache(dst)
             owner.call("free")
@@ -506,12 +298,10 @@ LAYERS = 32
 LAYER_SLICES = (1 << 20, 8 << 20)  # per tensor slice: 64 MiB and 512 MiB requests (the demo's is 512 MiB)
 
 
-def _layers(results: Results, owner: _Owner, manager: Any, slice_nbytes: int, quick: bool) -> None:
+def _layers(results: Results, owner: Owner, manager: Any, slice_nbytes: int, quick: bool) -> None:
     """A 32-layer request (K and V per layer: 64 tensors) pulled whole, and layer by layer as 32 pulls with
     one-layer `src_layer_range`/`dst_layer_range` each: the same bytes, measured in alternation so that
     both see the same machine; the second row carries the ratio (whole p50 / by-layer p50)."""
-    from llm_datadist import CacheDesc, CacheKey, DataType
-
     key = CacheKey(OWNER, U64_MAX, 0, PREFIX)
     tensors, shape = 2 * LAYERS, [1, slice_nbytes // 2]
     owner.call("alloc", (tensors, shape))
@@ -534,7 +324,7 @@ def _layers(results: Results, owner: _Owner, manager: Any, slice_nbytes: int, qu
         order = ((whole, whole_samples), (by_layer, layer_samples))
         for action, samples in order if repeat % 2 == 0 else order[::-1]:
             samples.extend(timed(action, 1))
-    size = _fmt_nbytes(slice_nbytes)
+    size = fmt_nbytes(slice_nbytes)
     results.add(
         "layers",
         f"pull_cache whole, {LAYERS} layers x 2 x {size}",
@@ -554,10 +344,8 @@ def _layers(results: Results, owner: _Owner, manager: Any, slice_nbytes: int, qu
     owner.call("free")
 
 
-def _blocks(results: Results, owner: _Owner, manager: Any, pattern: BlockPattern, quick: bool) -> None:
+def _blocks(results: Results, owner: Owner, manager: Any, pattern: BlockPattern, quick: bool) -> None:
     """`pull_blocks` of a scattered-block pattern, the same one the peers read as one descriptor list."""
-    from llm_datadist import BlocksCacheKey, CacheDesc, DataType
-
     shape = [pattern.pool_blocks, pattern.block_nbytes // 2]
     owner.call("alloc_blocks", (pattern.tensors, shape, 0))
     local = manager.allocate_blocks_cache(CacheDesc(pattern.tensors, shape, DataType.DT_FLOAT16))
@@ -568,7 +356,7 @@ def _blocks(results: Results, owner: _Owner, manager: Any, pattern: BlockPattern
         functools.partial(manager.pull_blocks, blocks_key, local, src_blocks, dst_blocks),
         _repeats(pattern.nbytes, quick),
     )
-    block = _fmt_nbytes(pattern.block_nbytes)
+    block = fmt_nbytes(pattern.block_nbytes)
     results.add(
         "blocks",
         f"pull_blocks {pattern.table} scattered blocks x {block} x {pattern.tensors}",
@@ -582,12 +370,10 @@ def _blocks(results: Results, owner: _Owner, manager: Any, pattern: BlockPattern
 
 
 def _bench_v2(results: Results, port: int, args: argparse.Namespace) -> None:
-    from llm_datadist import BlocksCacheKey, CacheDesc, DataType
-
-    owner = _Owner("v2", port, args.timeout_ms)
-    datadist = _measurer("v2", args.timeout_ms)
+    owner = Owner("v2", port, args.timeout_ms)
+    datadist = measurer("v2", args.timeout_ms)
     try:
-        _link(datadist, port)
+        link(datadist, port)
         manager = datadist.cache_manager
         for block_nbytes in peers.SIZES:
             shape = [4, block_nbytes // 2]
@@ -607,7 +393,7 @@ def _bench_v2(results: Results, port: int, args: argparse.Namespace) -> None:
                 samples = timed(functools.partial(manager.pull_blocks, key, local, [1], [2]), repeats)
                 results.add(
                     "one-sided",
-                    f"v2 pull_blocks 1 x {_fmt_nbytes(block_nbytes)}, registered -> {into}",
+                    f"v2 pull_blocks 1 x {fmt_nbytes(block_nbytes)}, registered -> {into}",
                     block_nbytes,
                     samples,
                     id=f"one_sided.{into}.{block_nbytes}",
@@ -676,7 +462,7 @@ def _report(results: Results, targets: list[dict[str, Any]]) -> None:
         ratio = f"{row['x_memcpy']:9.2f}" if "x_memcpy" in row else f"{'':>9}"
         gbps_text = f"{gbps:7.2f}" if gbps else f"{'':>7}"
         print(
-            f"{row['group']:<10} {row['name']:<56} {_fmt_nbytes(row['nbytes']):>9} {gbps_text} "
+            f"{row['group']:<10} {row['name']:<56} {fmt_nbytes(row['nbytes']):>9} {gbps_text} "
             f"{row['p50_us']:10.1f} {row['p99_us']:10.1f} {ratio}"
         )
         breakdown = row.get("breakdown_us")
@@ -742,7 +528,7 @@ def _targets(results: Results) -> list[dict[str, Any]]:
         elif measured is None:
             detail = "no memcpy reference in this run"
         else:
-            detail = f"{row['group']} {row['name']}, {_fmt_nbytes(row['nbytes'])}"
+            detail = f"{row['group']} {row['name']}, {fmt_nbytes(row['nbytes'])}"
         target(key, text, ">=", limit, measured, detail)
 
     small, rtt = rows.get("latency.small"), rows.get("baseline.msgpack")
@@ -764,7 +550,7 @@ def _targets(results: Results) -> list[dict[str, Any]]:
             continue  # the quick run measures one request size
         target(
             f"layers.{slice_nbytes}",
-            f"layer by layer (32 pulls) / whole, {_fmt_nbytes(by_layer['nbytes'])} request",
+            f"layer by layer (32 pulls) / whole, {fmt_nbytes(by_layer['nbytes'])} request",
             ">=",
             0.8,
             by_layer["vs_whole"],
@@ -792,7 +578,7 @@ def _targets(results: Results) -> list[dict[str, Any]]:
     text = "p99 / p50, worst of our rows with >= 100 samples"
     if ours_rows:
         worst = max(ours_rows, key=lambda r: r["p99_us"] / r["p50_us"])
-        detail = f"{worst['group']} {worst['name']}, {_fmt_nbytes(worst['nbytes'])}"
+        detail = f"{worst['group']} {worst['name']}, {fmt_nbytes(worst['nbytes'])}"
         target("p99", text, "<=", 3, worst["p99_us"] / worst["p50_us"], detail)
     else:
         target("p99", text, "<=", 3, None, "not measured in this run")
@@ -817,7 +603,7 @@ def _plot(results: Results, path: Path) -> str:
     colors = plt.get_cmap("tab10")
     fig, ax = plt.subplots(figsize=(11, 0.3 * len(rows) + 1.5))
     ax.barh(
-        [f"{r['name']}, {_fmt_nbytes(r['nbytes'])}" for r in rows],
+        [f"{r['name']}, {fmt_nbytes(r['nbytes'])}" for r in rows],
         [r["gbps"] for r in rows],
         color=[colors(groups.index(r["group"]) % 10) for r in rows],
     )
@@ -837,12 +623,6 @@ def _plot(results: Results, path: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llm_datadist._runtime import ensure_runtime_dir
-
-    if args.hosts:
-        from .hosts import run as run_hosts
-
-        return run_hosts(args)
     results = Results(quiet=args.quiet)
     runtime = ensure_runtime_dir()
     port = args.port or 30000 + os.getpid() % 30000
@@ -876,8 +656,6 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"[{index}/{len(steps)}] {name} ({time.monotonic() - started:.0f} s)", file=sys.stderr)
         step()
-    from llm_datadist._shm.reaper import reap
-
     reap()
     _with_ratios(results)
     targets = _targets(results)
@@ -897,35 +675,3 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(_plot(results, Path(args.plot)))
     return 0
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--quick", action="store_true", help="smaller sizes and fewer repetitions (about 10 s)"
-    )
-    parser.add_argument("--json", default="", help="also write the results as JSON to this file")
-    parser.add_argument("--plot", default="", help="also draw a PNG bar chart (needs the 'plot' extra)")
-    parser.add_argument(
-        "--port", type=int, default=0, help="owner listen port (default: derived from the pid)"
-    )
-    parser.add_argument("--timeout-ms", type=int, default=60000, help="sync_kv_timeout of both sides")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    parser.add_argument(
-        "--hosts",
-        action="store_true",
-        help="only the bench across hosts: two network namespaces joined by a veth pair, our pulls beside "
-        "Mooncake's own reads, plain TCP and memcpy (needs root, iproute2 and Mooncake Transfer Engine)",
-    )
-    parser.add_argument(
-        "--hosts-mib",
-        type=_even_mib,
-        default=64,
-        help="--hosts: MiB of each large pull, in 32 tensors (even, default 64)",
-    )
-
-
-def _even_mib(text: str) -> int:
-    value = int(text)
-    if value < 2 or value % 2:
-        raise argparse.ArgumentTypeError(f"{text}: an even number of MiB, at least 2")
-    return value

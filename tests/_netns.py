@@ -1,7 +1,7 @@
-"""Two "hosts" on one machine for cross-host tests: `HostPair` is the library's pair of network namespaces
-joined by a veth pair (llm_datadist/_netns.py), each host a spawned Python child living in one namespace and
-running the source text the test sends it (`HostProcess`). Rules: every wait has a timeout, every child is
-reaped (SIGKILL as the last resort) before its namespace is deleted."""
+"""Two "hosts" on one machine for cross-host tests: `HostPair` is the tools' pair of network namespaces
+joined by a veth pair (llm_datadist/_tools/netns.py), each host a spawned Python child living in one
+namespace and running the source text the test sends it (`HostProcess`). Rules: every wait has a timeout,
+every child is reaped (SIGKILL as the last resort) before its namespace is deleted."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-from llm_datadist._netns import IP_TIMEOUT_S, NamespacePair, enter_netns, netns_list, netns_unavailable
+from llm_datadist._tools.netns import IP_TIMEOUT_S, NamespacePair, enter_netns, netns_list, netns_unavailable
 
 __all__ = ["HostError", "HostPair", "HostProcess", "netns_list", "netns_unavailable", "require_netns"]
 

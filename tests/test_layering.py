@@ -1,7 +1,9 @@
-"""The three rooms import in one direction only (STYLE.md): protocol/ is sans-IO, shm/ knows nothing of
-the protocol or sockets, and only llm_datadist/ composes them. bench/ (installed as llm_datadist._bench)
-measures llm_datadist from outside: it may import its public API and private modules, always by their
-installed names; nothing in llm_datadist imports bench but the CLI. Walks every import with ast."""
+"""The three rooms import in one direction only (docs/architecture.md): protocol/ is sans-IO, shm/ knows
+nothing of the protocol or sockets, and only llm_datadist/ composes them. The tools (llm_datadist/_tools/:
+the CLI, demo, soak, network namespaces) and bench/ (installed as llm_datadist._bench) use llm_datadist from
+outside: they may import its public API and private modules, bench always by their installed names. The
+library never imports its tools, and nothing in llm_datadist imports bench but the CLI. Walks every import
+with ast."""
 
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ FORBIDDEN = {
 # The folders installed under llm_datadist through the links of these names in llm_datadist/.
 ROOMS = {"_shm": "shm", "_protocol": "protocol", "_bench": "bench"}
 # The only modules of llm_datadist that may import bench.
-IMPORTS_BENCH = {"llm_datadist/_cli.py"}
+IMPORTS_BENCH = {"llm_datadist/_tools/cli.py"}
+TOOLS = "_tools"  # llm_datadist/_tools/: what drives the library, never what it is made of
 
 
 def _imported_roots(path: Path) -> set[str]:
@@ -101,6 +104,29 @@ def test_only_the_cli_imports_bench() -> None:
     assert importers == IMPORTS_BENCH
 
 
+def _library_modules() -> list[Path]:
+    """llm_datadist's own modules: neither the rooms installed through its links nor its tools."""
+    return [
+        path
+        for path in sorted((ROOT / "llm_datadist").rglob("*.py"))
+        if path.relative_to(ROOT / "llm_datadist").parts[0] not in {*ROOMS, TOOLS}
+    ]
+
+
+def test_the_library_never_imports_its_tools() -> None:
+    importers = []
+    for path in _library_modules():
+        names = _imported_modules(path, _package_of(path))
+        tools = sorted(
+            n for n in names if n == f"llm_datadist.{TOOLS}" or n.startswith(f"llm_datadist.{TOOLS}.")
+        )
+        if tools:
+            importers.append(f"{path.relative_to(ROOT)} imports {tools}")
+    assert not importers, "\n".join(importers)
+    assert ROOT / "llm_datadist" / "_core.py" in _library_modules()
+    assert not any(TOOLS in path.parts for path in _library_modules())
+
+
 def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("import socket\nfrom shm.pool import Pool\nfrom . import sibling\n")
@@ -115,9 +141,12 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     }
     sample.write_text("from . import _bench\n")
     assert "llm_datadist._bench" in _imported_modules(sample, "llm_datadist")
+    sample.write_text("from .._tools.netns import in_netns\nfrom ._tools import patterns\n")
+    assert "llm_datadist._tools.netns" in _imported_modules(sample, "llm_datadist.v2")
+    assert "llm_datadist._tools.patterns" in _imported_modules(sample, "llm_datadist")
     assert _package_of(ROOT / "llm_datadist" / "v1" / "__init__.py") == "llm_datadist.v1"
     assert _package_of(ROOT / "llm_datadist" / "v1" / "kv_cache_manager.py") == "llm_datadist.v1"
-    assert _package_of(ROOT / "llm_datadist" / "_cli.py") == "llm_datadist"
+    assert _package_of(ROOT / "llm_datadist" / "_tools" / "cli.py") == "llm_datadist._tools"
 
 
 def test_the_rooms_are_installed_under_the_package() -> None:

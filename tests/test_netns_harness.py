@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llm_datadist._netns import remove_stale_namespaces
+from llm_datadist._tools.netns import remove_stale_namespaces
 from tests._netns import HostError, HostPair, HostProcess, netns_list, require_netns
 
 

@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 
 from llm_datadist._bench import peers, suite
-from llm_datadist._bench.proc import BLOCK_SIZES, block_patterns
-from llm_datadist._bench.suite import Results
+from llm_datadist._bench.proc import BLOCK_SIZES, Results, block_patterns
 
-CLI = [sys.executable, "-m", "llm_datadist._cli"]
+CLI = [sys.executable, "-m", "llm_datadist._tools.cli"]
 TARGET_KEYS = {
     "small_pull",
     "owner_cpu",
@@ -153,8 +152,7 @@ def test_the_targets_judge_each_ratio_and_say_what_is_missing() -> None:
 
 def test_hosts_bench_reports_every_kind_with_its_ratios(tmp_path: Path) -> None:
     from llm_datadist._bench.hosts import GROUPS, KINDS
-    from llm_datadist._demo import hosts_unavailable
-    from llm_datadist._netns import netns_list
+    from llm_datadist._tools.netns import hosts_unavailable, netns_list
 
     reason = hosts_unavailable()
     if reason is not None:

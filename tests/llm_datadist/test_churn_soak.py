@@ -12,11 +12,11 @@ import sys
 import numpy as np
 import pytest
 
-from llm_datadist._soak_figures import MEMORY_TREND, Figures, Series
-from llm_datadist._soak_sampler import SAMPLE_EVERY_S, RunSampler
-from llm_datadist._soak_trend import Trend, judge, theil_sen
+from llm_datadist._tools.soak.figures import MEMORY_TREND, Figures, Series
+from llm_datadist._tools.soak.sampler import SAMPLE_EVERY_S, RunSampler
+from llm_datadist._tools.soak.trend import Trend, judge, theil_sen
 
-CLI = [sys.executable, "-m", "llm_datadist._cli"]
+CLI = [sys.executable, "-m", "llm_datadist._tools.cli"]
 PROCESSES = (
     "driver",
     "v1-steady#1 (v1 owner)",
@@ -57,7 +57,7 @@ def test_short_churn_soak_across_hosts_passes(seed: int) -> None:
     """The same soak with the owners in one network namespace and the pullers in another: links over TCP,
     bytes through the transfer engine, and the same flat figures (the engine's own connections to owners
     that are gone are reported apart and bounded)."""
-    from llm_datadist._demo import hosts_unavailable
+    from llm_datadist._tools.netns import hosts_unavailable
 
     reason = hosts_unavailable()
     if reason is not None:

@@ -12,7 +12,7 @@ import pytest
 
 from llm_datadist._shm.segment import Segment
 
-CLI = [sys.executable, "-m", "llm_datadist._cli"]
+CLI = [sys.executable, "-m", "llm_datadist._tools.cli"]
 
 
 def test_small_demo_verifies_every_byte_and_leaves_nothing() -> None:
@@ -86,8 +86,8 @@ def test_ls_and_gc_show_and_clean_sockets(seed: int, _runtime_dir) -> None:  # t
 
 
 def test_hosts_demo_runs_across_two_namespaces_and_leaves_nothing() -> None:
-    from llm_datadist._demo import HOSTS_NOTE, hosts_unavailable
-    from llm_datadist._netns import netns_list
+    from llm_datadist._tools.demo.run import HOSTS_NOTE
+    from llm_datadist._tools.netns import hosts_unavailable, netns_list
 
     reason = hosts_unavailable()
     if reason is not None:
@@ -117,8 +117,8 @@ def test_hosts_demo_runs_across_two_namespaces_and_leaves_nothing() -> None:
 def test_hosts_without_root_says_why_and_exits_2(
     command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from llm_datadist._cli import main
-    from llm_datadist._netns import netns_unavailable
+    from llm_datadist._tools.cli import main
+    from llm_datadist._tools.netns import netns_unavailable
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     netns_unavailable.cache_clear()
@@ -138,10 +138,11 @@ def test_hosts_without_root_says_why_and_exits_2(
 def test_hosts_without_mooncake_says_why_and_exits_2(
     command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from llm_datadist import _netns, _remote
-    from llm_datadist._cli import main
+    from llm_datadist import _remote
+    from llm_datadist._tools import netns
+    from llm_datadist._tools.cli import main
 
-    monkeypatch.setattr(_netns, "netns_unavailable", lambda: None)
+    monkeypatch.setattr(netns, "netns_unavailable", lambda: None)
     monkeypatch.setattr(_remote, "engine_available", lambda: "no Mooncake here; pip install it")
     assert main([command, "--hosts"]) == 2
     out, err = capsys.readouterr()

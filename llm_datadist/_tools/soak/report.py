@@ -10,9 +10,10 @@ import math
 import os
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ._soak_figures import (
+from .driver import Soak
+from .figures import (
     MEMORY_TREND,
     RSS_TOLERANCE_NBYTES,
     RULES,
@@ -22,11 +23,8 @@ from ._soak_figures import (
     Series,
     is_flat,
 )
-from ._soak_sampler import SAMPLE_EVERY_S
-from ._soak_trend import Trend
-
-if TYPE_CHECKING:
-    from ._soak_driver import Soak
+from .sampler import SAMPLE_EVERY_S
+from .trend import Trend
 
 COLUMN = 14  # characters a figure's column takes
 

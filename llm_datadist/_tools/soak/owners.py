@@ -29,7 +29,8 @@ from llm_datadist import (
     LLMStatusCode,
 )
 
-from ._soak_spec import (
+from ..patterns import fill_unit, make_stamp
+from .spec import (
     HEARTBEAT_S,
     OWNER_UNLINK_CHANCE,
     PULLER_CLUSTER_BASE,
@@ -37,8 +38,6 @@ from ._soak_spec import (
     ChildPipe,
     Entry,
     OwnerSpec,
-    fill_unit,
-    make_stamp,
     memory_at,
     memory_probe,
     options,

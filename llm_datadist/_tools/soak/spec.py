@@ -1,5 +1,6 @@
 """What the soak's driver and its children share: the specs a child is started with, the pipe they talk
-over, the settings every child uses, and the byte pattern every owner writes and every puller checks.
+over, the settings every child uses. The bytes every owner writes and every puller checks are the stamped
+units of `_tools.patterns`.
 
 Rules: a child gets everything it needs in its spec (frozen, pickled once at spawn); what it sends the driver
 is a tuple whose first item names it ("up", "beat", "pub", "ret", "warm", "quiet", "fail", "stopped",
@@ -13,17 +14,15 @@ import ctypes
 import os
 import threading
 import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from llm_datadist import CacheDesc, DataType, LLMClusterInfo, LLMConfig, LLMStatusCode
 
-if TYPE_CHECKING:
-    from ._soak_memdebug import MemoryProbe
+from .memdebug import MemoryProbe
 
 IP = "127.0.0.1"
 PORT_RANGE = (26000, 26999)
@@ -53,60 +52,6 @@ LINK_CODES = frozenset(
         LLMStatusCode.LLM_TIMEOUT,
     }
 )
-
-# ---------------------------------------------------------------------------------------------- pattern
-# Every unit (a batch slot or a block of one tensor) starts with a 32-byte stamp naming its owner, the owner's
-# incarnation, the cache's serial number and (tensor, unit); the rest is a sequence derived from the stamp.
-# A puller checks the stamp against what it asked for and the rest against the stamp, so a torn copy, a
-# wrong offset or another cache's bytes are all caught, and a stale catalogue entry is told from a bug.
-
-STAMP_NBYTES = 32
-_MAGIC = 0x50AC_0000_0000_0000
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MASK64 = (1 << 64) - 1
-_CHUNK_WORDS = 1 << 17  # 1 MiB of pattern at a time: no large temporaries
-Stamp = tuple[int, int, int, int]
-
-
-def make_stamp(cluster_id: int, incarnation: int, serial: int, tensor: int, unit: int) -> Stamp:
-    return (_MAGIC | cluster_id, incarnation, serial, (tensor << 32) | unit)
-
-
-def _stamp_seed(stamp: Stamp) -> int:
-    value = 0
-    for word in stamp:
-        value = ((value ^ word) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
-    return value
-
-
-def _body_chunks(stamp: Stamp, nbytes: int) -> Iterator[tuple[int, np.ndarray]]:
-    """(offset in the unit, expected bytes) after the stamp, in chunks of at most 1 MiB."""
-    seed = np.uint64(_stamp_seed(stamp))
-    words = -(-(nbytes - STAMP_NBYTES) // 8)
-    for first in range(0, words, _CHUNK_WORDS):
-        values = np.arange(first, min(words, first + _CHUNK_WORDS), dtype=np.uint64)
-        values *= _GOLDEN
-        values += seed
-        offset = STAMP_NBYTES + first * 8
-        yield offset, values.view(np.uint8)[: nbytes - offset]
-
-
-def fill_unit(unit: np.ndarray, stamp: Stamp) -> None:
-    unit[:STAMP_NBYTES] = np.array(stamp, dtype="<u8").view(np.uint8)
-    for offset, chunk in _body_chunks(stamp, unit.nbytes):
-        unit[offset : offset + chunk.nbytes] = chunk
-
-
-def read_stamp(unit: np.ndarray) -> Stamp:
-    a, b, c, d = (int(w) for w in unit[:STAMP_NBYTES].copy().view("<u8"))
-    return (a, b, c, d)
-
-
-def body_matches(unit: np.ndarray, stamp: Stamp) -> bool:
-    return all(
-        np.array_equal(unit[offset : offset + chunk.nbytes], chunk)
-        for offset, chunk in _body_chunks(stamp, unit.nbytes)
-    )
 
 
 def memory_at(address: int, nbytes: int) -> np.ndarray:
@@ -236,6 +181,4 @@ def memory_probe(label: str, interval_s: float) -> MemoryProbe | None:
     """`--debug-memory`: the probe that dumps this child's memory every `interval_s` (0: none)."""
     if interval_s <= 0:
         return None
-    from ._soak_memdebug import MemoryProbe
-
     return MemoryProbe(label, interval_s)

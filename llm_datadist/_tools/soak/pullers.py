@@ -33,7 +33,8 @@ from llm_datadist import (
     LLMStatusCode,
 )
 
-from ._soak_spec import (
+from ..patterns import body_matches, make_stamp, read_stamp
+from .spec import (
     BIG_PULL_NBYTES,
     EXPECTED_ALWAYS,
     HEARTBEAT_S,
@@ -45,13 +46,10 @@ from ._soak_spec import (
     ChildPipe,
     Entry,
     PullerSpec,
-    body_matches,
     cluster_info,
-    make_stamp,
     memory_at,
     memory_probe,
     options,
-    read_stamp,
     redirect_output,
     report_thread_deaths,
     settle_pool,

@@ -2,11 +2,11 @@
 
 Rules: four owners (v1 and v2, one of each long-lived, one of each restarted at the same address by SIGKILL
 or `finalize()`) allocate, register, free and unregister caches while three pullers pull and verify every
-byte; the driver (`_soak_driver`) relays the owners' catalogues, samples every long-lived process's RSS,
-fds, threads and /dev/shm mappings every few seconds (`_soak_sampler`) and at two quiescent checkpoints,
-and this exits 0 only when nothing failed, every figure is back at the end and no memory grows. With
-`--hosts` the owners run in one network namespace and the pullers in another (two "hosts" joined by a veth
-pair), linked over TCP with a fresh secret, the bytes moved by the transfer engine.
+byte; the driver (`driver`, its processes served by `crew`) relays the owners' catalogues, samples every
+long-lived process's RSS, fds, threads and /dev/shm mappings every few seconds (`sampler`) and at two
+quiescent checkpoints, and this exits 0 only when nothing failed, every figure is back at the end and no
+memory grows. With `--hosts` the owners run in one network namespace and the pullers in another (two
+"hosts" joined by a veth pair), linked over TCP with a fresh secret, the bytes moved by the transfer engine.
 """
 
 from __future__ import annotations
@@ -24,17 +24,16 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from llm_datadist._netns import Hosts, NamespacePair, sigterm_as_exit
+from llm_datadist._runtime import socket_path
 
-from ._soak_driver import Soak
-from ._soak_report import report
-from ._soak_spec import IP, PORT_RANGE
+from ..netns import Hosts, NamespacePair, hosts_unavailable, sigterm_as_exit
+from .driver import Soak
+from .report import report
+from .spec import IP, PORT_RANGE
 
 
 def _pick_ports(rng: random.Random, count: int, ip: str) -> list[int]:
     """Ports in 26000-26999 whose socket for `ip` is not already in the runtime directory."""
-    from ._runtime import socket_path
-
     ports: list[int] = []
     while len(ports) < count:
         port = rng.randint(*PORT_RANGE)
@@ -154,12 +153,8 @@ def run(args: argparse.Namespace) -> int:
     if not math.isfinite(duration_s) or duration_s <= 0:
         print("soak: the duration must be positive", file=sys.stderr)
         return 2
-    if args.hosts:
-        from ._demo import hosts_unavailable
-
-        reason = hosts_unavailable()
-        if reason is not None:
-            print(f"soak --hosts: {reason}", file=sys.stderr)
-            return 2
+    if args.hosts and (reason := hosts_unavailable()) is not None:
+        print(f"soak --hosts: {reason}", file=sys.stderr)
+        return 2
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     return soak(duration_s, seed, hosts=args.hosts, debug_memory_s=args.debug_memory)

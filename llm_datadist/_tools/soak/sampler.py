@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from ._soak_figures import RULES, STALE_ENGINE_SOCKETS, Rule, Series, sample, shm_entries
+from .figures import RULES, STALE_ENGINE_SOCKETS, Rule, Series, sample, shm_entries
 
 SAMPLE_EVERY_S = 5.0  # 12 samples a minute: a 30-minute run pins a noisy slope to a few MiB an hour
 PROGRESS_EVERY_S = 5.0

@@ -8,15 +8,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import _bench, _demo, _soak
+from llm_datadist import _bench
+from llm_datadist._runtime import list_sockets, remove_stale_sockets, runtime_dir
+from llm_datadist._shm.reaper import list_segments, reap
+
+from .demo import run as demo
+from .netns import remove_stale_namespaces
+from .soak import run as soak
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from llm_datadist._shm.reaper import reap
-
-    from ._netns import remove_stale_namespaces
-    from ._runtime import remove_stale_sockets
-
     removed = reap()
     for name in removed:
         print(f"removed {name}")
@@ -34,16 +35,12 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from llm_datadist._shm.reaper import list_segments
-
     segments = list_segments()
     print(f"{'segment':<64} {'pid':>8} {'owner':>6} {'bytes':>14}")
     for info in segments:
         state = "alive" if info.alive else "dead"
         print(f"{info.name:<64} {info.owner.pid:>8} {state:>6} {info.nbytes:>14}")
     print(f"{len(segments)} segment(s)")
-    from ._runtime import list_sockets, runtime_dir
-
     sockets = list_sockets()
     print(f"\n{'socket (in ' + str(runtime_dir()) + ')':<64} {'pid':>8} {'state':>8}")
     for sock in sockets:
@@ -58,18 +55,18 @@ def main(argv: list[str] | None = None) -> int:
         prog="llm-datadist", description=__doc__.splitlines()[0] if __doc__ else None
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="pull real-sized KV cache between two processes and verify it")
-    _demo.add_arguments(demo)
-    demo.set_defaults(func=_demo.run)
-    bench = sub.add_parser("bench", help="measure transfers against memcpy and the alternatives")
-    _bench.add_arguments(bench)
-    bench.set_defaults(func=_bench.run)
-    soak = sub.add_parser(
+    demo_parser = sub.add_parser("demo", help="pull real-sized KV cache between two processes and verify it")
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(func=demo.run)
+    bench_parser = sub.add_parser("bench", help="measure transfers against memcpy and the alternatives")
+    _bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=_bench.run)
+    soak_parser = sub.add_parser(
         "soak",
         help="owners restart, pools grow and shrink, pullers verify every byte; figures must stay flat",
     )
-    _soak.add_arguments(soak)
-    soak.set_defaults(func=_soak.run)
+    soak.add_arguments(soak_parser)
+    soak_parser.set_defaults(func=soak.run)
     sub.add_parser("gc", help="unlink shared memory and sockets left by dead processes").set_defaults(
         func=_gc
     )

@@ -2,7 +2,7 @@
 
 Rules: a sample reads /proc and psutil only, never stops or asks the process, so the driver takes one every
 few seconds while the churn runs (a `Series`). Each figure is judged at the quiescent checkpoints (`Rule`:
-the last against the first) and, for memory, by its trend through the run (`_soak_trend`); the reasons for
+the last against the first) and, for memory, by its trend through the run (`trend`); the reasons for
 every tolerance and bound are in docs/soak.md.
 """
 
@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import psutil
 
-from ._soak_spec import PORT_RANGE
-from ._soak_trend import Trend, TrendRule, judge
+from llm_datadist._shm.names import parse_segment_name
+
+from .spec import PORT_RANGE
+from .trend import Trend, TrendRule, judge
 
 MIB = 1 << 20
 # Tolerances, the reasons for them in docs/soak.md: RSS may wander by what glibc and pymalloc keep for
@@ -53,8 +55,6 @@ class Figures:
 
 
 def segment_pid(name: str) -> int | None:
-    from llm_datadist._shm.names import parse_segment_name
-
     owner = parse_segment_name(name)
     return None if owner is None else owner.pid
 

@@ -24,6 +24,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+import psutil
+
+from llm_datadist import _remote
+from llm_datadist._auth import ENV_SECRET
+
 IP_TIMEOUT_S = 10.0
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = "/var/run/netns"
@@ -63,8 +68,6 @@ def remove_stale_namespaces() -> list[str]:
     test run: their names carry its pid); the names deleted. Nothing without root or `ip`."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("ip") is None:
         return []
-    import psutil
-
     removed = []
     for name in sorted(netns_list()):
         match = _OURS.fullmatch(name)
@@ -113,6 +116,18 @@ def netns_unavailable() -> str | None:
         for name in made:
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 _ip("netns", "delete", name, check=False)
+    return None
+
+
+def hosts_unavailable() -> str | None:
+    """Why `--hosts` (of demo, bench and soak) cannot run here: no network namespaces, or no transfer
+    engine to move bytes between them; None when it can."""
+    reason = netns_unavailable()
+    if reason is not None:
+        return f"cannot make two network namespaces here: {reason}"
+    reason = _remote.engine_available()
+    if reason is not None:
+        return f"cannot move bytes between hosts: {reason}"
     return None
 
 
@@ -296,6 +311,4 @@ class Hosts:
     @classmethod
     def of(cls, pair: NamespacePair) -> Hosts:
         """Prompts on the pair's side a, Decoders on side b, with a fresh random secret."""
-        from llm_datadist._auth import ENV_SECRET
-
         return cls(pair.ns_a, pair.ip_a, pair.ns_b, pair.ip_b, {ENV_SECRET: secrets.token_hex(32)})

@@ -1,0 +1,92 @@
+"""What the demo's parent and both pairs of sides share: the shape of the KV cache, the block tables, the
+bytes the Prompt writes, the options both sides start with, and how a side reports its rows.
+
+Rules: nothing here starts a process. A side sends its parent ("progress", row) as each row is measured,
+then ("done", result) or ("error", traceback) once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from llm_datadist import LLMConfig
+
+from ..patterns import golden_bytes
+
+BLOCK_TOKENS = 16  # tokens per paged block, as vLLM's default
+PAGED_MODEL_ID = 0
+PAGED_SLOT = 100  # the pattern "slot" of the Prompt's paged pool
+PUSHED_SLOT = 3  # the Prompt slot pushed layer by layer
+PROMPT_CLUSTER = 1
+DECODER_CLUSTER = 2
+IP = "127.0.0.1"
+U64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    tokens: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def num_tensors(self) -> int:
+        return 2 * self.layers
+
+    @property
+    def slot_nbytes(self) -> int:
+        return self.tokens * self.kv_heads * self.head_dim * 2  # fp16
+
+    @property
+    def table_blocks(self) -> int:
+        """Blocks of BLOCK_TOKENS tokens that hold one request in the paged runs."""
+        return max(1, self.tokens // BLOCK_TOKENS)
+
+    @property
+    def pool_blocks(self) -> int:
+        """Blocks in each side's paged pool: twice the table, so the table scatters over it."""
+        return 2 * self.table_blocks
+
+    @property
+    def block_nbytes(self) -> int:
+        return BLOCK_TOKENS * self.kv_heads * self.head_dim * 2
+
+
+def block_order(shape: Shape, which: int) -> list[int]:
+    """A block table scattered over the pool (the same on both sides for a given `which`)."""
+    rng = np.random.default_rng([shape.pool_blocks, which])
+    return [int(b) for b in rng.permutation(shape.pool_blocks)[: shape.table_blocks]]
+
+
+def expected_slot(tensor_index: int, slot: int, nbytes: int) -> np.ndarray:
+    """The bytes the Prompt writes into one (tensor, slot): golden bytes seeded by both, cheap to
+    regenerate and different everywhere."""
+    return golden_bytes(tensor_index * 1_000_003 + slot * 7_919 + 1, nbytes)
+
+
+def options(listen: str | None, timeout_ms: int) -> dict[str, str]:
+    """What both sides `init` with: device 0, `sync_kv_timeout`, and where the Prompt listens."""
+    config = LLMConfig()
+    config.device_id = 0
+    config.sync_kv_timeout = timeout_ms
+    if listen:
+        config.listen_ip_info = listen
+    return dict(config.generate_options())
+
+
+class Rows(list[dict[str, Any]]):
+    """The Decoder's result rows; each is also sent to the parent as it is added, which prints it as a
+    line of progress (a full-sized run takes a while)."""
+
+    def __init__(self, pipe: Connection) -> None:
+        super().__init__()
+        self._pipe = pipe
+
+    def append(self, row: dict[str, Any]) -> None:
+        super().append(row)
+        self._pipe.send(("progress", row))
