@@ -168,3 +168,178 @@ def test_the_rooms_are_installed_under_the_package() -> None:
     assert config["tool"]["setuptools"]["packages"]["find"]["include"] == ["llm_datadist*"]
     assert {f"llm_datadist/{link}" for link in ROOMS} <= set(config["tool"]["ruff"]["extend-exclude"])
     assert config["tool"]["mypy"]["files"] == ["llm_datadist"]
+
+
+# ------------------------------------------------------------------ the layers inside llm_datadist/
+# (docs/architecture.md, "Rules of each layer")
+
+WIRE = {"_transport", "_auth", "_admission"}
+OWNER = {"_owner"}
+PULLER = {
+    "_source",
+    "_acquire",
+    "_dataplane",
+    "_movers",
+    "_transfers",
+    "_oneside",
+    "_links",
+    "_crosshost",
+    "_copy",
+    "_vm",
+    "_remote",
+}
+# Leaves both sides use: _errors, _keys, _runtime, _unpins (the owed unpins a link's index mapping waits
+# for), status, utils. They import none of the layers above.
+NODE = {"_core", "_comm"}
+LEAVES = {"_errors", "_keys", "_runtime", "_unpins", "status", "utils"}
+FACES = {"v1", "v2"}
+# Faces that still build copy plans themselves (the local copies and the push plans): open items of the
+# layout, named in docs/architecture.md.
+FACES_USING_SHM = {
+    "llm_datadist/v1/_local_ops.py",
+    "llm_datadist/v2/cache_manager.py",
+    "llm_datadist/_transfer.py",
+}
+
+
+def _layer_of(name: str) -> str:
+    """The first component under llm_datadist of a module name ("" for the package itself)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "llm_datadist" else ""
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer_violations(members: set[str], forbidden: set[str]) -> list[str]:
+    found = []
+    for path in _library_modules():
+        if _layer_of(_module_name(path)) not in members:
+            continue
+        bad = sorted({n for n in _imported_modules(path, _package_of(path)) if _layer_of(n) in forbidden})
+        if bad:
+            found.append(f"{path.relative_to(ROOT)} imports {bad}")
+    return found
+
+
+def test_the_wire_imports_no_owner_and_no_node_code() -> None:
+    assert not _layer_violations(WIRE, OWNER | PULLER | NODE | FACES)
+
+
+def test_the_owner_imports_neither_the_pullers_side_nor_the_faces() -> None:
+    assert not _layer_violations(OWNER, PULLER | NODE | FACES)
+
+
+def test_the_leaves_import_no_layer() -> None:
+    assert not _layer_violations(LEAVES, WIRE | OWNER | PULLER | NODE | FACES)
+
+
+def test_transfers_and_movers_never_import_the_faces() -> None:
+    assert not _layer_violations(PULLER, NODE | FACES)
+
+
+def test_faces_reach_shm_and_protocol_only_through_the_library() -> None:
+    found = []
+    for path in _library_modules():
+        rel = str(path.relative_to(ROOT))
+        face = _layer_of(_module_name(path)) in FACES or rel == "llm_datadist/_transfer.py"
+        if not face or rel in FACES_USING_SHM:
+            continue
+        bad = sorted(
+            n for n in _imported_modules(path, _package_of(path)) if _layer_of(n) in {"_shm", "_protocol"}
+        )
+        if bad:
+            found.append(f"{rel} imports {bad}")
+    assert not found, "\n".join(found)
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """The llm_datadist modules `path` imports when it is imported: no import inside a function or under
+    `if TYPE_CHECKING:`; `from . import mod` imports `mod`, not the package."""
+    package = _package_of(path)
+    modules = {_module_name(p) for p in _library_modules()}
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                continue
+            if (
+                isinstance(child, ast.If)
+                and isinstance(child.test, ast.Name)
+                and child.test.id == "TYPE_CHECKING"
+            ):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                parts = package.split(".")
+                base = parts[: len(parts) - child.level + 1] if child.level else []
+                module = ".".join(base + ([child.module] if child.module else []))
+                subs = {f"{module}.{alias.name}" for alias in child.names}
+                found.update(subs & modules or {module})
+            visit(child)
+
+    visit(tree)
+    resolved = set()
+    for name in found:
+        if _layer_of(name) in ROOMS:
+            continue  # shm/ and protocol/ import nothing of the library (their own rooms' rule)
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name:
+            resolved.add(name)
+    return resolved - {_module_name(path)}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return found
+
+
+def test_no_import_cycle_inside_the_library() -> None:
+    graph = {_module_name(path): _module_level_imports(path) for path in _library_modules()}
+    assert graph.get("llm_datadist._core")
+    assert not _cycles(graph)
+
+
+def test_the_layer_checks_see_violations(tmp_path: Path) -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    sample = ROOT / "llm_datadist" / "_owner" / "table.py"
+    imported = _module_level_imports(sample)
+    assert "llm_datadist._owner.mirror" in imported and "llm_datadist.status" in imported
+    assert _layer_of("llm_datadist._owner.table") == "_owner" and _layer_of("llm_datadist") == ""
