@@ -34,6 +34,7 @@ from ._movers import EngineMover, HostMover, process_alive
 from ._oneside import OneSided
 from ._owner.leases import Leases
 from ._owner.mirror import SERVER_LOCK_TIMEOUT_S
+from ._owner.pins import LocalPins
 from ._owner.service import CacheService, NodeHooks
 from ._owner.table import CacheTable
 from ._runtime import ensure_runtime_dir, remove_stale_sockets, socket_path, socket_path_in_runtime
@@ -76,7 +77,8 @@ class Core(NodeHooks):
             pools, oom_code=oom_code, incarnation=self.incarnation, lock_timeout_s=max(timeout_s, 0.1)
         )
         self.leases = Leases(self.table)
-        self.cross = CrossHost(self.table, settings.timeout_code)
+        self.pins = LocalPins(self.table)
+        self.cross = CrossHost(self.table, self.pins, settings.timeout_code)
         self.public_tcp: tuple[str, int] | None = None
         for pool in pools.values():
             pool.on_release = self.cross.segment_released
@@ -286,12 +288,12 @@ class Core(NodeHooks):
         that outlives it is revoked: its transfer fails."""
         deadline = time.monotonic() + self.drain_s
         links = self.links.close_all(before=self.comms.stop_all)
-        if not self.table.wait_for_local_pins(self.drain_s):
+        if not self.pins.wait_for_local_pins(self.drain_s):
             log.warning("finalizing while transfers of this process still run on other threads")
         for link in links:
             link.close(say_bye=True)  # a link a transfer still holds closes when that transfer ends
         self.server.close(drain_s=max(deadline - time.monotonic(), 0.0))
-        if not self.table.wait_for_pins(max(deadline - time.monotonic(), 0.0)):
+        if not self.leases.wait_for_pins(max(deadline - time.monotonic(), 0.0)):
             log.warning("finalizing while peers still pin caches of this process: their transfers fail")
         self.copier.close()
         # A transfer that outlived its call may still write into our pool: not before it ended.

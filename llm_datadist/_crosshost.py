@@ -19,6 +19,7 @@ from llm_datadist._shm.segment import Segment
 
 from . import _auth
 from ._errors import PeerGone, StatusError
+from ._owner.pins import LocalPins
 from ._owner.records import CacheRecord
 from ._owner.table import CacheTable
 from ._remote import MissingExtra, RemoteEngine, engine_available, shared_engine
@@ -29,8 +30,9 @@ from .status import LLMStatusCode
 class CrossHost:
     """The secret, the engine and the exposed memory of one initialised instance."""
 
-    def __init__(self, table: CacheTable, timeout_code: LLMStatusCode) -> None:
+    def __init__(self, table: CacheTable, pins: LocalPins, timeout_code: LLMStatusCode) -> None:
         self._table = table
+        self._pins = pins
         self._timeout_code = timeout_code
         self.secret: bytes | None = None
         self.secret_problem = (
@@ -95,12 +97,22 @@ class CrossHost:
             raise StatusError(LLMStatusCode.LLM_FAILED, "no transfer engine runs here")
         addrs = []
         for name in names:
-            found = self._table.segment_address(name)
+            found = self._segment_address(name)
             if found is None:
                 raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"no segment {name} here")
             self._expose(engine, *found)
             addrs.append(found[0])
         return tuple(addrs)
+
+    def _segment_address(self, name: str) -> tuple[int, int] | None:
+        """(address, nbytes) of our live pool segment `name` (with or without its leading slash)."""
+        name = name.lstrip("/")
+        with self._table.lock:
+            for pool in self._table.pools():
+                for segment in pool.segments:
+                    if segment.name.lstrip("/") == name and not segment.closed:
+                        return segment.address, segment.nbytes
+        return None
 
     def expose_ranges(self, addrs: tuple[int, ...], nbytes: int) -> None:
         """Registered memory a remote peer was granted, made transferable."""
@@ -184,7 +196,7 @@ class CrossHost:
                 deadline=deadline,
                 timeout_code=self._timeout_code,
                 check_peer=link.check_peer_alive,
-                hold=lambda: self._table.hold(local),
+                hold=lambda: self._pins.hold(local),
             )
         except PeerGone:
             raise

@@ -179,7 +179,7 @@ def start_transfer(
         if cluster_id not in linked:
             raise make_error(api, LLMStatusCode.LLM_NOT_YET_LINK, f"cluster {cluster_id} is not linked")
     with api_errors(api):
-        pinned = core.table.pin(record.cache_id)
+        pinned = core.pins.pin(record.cache_id)
     # Checked and marked under the gate the server grants pulls under and under the index lock pullers
     # pin under: no pull slips in between. A destination whose pull returned may still hold its lease for a
     # moment (a release is one way and the server handles it in turn): wait for it, within the transfer
@@ -195,12 +195,12 @@ def start_transfer(
                 raise make_error(api, LLMStatusCode.LLM_LINK_BUSY, f"cluster {busy} is pulling from us")
             core.leases.wait_for_end(min(0.05, max(deadline - time.monotonic(), 0.0)))
     except BaseException:
-        core.table.unpin(pinned)
+        core.pins.unpin(pinned)
         raise
 
     def finish() -> None:
         core.stop_pushing(clusters)
-        core.table.unpin(pinned)
+        core.pins.unpin(pinned)
 
     job = TransferJob(synchronizer, pushes, record.num_tensors // 2, on_exit=finish)
     job.start()

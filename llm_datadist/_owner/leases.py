@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Callable
 
 from llm_datadist._protocol.messages import (
@@ -258,9 +259,34 @@ class Leases:
             self.table.changed.wait(timeout_s)
 
     def stats(self) -> dict[str, int]:
-        """The table's figures and the leases held."""
+        """Caches, keys, leases, pins (rows that pin a cache) and pool bytes in use."""
+        table = self.table
+        with table.lock, self._mirror.locked():
+            table.catch_up()
+            return {
+                "caches": len(table.caches),
+                "keys": len(table.keys),
+                "leases": len(self._leases),
+                "pins": self._mirror.pin_count(),
+                "pool_used_nbytes": sum(pool.used_nbytes for pool in table.pools()),
+            }
+
+    def wait_for_pins(self, timeout_s: float) -> bool:
+        """Wait until no row of the index pins a cache (orphans included); False at the timeout."""
+        deadline = time.monotonic() + timeout_s
         with self.table.lock:
-            return {**self.table.stats(), "leases": len(self._leases)}
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    with self._mirror.locked(min(max(remaining, 0.0), SERVER_LOCK_TIMEOUT_S)):
+                        self._mirror.rows.sweep()
+                        if not self._mirror.pin_count():
+                            return True
+                except IndexBusy:
+                    pass
+                if remaining <= 0:
+                    return False
+                self.table.changed.wait(min(remaining, 0.005))
 
     def close(self) -> None:
         with self.table.lock:

@@ -32,6 +32,8 @@ from .._errors import StatusError
 from .._transport import PeerInfo
 from ..status import LLMStatusCode
 from .leases import Leases
+from .mirror import SERVER_LOCK_TIMEOUT_S
+from .records import CacheRecord
 from .rows import Holder
 
 # A page of the one-sided table stays well under the frame limit.
@@ -146,8 +148,8 @@ class CacheService:
         page_nbytes = 0
         next_cache_id = 0
         # Read before the entries: a change in between makes the reader refetch once more, never miss it.
-        version = self.table.table_version
-        for record, model_ids in self.table.remote_caches(msg.start_cache_id):
+        version = self.table.generations.version
+        for record, model_ids in self._remote_caches(msg.start_cache_id):
             where = record.location(0, record.num_tensors)
             # msgpack needs at most 9 bytes an integer; the fixed fields and the segment name fit in 320.
             entry_nbytes = 320 + 9 * (len(where.tensor_bases) + len(model_ids))
@@ -172,8 +174,21 @@ class CacheService:
                 )
             )
         return Table(
-            msg.seq, os.getpid(), self.table.generations_name, tuple(entries), next_cache_id, version
+            msg.seq, os.getpid(), self.table.generations.name, tuple(entries), next_cache_id, version
         )
+
+    def _remote_caches(self, start_cache_id: int = 0) -> list[tuple[CacheRecord, tuple[int, ...]]]:
+        """Remote-accessible live caches with ids from `start_cache_id` on, in id order, each with the
+        blocks model ids naming it (what a peer's one-sided table lists). IndexBusy when the lock is busy."""
+        with self.table.lock, self.table.mirror.locked(SERVER_LOCK_TIMEOUT_S):
+            self.table.catch_up()
+            entries = []
+            for cache_id in sorted(c for c in self.table.caches if c >= start_cache_id):
+                record = self.table.caches[cache_id]
+                if record.external and record.remote_accessible:
+                    model_ids = tuple(m for m, c in self.table.blocks_keys.items() if c == cache_id)
+                    entries.append((record, model_ids))
+            return entries
 
     # ----------------------------------------------------------------- the rest of the process
 

@@ -394,128 +394,20 @@ class CacheTable:
         with self.lock:
             return self.caches.get(cache_id)
 
-    def key_on_registered(self, key: KeyId) -> bool:
-        """True if `key` is bound to a registered cache (whose keys nothing removes)."""
+    def bound(self, key: KeyId) -> CacheRecord | None:
+        """The cache `key` is bound to now (what pullers consumed is caught up with first), or None."""
         with self.lock, self.mirror.locked():
             self.catch_up()
             key_record = self.keys.get(key)
-            return key_record is not None and self.caches[key_record.cache_id].registered
-
-    def has_key(self, key: KeyId) -> bool:
-        with self.lock, self.mirror.locked():
-            self.catch_up()
-            return key in self.keys
-
-    def remote_caches(self, start_cache_id: int = 0) -> list[tuple[CacheRecord, tuple[int, ...]]]:
-        """Remote-accessible live caches with ids from `start_cache_id` on, in id order, each with the
-        blocks model ids naming it (what a peer's one-sided table lists). IndexBusy when the lock is busy."""
-        with self.lock, self.mirror.locked(SERVER_LOCK_TIMEOUT_S):
-            self.catch_up()
-            entries = []
-            for cache_id in sorted(c for c in self.caches if c >= start_cache_id):
-                record = self.caches[cache_id]
-                if record.external and record.remote_accessible:
-                    model_ids = tuple(m for m, c in self.blocks_keys.items() if c == cache_id)
-                    entries.append((record, model_ids))
-            return entries
+            return self.caches[key_record.cache_id] if key_record is not None else None
 
     @property
-    def table_version(self) -> int:
-        """The version word of the generation segment (see shm.generations)."""
-        with self.lock:
-            return self._generations.version
-
-    @property
-    def generations_name(self) -> str:
-        return self._generations.name
+    def generations(self) -> GenerationTable:
+        """The generation table one-sided readers check (see shm.generations)."""
+        return self._generations
 
     def pools(self) -> list[Pool]:
         return list(self._pools.values())
-
-    def segment_address(self, name: str) -> tuple[int, int] | None:
-        """(address, nbytes) of our live pool segment `name` (with or without its leading slash)."""
-        name = name.lstrip("/")
-        with self.lock:
-            for pool in self._pools.values():
-                for segment in pool.segments:
-                    if segment.name.lstrip("/") == name and not segment.closed:
-                        return segment.address, segment.nbytes
-        return None
-
-    def stats(self) -> dict[str, int]:
-        with self.lock, self.mirror.locked():
-            self.catch_up()
-            return {
-                "caches": len(self.caches),
-                "keys": len(self.keys),
-                "pins": self.mirror.pin_count(),
-                "pool_used_nbytes": sum(pool.used_nbytes for pool in self._pools.values()),
-            }
-
-    # ----------------------------------------------------------------- local pins
-
-    def pinned(self, cache_id: int) -> _Pinned:
-        """Keep a local cache alive while a pull writes into it, for the duration of a with-block."""
-        return _Pinned(self, cache_id)
-
-    def pin(self, cache_id: int) -> CacheRecord:
-        with self.lock:
-            record = self.caches.get(cache_id)
-            if record is None or not record.external:
-                raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"cache {cache_id} was deallocated")
-            record.pins += 1
-            return record
-
-    def unpin(self, record: CacheRecord) -> None:
-        """End a local pin; a cache only it kept is freed now, or at the next housekeeping if the index
-        lock is busy (a transfer's end never waits for it)."""
-        with self.lock:
-            record.pins -= 1
-            if not record.referenced and self.caches.get(record.cache_id) is record:
-                self.mirror.now_or_later(lambda: self.maybe_free(record))
-            self.changed.notify_all()
-
-    def hold(self, record: CacheRecord) -> Callable[[], None]:
-        """Pin `record` (which the caller holds pinned already) until the returned release is called: a
-        transfer engine may use its memory after the call that started it gave up."""
-        with self.lock:
-            record.pins += 1
-        released = threading.Event()
-
-        def release() -> None:
-            if not released.is_set():
-                released.set()
-                self.unpin(record)
-
-        return release
-
-    def wait_for_local_pins(self, timeout_s: float) -> bool:
-        """Wait until no local pin is held (every transfer of this process ended); False at the timeout."""
-        deadline = time.monotonic() + timeout_s
-        with self.lock:
-            while any(record.pins for record in self.caches.values()):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self.changed.wait(min(remaining, 0.05))
-            return True
-
-    def wait_for_pins(self, timeout_s: float) -> bool:
-        """Wait until no row of the index pins a cache (orphans included); False at the timeout."""
-        deadline = time.monotonic() + timeout_s
-        with self.lock:
-            while True:
-                remaining = deadline - time.monotonic()
-                try:
-                    with self.mirror.locked(min(max(remaining, 0.0), SERVER_LOCK_TIMEOUT_S)):
-                        self.mirror.rows.sweep()
-                        if not self.mirror.pin_count():
-                            return True
-                except IndexBusy:
-                    pass
-                if remaining <= 0:
-                    return False
-                self.changed.wait(min(remaining, 0.005))
 
     def close(self) -> None:
         """Forget everything and give the pool's segments back (unlinked). Rows that still pin are taken
@@ -558,23 +450,3 @@ def _bindings(
         # v1: the same key twice in one call, the last slot wins.
         bindings[key] = slot
     return bindings
-
-
-class _Pinned:
-    """`CacheTable.pinned`: a class, not @contextmanager, since every transfer enters one."""
-
-    __slots__ = ("_cache_id", "_record", "_table")
-
-    def __init__(self, table: CacheTable, cache_id: int) -> None:
-        self._table = table
-        self._cache_id = cache_id
-        self._record: CacheRecord | None = None
-
-    def __enter__(self) -> CacheRecord:
-        self._record = self._table.pin(self._cache_id)
-        return self._record
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        record, self._record = self._record, None
-        if record is not None:
-            self._table.unpin(record)

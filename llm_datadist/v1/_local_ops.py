@@ -68,7 +68,7 @@ def _pinned(api: str, core: Core, *records: CacheRecord) -> Iterator[list[CacheR
     """Pin `records` (the same one twice is fine) for the duration of a copy; always unpinned."""
     with contextlib.ExitStack() as stack:
         with api_errors(api):
-            pinned = [stack.enter_context(core.table.pinned(record.cache_id)) for record in records]
+            pinned = [stack.enter_context(core.pins.pinned(record.cache_id)) for record in records]
         yield pinned
 
 

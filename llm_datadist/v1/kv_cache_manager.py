@@ -290,7 +290,7 @@ class KvCacheManager:
         return layers.select(api, record.num_tensors)
 
     def _run_pull(self, api: str, core: Core, spec: PullSpec, record: CacheRecord) -> None:
-        with api_errors(api), core.table.pinned(record.cache_id) as pinned:
+        with api_errors(api), core.pins.pinned(record.cache_id) as pinned:
             core.transfers.pull(spec, pinned)
 
     def _not_yet(self, api: str) -> NoReturn:
@@ -345,7 +345,7 @@ class KvCacheManager:
             src_blocks=tuple(prompt_blocks),
             dst_blocks=tuple(decoder_blocks),
         )
-        with api_errors(api), core.table.pinned(record.cache_id) as pinned:
+        with api_errors(api), core.pins.pinned(record.cache_id) as pinned:
             core.transfers.pull_blocks(spec, pinned)
 
     def copy_cache(

@@ -440,7 +440,8 @@ class CacheManager:
         check_isinstance("cache_key", cache_key, CacheKey)
         key = _owner_key(cache_key)
         with self._timeout_errors(api):
-            if key is not None and not core.table.key_on_registered(key):
+            bound = core.table.bound(key) if key is not None else None
+            if key is not None and bound is not None and not bound.registered:
                 core.table.remove_key(key)
 
     def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
@@ -508,7 +509,7 @@ class CacheManager:
         are those of the last call, and that call's entry is still current (by model id: in a table whose
         version is current), the lookup would find that entry again: the read reuses what was derived."""
         core = pull.core
-        with self._timeout_errors(api), core.table.pinned(pull.record.cache_id) as pinned:
+        with self._timeout_errors(api), core.pins.pinned(pull.record.cache_id) as pinned:
             self._one_sided(api, pinned)
             link = core.oneside.check_peer(pull.cluster_id)
             found, selection = pull.found, pull.selection
@@ -664,7 +665,7 @@ class CacheManager:
             self._remember(memo_key, pull)
             self._run_one_sided(api, pull)
             return
-        with self._timeout_errors(api), core.table.pinned(record.cache_id) as pinned:
+        with self._timeout_errors(api), core.pins.pinned(record.cache_id) as pinned:
             self._pull_resolved(core, key_fields(api, cache_key), pinned, selection, runs_for)
 
     def pull_blocks(
@@ -760,7 +761,7 @@ class CacheManager:
             self._remember(memo_key, pull)
             self._run_one_sided(api, pull)
             return
-        with self._timeout_errors(api), core.table.pinned(record.cache_id) as pinned:
+        with self._timeout_errors(api), core.pins.pinned(record.cache_id) as pinned:
             if isinstance(src_cache_key, BlocksCacheKey):
                 fields = (src_cache_key.cluster_id, KEY_BLOCKS, 0, src_cache_key.model_id, 0)
             else:
@@ -796,7 +797,7 @@ class CacheManager:
         src_layers, dst_layers = self._push_layers(
             api, record, src_layer_range, dst_layer_range, tensor_num_per_layer
         )
-        with self._timeout_errors(api), core.table.pinned(record.cache_id) as pinned:
+        with self._timeout_errors(api), core.pins.pinned(record.cache_id) as pinned:
             remote = self._remote(api, core, dst_cache_key.cluster_id, dst_cache_key.cache_id, None)
             if remote.is_blocks:
                 _invalid(api, "the destination of push_cache must not be a blocks cache")
@@ -851,7 +852,7 @@ class CacheManager:
             api, record, src_layer_range, dst_layer_range, tensor_num_per_layer
         )
         block = record.slot_nbytes
-        with self._timeout_errors(api), core.table.pinned(record.cache_id) as pinned:
+        with self._timeout_errors(api), core.pins.pinned(record.cache_id) as pinned:
             remote = self._remote(api, core, dst_cache_key.cluster_id, None, dst_cache_key.model_id)
             if remote.unit_nbytes != block or max(dst_blocks) >= remote.num_units:
                 _invalid(api, "remote block size or block index does not match")
@@ -1019,8 +1020,8 @@ class CacheManager:
             _invalid(api, f"size {size} does not fit the slot after offset {offset}")
         with (
             self._timeout_errors(api),
-            core.table.pinned(src_record.cache_id),
-            core.table.pinned(dst_record.cache_id),
+            core.pins.pinned(src_record.cache_id),
+            core.pins.pinned(dst_record.cache_id),
         ):
             _addr_copy(
                 core.copier,
@@ -1059,7 +1060,7 @@ class CacheManager:
         if not pairs:
             return
         block = record.slot_nbytes
-        with self._timeout_errors(api), core.table.pinned(record.cache_id):
+        with self._timeout_errors(api), core.pins.pinned(record.cache_id):
             addrs = record.tensor_addrs()
             _addr_copy(
                 core.copier,
@@ -1120,7 +1121,7 @@ class CacheManager:
         with self._timeout_errors(api), contextlib.ExitStack() as pins:
             for side in (src, dst):
                 if side.cache_id is not None:
-                    pins.enter_context(core.table.pinned(side.cache_id))
+                    pins.enter_context(core.pins.pinned(side.cache_id))
             _addr_copy(
                 core.copier,
                 src.addrs,

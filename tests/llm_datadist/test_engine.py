@@ -57,7 +57,7 @@ def test_keys_bind_slots_and_grants_point_at_them(table: CacheTable, leases: Lea
     assert grant.tensor_offsets == tuple(record.tensor_offset(t) + 2 * 100 + 7 for t in range(4))
     assert grant.segment == record.block.segment.name
     leases.release(grant.lease_id, ok=True, owner="a")
-    assert not table.has_key((KEY_REQ, 2, 0)) and table.has_key((KEY_REQ, 1, 0))
+    assert table.bound((KEY_REQ, 2, 0)) is None and table.bound((KEY_REQ, 1, 0)) is not None
 
 
 def test_duplicate_keys_last_wins_and_bound_keys_are_refused(table: CacheTable, leases: Leases) -> None:
@@ -80,10 +80,10 @@ def test_partial_pulls_consume_the_key_once_every_tensor_was_pulled(
     for _ in range(2):  # pulling the same tensors twice does not count twice
         grant = _resolve(leases, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
         leases.release(grant.lease_id, ok=True, owner="a")
-        assert table.has_key((KEY_REQ, 1, 0))
+        assert table.bound((KEY_REQ, 1, 0)) is not None
     grant = _resolve(leases, KEY_REQ, 1, "a", tensor_start=0, tensor_count=2, whole=False)
     leases.release(grant.lease_id, ok=True, owner="a")
-    assert not table.has_key((KEY_REQ, 1, 0))
+    assert table.bound((KEY_REQ, 1, 0)) is None
 
 
 def test_failed_or_unconsuming_pulls_keep_the_key(table: CacheTable, leases: Leases) -> None:
@@ -92,7 +92,7 @@ def test_failed_or_unconsuming_pulls_keep_the_key(table: CacheTable, leases: Lea
     leases.release(grant.lease_id, ok=False, owner="a")
     grant = _resolve(leases, KEY_REQ, 1, "a", consume=False)
     leases.release(grant.lease_id, ok=True, owner="a")
-    assert table.has_key((KEY_REQ, 1, 0))
+    assert table.bound((KEY_REQ, 1, 0)) is not None
 
 
 def test_prefix_keys_are_never_consumed(table: CacheTable, leases: Leases) -> None:
@@ -100,7 +100,7 @@ def test_prefix_keys_are_never_consumed(table: CacheTable, leases: Leases) -> No
     for _ in range(2):
         grant = _resolve(leases, KEY_PREFIX, 9, "a")
         leases.release(grant.lease_id, ok=True, owner="a")
-    assert table.has_key((KEY_PREFIX, 9, 0))
+    assert table.bound((KEY_PREFIX, 9, 0)) is not None
 
 
 def test_pull_by_cache_id_consumes_the_slots_req_key(table: CacheTable, leases: Leases) -> None:
@@ -109,7 +109,7 @@ def test_pull_by_cache_id_consumes_the_slots_req_key(table: CacheTable, leases: 
     )
     grant = _resolve(leases, KEY_CACHE_ID, record.cache_id, "a", batch_index=1)
     leases.release(grant.lease_id, ok=True, owner="a")
-    assert table.has_key((KEY_REQ, 1, 0)) and not table.has_key((KEY_REQ, 2, 0))
+    assert table.bound((KEY_REQ, 1, 0)) is not None and table.bound((KEY_REQ, 2, 0)) is None
     with pytest.raises(StatusError) as exc_info:
         _resolve(leases, KEY_CACHE_ID, record.cache_id, "a", batch_index=2)
     assert exc_info.value.code == LLMStatusCode.LLM_PARAM_INVALID
@@ -126,10 +126,10 @@ def test_a_dead_connections_leases_are_dropped_and_the_key_comes_back(
     assert exc_info.value.code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
     assert leases.stats()["leases"] == 1
     assert leases.drop_owner("dead") == 1
-    assert leases.stats()["leases"] == 0 and table.has_key((KEY_REQ, 1, 0))
+    assert leases.stats()["leases"] == 0 and table.bound((KEY_REQ, 1, 0)) is not None
     grant = _resolve(leases, KEY_REQ, 1, "next")  # pullable again, and consumed by a good pull
     leases.release(grant.lease_id, ok=True, owner="next")
-    assert not table.has_key((KEY_REQ, 1, 0))
+    assert table.bound((KEY_REQ, 1, 0)) is None
 
 
 def test_a_failed_partial_pull_gives_its_tensors_back(table: CacheTable, leases: Leases) -> None:
@@ -137,12 +137,12 @@ def test_a_failed_partial_pull_gives_its_tensors_back(table: CacheTable, leases:
     first = _resolve(leases, KEY_REQ, 1, "a", tensor_start=0, tensor_count=2, whole=False)
     leases.release(first.lease_id, ok=True, owner="a")
     failed = _resolve(leases, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
-    assert not table.has_key((KEY_REQ, 1, 0))  # the last tensors were taken: the key is gone...
+    assert table.bound((KEY_REQ, 1, 0)) is None  # the last tensors were taken: the key is gone...
     leases.release(failed.lease_id, ok=False, owner="a")
-    assert table.has_key((KEY_REQ, 1, 0))  # ...and back after the failure, with only those tensors
+    assert table.bound((KEY_REQ, 1, 0)) is not None  # ...and back after the failure, with only those tensors
     again = _resolve(leases, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
     leases.release(again.lease_id, ok=True, owner="a")
-    assert not table.has_key((KEY_REQ, 1, 0))
+    assert table.bound((KEY_REQ, 1, 0)) is None
 
 
 def test_memory_is_freed_only_when_nothing_references_it(table: CacheTable, leases: Leases) -> None:
@@ -224,7 +224,7 @@ def test_a_key_a_pin_consumed_is_gone_for_a_request_too(table: CacheTable, lease
         with puller.locked(1.0):
             puller.clear_row(row, ticket)
             puller.bump_epoch()
-        assert leases.stats()["keys"] == 0 and not table.has_key((KEY_REQ, 9, 0))
+        assert leases.stats()["keys"] == 0 and table.bound((KEY_REQ, 9, 0)) is None
         leases.connection_ended(owner)
     finally:
         puller.close()

@@ -154,8 +154,9 @@ def test_garbage_in_every_region_while_a_decoder_pulls(seed: int) -> None:
         manager.deallocate_cache(cache)
         manager.deallocate_cache(blocks)
         deadline = time.monotonic() + 10
-        while table.stats() != {"caches": 0, "keys": 0, "pins": 0, "pool_used_nbytes": 0}:
-            assert time.monotonic() < deadline, table.stats()
+        leases = owner._require_core().leases
+        while leases.stats() != {"caches": 0, "keys": 0, "leases": 0, "pins": 0, "pool_used_nbytes": 0}:
+            assert time.monotonic() < deadline, leases.stats()
             time.sleep(0.02)
         assert len(table.mirror._free_names) == table.index.names
     finally:
