@@ -113,7 +113,7 @@ class Core(NodeHooks):
         )
         self.acquirer = Acquirer(settings.cluster_id, self.incarnation, settings.timeout_code)
         self.transfers = Transfers(self.links, self.acquirer, timeout_s)
-        self.oneside = OneSided(self.links, self.acquirer, self.transfers, timeout_s)
+        self.oneside = OneSided(self.links, self.acquirer, self.transfers, self.pins, timeout_s)
         self.public_path: Path | None = None
         try:
             ensure_runtime_dir()

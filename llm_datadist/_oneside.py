@@ -15,6 +15,8 @@ from __future__ import annotations
 import platform
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
 from llm_datadist._protocol.messages import Table, TableRequest
@@ -28,6 +30,7 @@ from ._dataplane import peer_index, raise_index_error
 from ._errors import PeerGone, StatusError
 from ._links import Links, mover_of
 from ._movers import RangeUnmapped, UnitRun, peer_segment
+from ._owner.pins import LocalPins
 from ._owner.records import CacheRecord
 from ._source import RemoteCache, RemoteTable
 from ._transfers import Transfers
@@ -38,15 +41,127 @@ from .status import LLMStatusCode
 # A peer's one-sided table comes in pages; more pages than this is a peer describing more than it can own.
 _MAX_TABLE_PAGES = 1024
 
+# (remote slot, remote unit bytes, remote unit count) -> the byte runs to copy in every tensor.
+RunsFor = Callable[[int, int, int], list[UnitRun]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """What a read found on the remote side and derived from it: the link and the peer's table it looked
+    in, the entry, the runs, and what the read prepared (the copy, the mapped generation segment)."""
+
+    link: ClientLink
+    table: RemoteTable
+    remote: RemoteCache
+    runs: list[UnitRun]
+    prepared: PreparedRuns | None
+    words: Segment | None  # None for a peer on another host (nothing of it is mapped here)
+
+
+@dataclass(slots=True, eq=False)
+class PreparedRead:
+    """A one-sided read whose arguments were checked: everything derived from them and the local record
+    alone, kept by its caller for as long as it may repeat the read (a face's memo), run by `OneSided.run`,
+    which checks the remote side afresh each time. Only `found` changes: what the last run found, reused
+    while the link, the peer's table and the entry's generation say a lookup would find it again."""
+
+    record: CacheRecord
+    cluster_id: int
+    cache_id: int | None  # the remote cache by id, or by blocks model id
+    model_id: int | None
+    slot: int
+    src_start: int
+    dst_start: int
+    count: int
+    whole: bool
+    runs_for: RunsFor
+    continuous_source: bool  # pull_cache: the remote cache must not be a blocks cache
+    found: _Found | None = None
+
 
 class OneSided:
     """The one-sided reads of one initialised instance."""
 
-    def __init__(self, links: Links, acquirer: Acquirer, transfers: Transfers, timeout_s: float) -> None:
+    def __init__(
+        self, links: Links, acquirer: Acquirer, transfers: Transfers, pins: LocalPins, timeout_s: float
+    ) -> None:
         self._links = links
+        self._pins = pins
         self._acquirer = acquirer
         self._transfers = transfers
         self._timeout_s = timeout_s
+
+    def run(self, read: PreparedRead) -> None:
+        """Pin the local cache, check the peer, find the remote cache in the peer's table (refetched when
+        stale), read. When the link and the peer's table are those of the last run, and that run's entry
+        is still current (by model id: in a table whose version is current), the lookup would find that
+        entry again: the read reuses what was derived."""
+        with self._pins.pinned(read.record.cache_id) as pinned:
+            if not pinned.remote_accessible:
+                # The real one-sided path needs the local side registered for remote access too.
+                raise _invalid("with remote cache access, the local cache must be remote_accessible too")
+            link = self.check_peer(read.cluster_id)
+            found = read.found
+            if (
+                found is not None
+                and found.link is link
+                and found.table is link.remote_table
+                and pinned is read.record
+                and self.remote_cache_current(
+                    link, found.remote, found.table if read.model_id is not None else None, words=found.words
+                )
+            ):
+                self.read(
+                    read.cluster_id,
+                    found.remote,
+                    read.src_start,
+                    pinned,
+                    read.dst_start,
+                    read.count,
+                    found.runs,
+                    link=link,
+                    prepared=found.prepared,
+                    words=found.words,
+                )
+                return
+            table, remote = self.find(read.cluster_id, read.cache_id, read.model_id)
+            if read.continuous_source and remote.is_blocks:
+                raise _invalid("the source of pull_cache must not be a blocks cache")
+            check_remote_tensors(remote, read.src_start, read.count, read.whole)
+            runs = read.runs_for(read.slot, remote.unit_nbytes, remote.num_units)
+            prepared, words = self.read(
+                read.cluster_id, remote, read.src_start, pinned, read.dst_start, read.count, runs, link=link
+            )
+            if pinned is read.record:
+                read.found = _Found(link, table, remote, runs, prepared, words)
+
+    def remote(self, cluster_id: int, cache_id: int | None, model_id: int | None) -> RemoteCache:
+        """A cache from the peer's table, by id or by blocks model id, refetching the table once on a miss.
+        Nothing learnt from a peer is trusted once it ended: a dead peer is a link failure before any
+        check against its table."""
+        self.check_peer(cluster_id)
+        return self.find(cluster_id, cache_id, model_id)[1]
+
+    def find(
+        self, cluster_id: int, cache_id: int | None, model_id: int | None
+    ) -> tuple[RemoteTable, RemoteCache]:
+        """`remote` once the peer was checked, with the table the cache was found in. A model id is looked
+        up only in a table whose version is current (the owner may have bound it to another cache since), a
+        cache id in any (ids are never reused). LLM_KV_CACHE_NOT_EXIST when the peer holds no such cache."""
+        for refresh in (False, True):
+            table = self.remote_table(cluster_id, refresh=refresh)
+            if model_id is not None and not refresh and not self.remote_table_current(cluster_id, table):
+                continue
+            wanted = table.blocks.get(model_id) if model_id is not None else cache_id
+            # An entry whose cache the owner has freed since the table was fetched is stale: refetch.
+            if (
+                wanted is not None
+                and wanted in table.caches
+                and self.remote_is_current(cluster_id, table.caches[wanted])
+            ):
+                return table, table.caches[wanted]
+        name = f"model_id {model_id}" if model_id is not None else f"cache id {cache_id}"
+        raise StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no remote-accessible cache with {name}")
 
     def remote_table(self, remote_cluster_id: int, *, refresh: bool = False) -> RemoteTable:
         """The peer's table of remote-accessible caches, read from its index (or, when the peer could not
@@ -243,6 +358,19 @@ class OneSided:
         if not mover_of(link).sees_peer_memory:
             return True  # the transfer pins it by id at the peer, which says if it is gone
         return self.remote_cache_current(link, remote)
+
+
+def check_remote_tensors(remote: RemoteCache, src_start: int, count: int, whole: bool) -> None:
+    """The tensors a transfer selects exist in the remote cache (and are all of them when `whole`)."""
+    tensors = len(remote.tensor_bases)
+    if whole and count != tensors:
+        raise _invalid(f"the remote cache has {tensors} tensors, the local selection {count}")
+    if src_start + count > tensors:
+        raise _invalid(f"remote tensors [{src_start}, +{count}) exceed its {tensors}")
+
+
+def _invalid(detail: str) -> StatusError:
+    return StatusError(LLMStatusCode.LLM_PARAM_INVALID, detail)
 
 
 def _fetched_table(link: ClientLink, deadline: float) -> RemoteTable:

@@ -197,7 +197,7 @@ FACES = {"v1", "v2"}
 # layout, named in docs/architecture.md.
 FACES_USING_SHM = {
     "llm_datadist/v1/_local_ops.py",
-    "llm_datadist/v2/cache_manager.py",
+    "llm_datadist/v2/_copies.py",
     "llm_datadist/_transfer.py",
 }
 

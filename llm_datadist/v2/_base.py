@@ -1,0 +1,118 @@
+"""What every part of the v2 `CacheManager` shares: the instance it serves, the checks that a cache is a
+live cache of this manager, and the errors they raise.
+
+Rules: the parts (`_memory`, `_pulls`, `_pushes`, `_copies`) each hold one room of the real class's API and
+reach the instance only through `_require_core`; none calls another part. What a transfer does happens in
+the library (`Core.transfers`, `Core.oneside`, `Core.pins`); a part checks the arguments, builds one
+request or prepared read, and makes one call.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import TYPE_CHECKING, NoReturn
+
+from .._errors import StatusError, api_errors
+from .._keys import KEY_PREFIX, KEY_REQ, KeyId
+from .._oneside import check_remote_tensors
+from .._owner.records import CacheRecord
+from .._source import RemoteCache
+from .._transfer import LayerArgs, TensorSelection, check_cache_key
+from .._validate import check_isinstance
+from ..status import LLMStatusCode, make_error
+from .cache import Cache
+from .llm_types import U64_MAX, CacheKey
+
+if TYPE_CHECKING:
+    from .._core import Core
+    from .._oneside import PreparedRead
+
+
+def _invalid(api: str, context: str) -> NoReturn:
+    raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, context)
+
+
+def _exact_ints(values: object) -> tuple[int, ...] | None:
+    """`values` as a tuple when it is a list or tuple of exact ints (bools and subclasses hash like ints
+    but must still meet the full checks), else None."""
+    if type(values) is not list and type(values) is not tuple:
+        return None
+    items = tuple(values)
+    for value in items:  # a loop, not all(): cheaper for the few items of a repeated pull
+        if type(value) is not int:
+            return None
+    return items
+
+
+@functools.cache
+def _timeout_errors(api: str) -> api_errors:
+    """`api_errors` with LLM_TIMEOUT for timeouts; it keeps no state, so one per api serves every call."""
+    return api_errors(api, timeout_code=LLMStatusCode.LLM_TIMEOUT)
+
+
+def _owner_key(key: CacheKey) -> KeyId | None:
+    if key.prefix_id != U64_MAX:
+        return (KEY_PREFIX, key.prefix_id, key.model_id)
+    if key.req_id != U64_MAX:
+        return (KEY_REQ, key.req_id, key.model_id)
+    return None
+
+
+class ManagerBase:
+    """The state the parts of `CacheManager` share."""
+
+    def __init__(self, core: Core) -> None:
+        self._core: Core | None = core
+        # Guards the two below (user threads call in at once).
+        self._lock = threading.Lock()
+        self._registered_addrs = 0
+        # Prepared one-sided reads by the arguments that made them (see `_pulls`), with their instance.
+        self._prepared: dict[tuple[object, ...], tuple[Core, PreparedRead]] = {}
+
+    def _require_core(self, api: str) -> Core:
+        if self._core is None:
+            raise make_error(api, LLMStatusCode.LLM_FAILED, "cache manager is not initialized")
+        return self._core
+
+    def _finalize(self) -> None:
+        self._core = None
+
+    @staticmethod
+    def check_cache_key(cache_key: CacheKey) -> None:
+        """LLMException(LLM_PARAM_INVALID) unless exactly one of req_id and prefix_id is set (the real
+        static method, with its message)."""
+        check_cache_key(cache_key, prefix_label="prefix id:")
+
+    def _record_of(self, api: str, core: Core, cache: Cache, name: str = "cache") -> CacheRecord:
+        check_isinstance(name, cache, Cache)
+        record = core.table.get(cache.cache_id) if cache.tensor_addrs else None
+        if record is None or not record.external or getattr(cache, "_manager", None) is not self:
+            _invalid(api, f"{name} (cache {cache.cache_id}) is not a live cache of this process")
+        return record
+
+    def _timeout_errors(self, api: str) -> api_errors:
+        return _timeout_errors(api)
+
+    def _layers(self, api: str, layers: LayerArgs, num_tensors: int) -> TensorSelection:
+        return layers.select(api, num_tensors)
+
+    @staticmethod
+    def _remote(
+        api: str, core: Core, cluster_id: int, cache_id: int | None, model_id: int | None
+    ) -> RemoteCache:
+        """A cache from the peer's table (one-sided mode); LLM_KV_CACHE_NOT_EXIST as `api`'s LLMException."""
+        core.oneside.check_peer(cluster_id)
+        try:
+            return core.oneside.find(cluster_id, cache_id, model_id)[1]
+        except StatusError as exc:
+            if exc.code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
+                raise
+            raise make_error(api, exc.code, exc.detail) from exc
+
+    @staticmethod
+    def _check_remote_tensors(api: str, remote: RemoteCache, selection: TensorSelection) -> None:
+        try:
+            check_remote_tensors(remote, selection.src_start, selection.count, selection.whole)
+        except StatusError as exc:
+            _invalid(api, exc.detail)
