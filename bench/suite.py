@@ -232,7 +232,7 @@ def _breakdown(datadist: Any) -> Callable[[], dict[str, float] | None]:
         core = datadist._require_core()
 
     def last() -> dict[str, float] | None:
-        record = getattr(core, "last_pull_breakdown", None)
+        record = getattr(getattr(core, "transfers", None), "last_pull_breakdown", None)
         if not isinstance(record, dict) or not record:
             return None
         return {str(k): float(v) for k, v in record.items() if isinstance(v, int | float)}

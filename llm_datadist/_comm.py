@@ -237,7 +237,7 @@ class Comms:
                 core.drop_peer(cluster_id)
 
     def stop_all(self) -> None:
-        """`Core.close`, with `Core._links_lock` held: every connecting thread stops."""
+        """`Core.close`, with `Links.lock` held: every connecting thread stops."""
         for comm in self._comms.values():
             comm.stop.set()
 

@@ -12,6 +12,7 @@ A device-memory mover fits beside these two: it implements `Mover` and is chosen
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -75,8 +76,10 @@ class Mover(Protocol):
         dst_offsets: list[int],
         nbytes: int,
         deadline: float,
+        marks: list[float] | None = None,
     ) -> None:
-        """`nbytes` from each `loc.tensor_bases[i]` to `dst`'s segment at `dst_offsets[i]` (a v1 pull)."""
+        """`nbytes` from each `loc.tensor_bases[i]` to `dst`'s segment at `dst_offsets[i]` (a v1 pull).
+        `marks`: the time planning ended is appended to it (the bench's breakdown of a pull)."""
         ...
 
     def read_blocks(
@@ -171,14 +174,19 @@ class HostMover:
         dst_offsets: list[int],
         nbytes: int,
         deadline: float,
+        marks: list[float] | None = None,
     ) -> None:
         src = peer_segment(link, loc.segment, loc.segment_nbytes, writable=False)
         # Tensors are a constant pitch apart on each side: one strided copy, else a list of runs.
         strided = StridedCopy.from_offsets(loc.tensor_bases, dst_offsets, nbytes)
         if strided is not None:
+            if marks is not None:
+                marks.append(time.perf_counter())
             self._copier.run_strided(strided, src.array, dst.pool_block.segment.array)
         else:
             runs = plan_tensor_copy(loc.tensor_bases, dst_offsets, nbytes)
+            if marks is not None:
+                marks.append(time.perf_counter())
             self._copier.run(runs, src.array, dst.pool_block.segment.array)
 
     def read_blocks(
@@ -316,8 +324,11 @@ class EngineMover:
         dst_offsets: list[int],
         nbytes: int,
         deadline: float,
+        marks: list[float] | None = None,
     ) -> None:
         runs = plan_tensor_copy(loc.tensor_bases, dst_offsets, nbytes)
+        if marks is not None:
+            marks.append(time.perf_counter())
         (src_base,) = self._cross.segment_bases(link, [loc.segment], deadline)
         dst_base = dst.pool_block.segment.address
         self._cross.copy(

@@ -62,7 +62,7 @@ class Transfers:
         self._links = links
         self._acquirer = acquirer
         self._timeout_s = timeout_s
-        # Where the last pull's time went (bench reads it): resolve and pin, copy, unpin.
+        # Where the last pull's time went (bench reads it): resolve and pin, planning, copy, unpin.
         self.last_pull_breakdown: dict[str, float] = {}
 
     def pull(self, spec: PullSpec, dst: CacheRecord) -> None:
@@ -71,21 +71,24 @@ class Transfers:
         deadline = time.monotonic() + self._timeout_s
         link = self._links.get(spec.remote_cluster_id)
         ref = spec.ref
-        start = time.perf_counter()
+        marks = [time.perf_counter()]
         with link.exclusive(deadline), self._acquirer.acquire(link, ref, deadline) as location:
-            pinned_at = time.perf_counter()
+            marks.append(time.perf_counter())
             dst_offsets = [
                 dst.tensor_offset(spec.dst_tensor_start + i) + spec.dst_base_offset
                 for i in range(ref.tensor_count)
             ]
-            mover_of(link).read_tensors(link, location, dst, dst_offsets, ref.nbytes, deadline)
-            copied = time.perf_counter()
-        done = time.perf_counter()
-        self.last_pull_breakdown = {
-            "resolve": pinned_at - start,
-            "copy": copied - pinned_at,
-            "release": done - copied,
-        }
+            mover_of(link).read_tensors(link, location, dst, dst_offsets, ref.nbytes, deadline, marks)
+            marks.append(time.perf_counter())
+        marks.append(time.perf_counter())
+        if len(marks) == 5:
+            start, pinned_at, planned, copied, done = marks
+            self.last_pull_breakdown = {
+                "resolve": pinned_at - start,
+                "plan": planned - pinned_at,
+                "copy": copied - planned,
+                "release": done - copied,
+            }
 
     def pull_blocks(self, spec: BlocksSpec, dst: CacheRecord) -> None:
         """Pin the owner's paged cache, copy block src_blocks[k] to dst_blocks[k] of every tensor, unpin."""
