@@ -17,6 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
+from .status import LLMStatusCode, make_error
+
 ENV_RUNTIME_DIR = "LLM_DATADIST_RUNTIME_DIR"
 # A listener is bound under a hidden name starting so and linked to its real name once it listens.
 TEMP_SOCKET_PREFIX = ".bind-"
@@ -74,8 +78,6 @@ def is_local_ip(ip: str) -> bool:
     other over TCP."""
     if ip.startswith("127.") or ip == "0.0.0.0":
         return True
-    import psutil
-
     return any(
         address.family == socket.AF_INET and address.address == ip
         for addresses in psutil.net_if_addrs().values()
@@ -99,8 +101,6 @@ def parse_listen_ip_info(value: str, *, api: str = "init") -> tuple[str, int]:
     `parse_listen_ip_info`: not exactly two ':'-separated parts is LLMException(LLM_PARAM_INVALID), a port
     `int()` cannot read is its ValueError. Ours also needs a 16-bit port and an ip `inet_aton` reads (both
     LLM_PARAM_INVALID; the socket path is derived from them); the ip comes back as a dotted quad."""
-    from .status import LLMStatusCode, make_error
-
     parts = value.strip().split(":")
     if len(parts) != 2:
         raise make_error(

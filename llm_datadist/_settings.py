@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 
 from ._runtime import parse_listen_ip_info
-from .configs import LLMRole
+from .configs import LLMRole, parse_v1_listen_ip_info
 from .status import LLMStatusCode, make_error
 
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
@@ -171,8 +171,6 @@ def parse_options(role: LLMRole, cluster_id: int, options: dict[str, str]) -> Se
             raise make_error(
                 api, LLMStatusCode.LLM_PARAM_INVALID, "a PROMPT needs llm.listenIpInfo (listen_ip_info)"
             )
-        from .configs import parse_v1_listen_ip_info
-
         listen = parse_v1_listen_ip_info(api, listen_text, device_count=len(device_ids))
     elif listen_text:
         # The real v1 reads no listen address on a DECODER; one given here serves too (its first entry).

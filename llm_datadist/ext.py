@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._rank_table import default_rank_table
 from .data_type import numpy_dtype
 from .status import LLMStatusCode, make_error
 from .v2.cache import KvCache
@@ -52,6 +53,4 @@ def local_rank_table(cluster_rank_info: dict[int, int]) -> str:
     and validated the same way here. TypeError / ValueError for a dict that is not cluster id -> rank, is
     empty, or has a rank of 4096 or more.
     """
-    from ._rank_table import default_rank_table
-
     return default_rank_table(cluster_rank_info)

@@ -343,3 +343,36 @@ def test_the_layer_checks_see_violations(tmp_path: Path) -> None:
     imported = _module_level_imports(sample)
     assert "llm_datadist._owner.mirror" in imported and "llm_datadist.status" in imported
     assert _layer_of("llm_datadist._owner.table") == "_owner" and _layer_of("llm_datadist") == ""
+
+
+# Imports inside functions: only of what is optional (the C copy kernel, Mooncake, ml_dtypes) or what the
+# real package loads lazily (numpy for its tensors), and the PEP 562 `__getattr__` of names the real module
+# paths put where ours would make a cycle (docs/architecture.md, "Cycles"). Never to dodge a cycle.
+LAZY_MODULES = {"llm_datadist._shm._copykernel", "mooncake.engine", "ml_dtypes", "numpy"}
+
+
+def _function_level_imports(path: Path) -> list[tuple[str, str]]:
+    """(enclosing function, imported module) of every import inside a function of `path`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for function in ast.walk(tree):
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Import):
+                found.extend((function.name, alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                found.append((function.name, "." * node.level + (node.module or "")))
+    return found
+
+
+def test_imports_inside_functions_are_for_optional_modules_or_real_module_paths() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}: {function} imports {module}"
+        for path in _library_modules()
+        for function, module in _function_level_imports(path)
+        if function != "__getattr__" and module not in LAZY_MODULES
+    ]
+    assert not found, "\n".join(found)
+    sample = ROOT / "llm_datadist" / "_remote.py"
+    assert ("_import_engine", "mooncake.engine") in _function_level_imports(sample)

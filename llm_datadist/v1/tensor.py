@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .._validate import check_isinstance
-from ..data_type import DataType
+from ..data_type import DataType, dtype_to_np_dtype, np_dtype_to_dtype, valid_np_dtypes
 from ..status import LLMStatusCode, make_error
 
 if TYPE_CHECKING:
@@ -71,8 +71,6 @@ class Tensor:
             self._init_by_ndarray(np, data, tensor_desc)
 
     def _init_by_ndarray(self, np: Any, data: Any, tensor_desc: TensorDesc | None) -> None:
-        from ..data_type import dtype_to_np_dtype, np_dtype_to_dtype, valid_np_dtypes
-
         is_str = _is_str_dtype(np, data.dtype)
         if tensor_desc:
             if list(data.shape) != tensor_desc.shape:
