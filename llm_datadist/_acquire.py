@@ -88,8 +88,9 @@ class Held:
         else:
             seq = link.next_seq()
             reply = link.request(ref.to_message(seq), seq, self._deadline)
-            if not isinstance(reply, _GRANTS):
-                raise PeerGone(f"expected a grant, got {type(reply).__name__}")
+            expected = ref.grant_type()
+            if not isinstance(reply, expected):
+                raise PeerGone(f"expected {expected.__name__}, got {type(reply).__name__}")
             location = _checked(link, reply, ref, self._deadline)
         self._location = location
         if _faults.hook is not None:

@@ -86,6 +86,12 @@ class SourceRef:
             self.consume,
         )
 
+    def grant_type(self) -> type[PullGrant | BlocksGrant | LocationMessage]:
+        """The reply that grants what `to_message` asks (any other reply is the peer's error)."""
+        if self.rules == V2:
+            return LocationMessage
+        return BlocksGrant if self.key_kind == KEY_BLOCKS else PullGrant
+
     @classmethod
     def from_message(cls, msg: SourceRequest) -> SourceRef:
         """The ref a peer's request names (the owner's side)."""
