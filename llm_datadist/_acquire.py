@@ -4,8 +4,9 @@ Rules: the caller holds the link exclusively. `acquire` pins what `ref` names th
 the owner's index when the owner gave one and published it there (no message: `_dataplane`), and asks the
 owner for a lease otherwise (peers on other hosts, what the owner could not publish); either way it yields
 one `Location` and, however the with-block ends, ends what it began: an unpin (after a failed copy, what
-the pin consumed goes back) or a one-way `Release` (ok or not). The fault-injection points "pinned",
-"copied" and "released" (`_faults`) are passed here and nowhere else.
+the pin consumed goes back) or a one-way `Release` (ok or not). A push by address (`write_lease`, v1
+`transfer_cache_async`) is a lease of the same life. The fault-injection points "pinned", "copied" and
+"released" (`_faults`) are passed here and nowhere else.
 
     state      means                                           next
     asked      nothing held yet (the socket says the owner     pinned | leased | refused (StatusError)
@@ -20,9 +21,10 @@ import contextlib
 
 from llm_datadist._protocol.messages import (
     BlocksGrant,
-    Message,
     PullGrant,
     Release,
+    WriteGrant,
+    WriteRequest,
 )
 from llm_datadist._protocol.messages import Location as LocationMessage
 from llm_datadist._shm.index import Index
@@ -33,8 +35,6 @@ from ._errors import PeerGone, StatusError
 from ._source import Location, SourceRef
 from ._transport import ClientLink
 from .status import LLMStatusCode
-
-_GRANTS = (PullGrant, BlocksGrant, LocationMessage)
 
 
 class Acquirer:
@@ -48,6 +48,13 @@ class Acquirer:
     def acquire(self, link: ClientLink, ref: SourceRef, deadline: float) -> Held:
         """`with acquirer.acquire(link, ref, deadline) as location:` copy; ended on the way out."""
         return Held(self, link, ref, deadline)
+
+    def write_lease(
+        self, link: ClientLink, addrs: tuple[int, ...], nbytes: tuple[int, ...], deadline: float
+    ) -> WriteLease:
+        """`with acquirer.write_lease(link, addrs, nbytes, deadline) as grant:` write into the ranges the
+        peer granted (range i is [addrs[i], +nbytes[i]) of its memory); released on the way out."""
+        return WriteLease(link, addrs, nbytes, deadline)
 
     def pinned_in_index(
         self, link: ClientLink, ref: SourceRef, deadline: float
@@ -67,8 +74,38 @@ class Acquirer:
         return index, Location.from_pin(link.peer.pid, pinned.cache, pinned.batch_slot, ref)
 
 
-class Held:
-    """`Acquirer.acquire`: a class, not @contextmanager, since every transfer enters one."""
+class _Holding:
+    """What a pin and a lease share: the fault points, and ending what was begun however the with-block
+    ends. A class, not @contextmanager, since every transfer enters one."""
+
+    __slots__ = ()
+
+    def _begun(self) -> None:
+        if _faults.hook is not None:
+            try:
+                _faults.at("pinned")
+            except BaseException:
+                self._end(ok=False)
+                raise
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        ok = exc_type is None
+        if ok and _faults.hook is not None:
+            try:
+                _faults.at("copied")
+            except BaseException:
+                self._end(ok=False)
+                raise
+        self._end(ok=ok)
+        if ok and _faults.hook is not None:
+            _faults.at("released")
+
+    def _end(self, *, ok: bool) -> None:
+        raise NotImplementedError
+
+
+class Held(_Holding):
+    """`Acquirer.acquire`: what a `SourceRef` names, pinned in the owner's index or leased."""
 
     __slots__ = ("_acquirer", "_deadline", "_index", "_link", "_location", "_ref")
 
@@ -93,25 +130,8 @@ class Held:
                 raise PeerGone(f"expected {expected.__name__}, got {type(reply).__name__}")
             location = _checked(link, reply, ref, self._deadline)
         self._location = location
-        if _faults.hook is not None:
-            try:
-                _faults.at("pinned")
-            except BaseException:
-                self._end(ok=False)
-                raise
+        self._begun()
         return location
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        ok = exc_type is None
-        if ok and _faults.hook is not None:
-            try:
-                _faults.at("copied")
-            except BaseException:
-                self._end(ok=False)
-                raise
-        self._end(ok=ok)
-        if ok and _faults.hook is not None:
-            _faults.at("released")
 
     def _end(self, *, ok: bool) -> None:
         location, self._location = self._location, None
@@ -124,9 +144,43 @@ class Held:
         end_lease(self._link, location.lease_id, ok=ok, deadline=self._deadline)
 
 
-def _checked(link: ClientLink, reply: Message, ref: SourceRef, deadline: float) -> Location:
+class WriteLease(_Holding):
+    """`Acquirer.write_lease`: address ranges of the peer's memory, leased for a push."""
+
+    __slots__ = ("_addrs", "_deadline", "_grant", "_link", "_nbytes")
+
+    def __init__(
+        self, link: ClientLink, addrs: tuple[int, ...], nbytes: tuple[int, ...], deadline: float
+    ) -> None:
+        self._link = link
+        self._addrs = addrs
+        self._nbytes = nbytes
+        self._deadline = deadline
+        self._grant: WriteGrant | None = None
+
+    def __enter__(self) -> WriteGrant:
+        link = self._link
+        seq = link.next_seq()
+        grant = link.request(WriteRequest(seq, self._addrs, self._nbytes), seq, self._deadline)
+        if not isinstance(grant, WriteGrant):
+            raise PeerGone(f"expected WriteGrant, got {type(grant).__name__}")
+        self._grant = grant
+        self._begun()
+        if len(grant.range_offsets) != len(self._addrs):
+            self._end(ok=False)
+            raise StatusError(LLMStatusCode.LLM_FAILED, "peer granted a different range than requested")
+        return grant
+
+    def _end(self, *, ok: bool) -> None:
+        grant, self._grant = self._grant, None
+        if grant is not None:
+            end_lease(self._link, grant.lease_id, ok=ok, deadline=self._deadline)
+
+
+def _checked(
+    link: ClientLink, reply: PullGrant | BlocksGrant | LocationMessage, ref: SourceRef, deadline: float
+) -> Location:
     """The grant as a location; a grant that does not match what was asked is released (not ok) first."""
-    assert isinstance(reply, _GRANTS)
     try:
         return Location.from_message(link.peer.pid, reply, ref)
     except StatusError:

@@ -16,12 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llm_datadist._protocol.messages import WriteGrant, WriteRequest
 from llm_datadist._shm.copyplan import BlockPlan
 
-from . import _faults
-from ._acquire import Acquirer, end_lease
-from ._errors import PeerGone, StatusError
+from ._acquire import Acquirer
+from ._errors import StatusError
 from ._keys import KEY_BLOCKS, KEY_CACHE_ID
 from ._links import Links, mover_of
 from ._movers import PushSpan, UnitRun
@@ -126,27 +124,10 @@ class Transfers:
         """
         deadline = time.monotonic() + self._timeout_s
         link = self._links.link_to(remote_cluster_id, deadline)
-        with link.exclusive(deadline):
-            seq = link.next_seq()
-            request = WriteRequest(
-                seq, tuple(span.dst_addr for span in spans), tuple(span.nbytes for span in spans)
-            )
-            grant = link.request(request, seq, deadline)
-            if not isinstance(grant, WriteGrant):
-                raise PeerGone(f"expected WriteGrant, got {type(grant).__name__}")
-            ok = False
-            try:
-                _faults.at("pinned")
-                if len(grant.range_offsets) != len(spans):
-                    raise StatusError(
-                        LLMStatusCode.LLM_FAILED, "peer granted a different range than requested"
-                    )
-                mover_of(link).write_ranges(link, grant, src, spans, deadline)
-                _faults.at("copied")
-                ok = True
-            finally:
-                end_lease(link, grant.lease_id, ok=ok, deadline=deadline)
-            _faults.at("released")
+        addrs = tuple(span.dst_addr for span in spans)
+        nbytes = tuple(span.nbytes for span in spans)
+        with link.exclusive(deadline), self._acquirer.write_lease(link, addrs, nbytes, deadline) as grant:
+            mover_of(link).write_ranges(link, grant, src, spans, deadline)
 
     def transfer_pinned(
         self,
