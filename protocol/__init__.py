@@ -1,4 +1,5 @@
-"""Sans-IO wire protocol between Prompt and Decoder processes: frames, messages, connection state machine.
+"""Sans-IO wire protocol between Prompt and Decoder processes: frames, messages (their field checks in
+`fields.py`), connection state machine.
 
 Imports the standard library and msgpack only (no sockets, threads, numpy or shared memory), so all of it
 is testable with plain bytes. `llm_datadist/` owns the sockets and feeds bytes through `Connection`.

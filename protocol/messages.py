@@ -1,7 +1,7 @@
 """Message schemas: frozen dataclasses that travel as msgpack arrays `[TYPE, field1, field2, ...]`.
 
-Owns the meaning and the limits of every field. Each field's check is declared next to it
-(`Annotated[int, U32]`) and runs in `__post_init__`, so an invalid message cannot even be constructed, and
+Owns the meaning of every message; what each field may hold is `fields.py`, declared next to the field
+(`Annotated[int, U32]`) and run in `__post_init__`, so an invalid message cannot even be constructed, and
 `from_wire` is just "right shape, then construct". Every failure is `MalformedFrame`. Adding a message type is
 adding one decorated class: TYPE values and field order are the wire format and never change.
 """
@@ -9,13 +9,45 @@ adding one decorated class: TYPE values and field order are the wire format and 
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Self, TypeGuard, TypeVar
+from typing import Annotated, ClassVar, Self, TypeVar
 
 from .errors import MalformedFrame
+from .fields import (
+    ADDRESS_NAMES,
+    ADDRESSES,
+    BOOL,
+    ENGINE,
+    I64,
+    MAX_SEGMENT_NAME_CHARS,
+    MAX_TENSORS,
+    MAX_TEXT_CHARS,
+    NONCE,
+    OFFSETS,
+    OPT_NONCE,
+    OPT_PROOF,
+    OPT_SEGMENT,
+    ROLE,
+    SEGMENT,
+    SEGMENTS,
+    SOCKET_NAME,
+    TABLE_ENTRIES,
+    TEXT,
+    U32,
+    U32_POSITIVE,
+    U64,
+    U64_POSITIVE,
+    FieldCheck,
+    int_in,
+    is_int,
+    short_repr,
+)
+
+# Names code outside protocol/ imports from here since before fields.py existed (not in __all__: the
+# package face does not export them).
+from .fields import MAX_ADDRESS_NAMES as MAX_ADDRESS_NAMES
+from .fields import MAX_TABLE_ENTRIES as MAX_TABLE_ENTRIES
 
 __all__ = [
     "I64",
@@ -65,218 +97,10 @@ PROTOCOL_VERSION = 5
 KEY_REQ = 1  # key_id is a req_id
 KEY_PREFIX = 2  # key_id is a prefix_id
 KEY_CACHE_ID = 3  # key_id is the owner's cache_id, batch_index the slot
-
-# Hello/Welcome.role carries llm_datadist's LLMRole value: PROMPT = 1, DECODER = 2, MIX = 3.
-_ROLES = frozenset({1, 2, 3})
-_KEY_KINDS = frozenset({KEY_REQ, KEY_PREFIX, KEY_CACHE_ID})
-
-_U32_MAX = (1 << 32) - 1
-_U64_MAX = (1 << 64) - 1
-MAX_SEGMENT_NAME_CHARS = 255
-MAX_TEXT_CHARS = 4096
-MAX_TENSORS = 65536
-# fullmatch, not `$`: `$` would also accept a name that ends in a newline.
-_SEGMENT_NAME = re.compile(r"/?[A-Za-z0-9._-]+")
-
-_REPR_CHARS = 80  # error messages quote at most this much of a hostile value
-
-
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= _REPR_CHARS else text[: _REPR_CHARS - 3] + "..."
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    # bool is an int subclass, but True on the wire is never a valid count or id.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True, slots=True)
-class FieldCheck:
-    """Validates one field value and returns it normalized (lists become tuples); raises MalformedFrame.
-
-    `int_range` (low, high) or `is_bool` let `Message.__post_init__` accept the common case inline, without
-    a call per field (a small pull validates four messages on its path); `check` still decides the rest."""
-
-    describe: str
-    check: Callable[[object], object | None]
-    int_range: tuple[int, int] | None = None
-    is_bool: bool = False
-
-    def __call__(self, where: str, value: object) -> object:
-        normalized = self.check(value)
-        if normalized is None:
-            raise MalformedFrame(f"{where}: expected {self.describe}, got {_show(value)}")
-        return normalized
-
-
-def _int_range(low: int, high: int, describe: str) -> FieldCheck:
-    def check(value: object) -> object | None:
-        return value if _is_int(value) and low <= value <= high else None
-
-    return FieldCheck(describe, check, (low, high))
-
-
-def _int_in(allowed: frozenset[int], describe: str) -> FieldCheck:
-    def check(value: object) -> object | None:
-        return value if _is_int(value) and value in allowed else None
-
-    # The inline range is only a shortcut: it must not admit what `allowed` refuses.
-    low, high = min(allowed), max(allowed)
-    contiguous = len(allowed) == high - low + 1
-    return FieldCheck(describe, check, (low, high) if contiguous else None)
-
-
-def _text(max_chars: int) -> FieldCheck:
-    def check(value: object) -> object | None:
-        return value if isinstance(value, str) and len(value) <= max_chars else None
-
-    return FieldCheck(f"str of at most {max_chars} chars", check)
-
-
-def _check_segment_name(value: object) -> object | None:
-    if isinstance(value, str) and len(value) <= MAX_SEGMENT_NAME_CHARS and _SEGMENT_NAME.fullmatch(value):
-        return value
-    return None
-
-
-def _check_offsets(value: object) -> object | None:
-    if not isinstance(value, list | tuple) or not 1 <= len(value) <= MAX_TENSORS:
-        return None
-    # One pass for the types, then min/max in C: a grant of 64 offsets is on every pull's path.
-    if not all(type(v) is int or _is_int(v) for v in value):
-        return None
-    if min(value) < 0 or max(value) > _U64_MAX:
-        return None
-    return tuple(value)
-
-
-U32 = _int_range(0, _U32_MAX, "U32")
-U64 = _int_range(0, _U64_MAX, "U64")
-I64 = _int_range(-(1 << 63), (1 << 63) - 1, "I64")
-_U32_POSITIVE = _int_range(1, _U32_MAX, "U32 >= 1")
-_U64_POSITIVE = _int_range(1, _U64_MAX, "U64 >= 1")
-_ROLE = _int_in(_ROLES, "role in {1, 2, 3}")
-_KEY_KIND = _int_in(_KEY_KINDS, "key_kind in {1, 2, 3}")
-_BOOL = FieldCheck("bool", lambda v: v if isinstance(v, bool) else None, is_bool=True)
-_TEXT = _text(MAX_TEXT_CHARS)
-_SEGMENT = FieldCheck(
-    f"segment name of 1..{MAX_SEGMENT_NAME_CHARS} chars matching /?[A-Za-z0-9._-]+", _check_segment_name
-)
-_OFFSETS = FieldCheck(f"array of 1..{MAX_TENSORS} U64", _check_offsets)
-
-
-def _check_segment_names(value: object) -> object | None:
-    if not isinstance(value, list | tuple) or not 1 <= len(value) <= MAX_TENSORS:
-        return None
-    if all(_check_segment_name(v) is not None for v in value):
-        return tuple(value)
-    return None
-
-
-def _check_socket_name(value: object) -> object | None:
-    # A bare file name in the runtime directory: no path separators, so it cannot point anywhere else.
-    if isinstance(value, str) and len(value) <= MAX_SEGMENT_NAME_CHARS and _SOCKET_NAME_RE.fullmatch(value):
-        return value
-    return None
-
-
-_SEGMENTS = FieldCheck(f"array of 1..{MAX_TENSORS} segment names", _check_segment_names)
 KEY_BLOCKS = 4  # ResolveRequest only: model_id names a blocks cache
-_RESOLVE_KIND = _int_in(
-    frozenset({KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, KEY_BLOCKS}), "key_kind in {1, 2, 3, 4}"
-)
-_OPT_SEGMENT = FieldCheck("empty or a segment name", lambda v: v if v == "" else _check_segment_name(v))
-MAX_TABLE_ENTRIES = 4096
 
-
-def _check_table_entry(value: object) -> tuple[object, ...] | None:
-    if not isinstance(value, list | tuple) or len(value) != 10:
-        return None
-    cache_id, is_blocks, model_ids, segment, segment_nbytes, bases, unit_nbytes, num_units, slot, gen = value
-    if not (_is_int(slot) and 0 <= slot <= _U32_MAX and _is_int(gen) and 1 <= gen <= _U64_MAX):
-        return None
-    if not (_is_int(cache_id) and 0 <= cache_id <= _U64_MAX and isinstance(is_blocks, bool)):
-        return None
-    if not isinstance(model_ids, list | tuple) or len(model_ids) > MAX_TABLE_ENTRIES:
-        return None
-    if not all(_is_int(m) and 0 <= m <= _U64_MAX for m in model_ids):
-        return None
-    if _OPT_SEGMENT.check(segment) is None or not (
-        _is_int(segment_nbytes) and 0 <= segment_nbytes <= _U64_MAX
-    ):
-        return None
-    checked_bases = _check_offsets(bases)
-    if checked_bases is None or not isinstance(checked_bases, tuple):
-        return None
-    if not (
-        _is_int(unit_nbytes)
-        and 1 <= unit_nbytes <= _U64_MAX
-        and _is_int(num_units)
-        and 1 <= num_units <= _U64_MAX
-    ):
-        return None
-    if segment and max(checked_bases) + unit_nbytes * num_units > segment_nbytes:
-        return None
-    return (
-        cache_id,
-        is_blocks,
-        tuple(model_ids),
-        segment,
-        segment_nbytes,
-        checked_bases,
-        unit_nbytes,
-        num_units,
-        slot,
-        gen,
-    )
-
-
-def _check_table(value: object) -> object | None:
-    if not isinstance(value, list | tuple) or len(value) > MAX_TABLE_ENTRIES:
-        return None
-    entries = [_check_table_entry(entry) for entry in value]
-    if any(entry is None for entry in entries):
-        return None
-    return tuple(entries)
-
-
-_TABLE_ENTRIES = FieldCheck(f"array of at most {MAX_TABLE_ENTRIES} cache table entries", _check_table)
-_SOCKET_NAME_RE = re.compile(r"(?:[A-Za-z0-9_-][A-Za-z0-9._-]*)?")
-_SOCKET_NAME = FieldCheck(
-    "socket file name matching [A-Za-z0-9_-][A-Za-z0-9._-]* or empty", _check_socket_name
-)
-
-# Link authentication over TCP (`Challenge`, Hello/Welcome `nonce` and `proof`): a nonce is 16..64 random
-# bytes, a proof an HMAC-SHA256 (32 bytes); both are empty on a Unix socket, where the kernel says who the
-# peer is.
-NONCE_MIN_NBYTES, NONCE_MAX_NBYTES = 16, 64
-PROOF_NBYTES = 32
-
-
-def _check_nonce(value: object) -> object | None:
-    if isinstance(value, bytes) and NONCE_MIN_NBYTES <= len(value) <= NONCE_MAX_NBYTES:
-        return value
-    return None
-
-
-def _check_opt_nonce(value: object) -> object | None:
-    return value if value == b"" else _check_nonce(value)
-
-
-def _check_opt_proof(value: object) -> object | None:
-    return value if isinstance(value, bytes) and len(value) in (0, PROOF_NBYTES) else None
-
-
-_NONCE = FieldCheck(f"bytes of {NONCE_MIN_NBYTES}..{NONCE_MAX_NBYTES}", _check_nonce)
-_OPT_NONCE = FieldCheck(f"empty or bytes of {NONCE_MIN_NBYTES}..{NONCE_MAX_NBYTES}", _check_opt_nonce)
-_OPT_PROOF = FieldCheck(f"empty or bytes of {PROOF_NBYTES}", _check_opt_proof)
-# A transfer engine's address ("ip:port", a Mooncake session id), "" when the side runs none.
-_ENGINE_RE = re.compile(r"[0-9A-Za-z.:_\[\]-]{0,128}")
-_ENGINE = FieldCheck(
-    "engine address of at most 128 chars of [0-9A-Za-z.:_[]-]",
-    lambda v: v if isinstance(v, str) and _ENGINE_RE.fullmatch(v) else None,
-)
+_KEY_KIND = int_in(frozenset({KEY_REQ, KEY_PREFIX, KEY_CACHE_ID}), "key_kind in {1, 2, 3}")
+_RESOLVE_KIND = int_in(frozenset({KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, KEY_BLOCKS}), "key_kind in {1, 2, 3, 4}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,8 +149,8 @@ class Message:
             raise MalformedFrame(f"{cls.__name__}: expected a msgpack array, got {type(wire).__name__}")
         if len(wire) != 1 + len(cls._CHECKS):
             raise MalformedFrame(f"{cls.__name__}: expected {1 + len(cls._CHECKS)} elements, got {len(wire)}")
-        if not _is_int(wire[0]) or wire[0] != cls.TYPE:
-            raise MalformedFrame(f"{cls.__name__}: expected type {cls.TYPE}, got {_show(wire[0])}")
+        if not is_int(wire[0]) or wire[0] != cls.TYPE:
+            raise MalformedFrame(f"{cls.__name__}: expected type {cls.TYPE}, got {short_repr(wire[0])}")
         return cls(*wire[1:])
 
 
@@ -373,14 +197,14 @@ class Hello(Message):
     version: Annotated[int, U32]
     cluster_id: Annotated[int, U64]
     remote_cluster_id: Annotated[int, U64]
-    role: Annotated[int, _ROLE]
+    role: Annotated[int, ROLE]
     pid: Annotated[int, U32]
     incarnation: Annotated[int, U64]
     # Over TCP: the client's nonce and its proof that it knows the shared secret (see `Challenge`), and
     # the address of its transfer engine; all empty on a Unix socket.
-    nonce: Annotated[bytes, _OPT_NONCE] = b""
-    proof: Annotated[bytes, _OPT_PROOF] = b""
-    engine: Annotated[str, _ENGINE] = ""
+    nonce: Annotated[bytes, OPT_NONCE] = b""
+    proof: Annotated[bytes, OPT_PROOF] = b""
+    engine: Annotated[str, ENGINE] = ""
 
 
 @_register
@@ -392,7 +216,7 @@ class Challenge(Message):
 
     TYPE: ClassVar[int] = 21
     version: Annotated[int, U32]
-    nonce: Annotated[bytes, _NONCE]
+    nonce: Annotated[bytes, NONCE]
 
 
 @_register
@@ -408,15 +232,15 @@ class Welcome(Message):
     TYPE: ClassVar[int] = 2
     version: Annotated[int, U32]
     cluster_id: Annotated[int, U64]
-    role: Annotated[int, _ROLE]
+    role: Annotated[int, ROLE]
     pid: Annotated[int, U32]
     incarnation: Annotated[int, U64]
-    index: Annotated[str, _OPT_SEGMENT] = ""
+    index: Annotated[str, OPT_SEGMENT] = ""
     index_row: Annotated[int, U32] = 0
     index_ticket: Annotated[int, U64] = 0
     # Over TCP: the server's proof (see `Challenge`) and its transfer engine's address; empty otherwise.
-    proof: Annotated[bytes, _OPT_PROOF] = b""
-    engine: Annotated[str, _ENGINE] = ""
+    proof: Annotated[bytes, OPT_PROOF] = b""
+    engine: Annotated[str, ENGINE] = ""
 
 
 @_register
@@ -435,11 +259,11 @@ class PullRequest(Message):
     model_id: Annotated[int, U64]
     batch_index: Annotated[int, U32]
     tensor_start: Annotated[int, U32]
-    tensor_count: Annotated[int, _U32_POSITIVE]
-    whole: Annotated[bool, _BOOL]
-    nbytes: Annotated[int, _U64_POSITIVE]
+    tensor_count: Annotated[int, U32_POSITIVE]
+    whole: Annotated[bool, BOOL]
+    nbytes: Annotated[int, U64_POSITIVE]
     src_offset: Annotated[int, U64]
-    consume: Annotated[bool, _BOOL]
+    consume: Annotated[bool, BOOL]
 
 
 @_register
@@ -451,10 +275,10 @@ class PullGrant(Message):
     TYPE: ClassVar[int] = 4
     seq: Annotated[int, U32]
     lease_id: Annotated[int, U64]
-    segment: Annotated[str, _SEGMENT]
+    segment: Annotated[str, SEGMENT]
     segment_nbytes: Annotated[int, U64]
-    tensor_offsets: Annotated[tuple[int, ...], _OFFSETS]
-    nbytes: Annotated[int, _U64_POSITIVE]
+    tensor_offsets: Annotated[tuple[int, ...], OFFSETS]
+    nbytes: Annotated[int, U64_POSITIVE]
 
     def _check_fields_together(self) -> None:
         last_offset = max(self.tensor_offsets)
@@ -474,7 +298,7 @@ class PullDone(Message):
     TYPE: ClassVar[int] = 5
     seq: Annotated[int, U32]
     lease_id: Annotated[int, U64]
-    ok: Annotated[bool, _BOOL]
+    ok: Annotated[bool, BOOL]
 
 
 @_register
@@ -493,7 +317,7 @@ class Error(Message):
     TYPE: ClassVar[int] = 7
     seq: Annotated[int, U32]
     status_code: Annotated[int, I64]
-    message: Annotated[str, _TEXT]
+    message: Annotated[str, TEXT]
 
 
 @_register
@@ -502,7 +326,7 @@ class Bye(Message):
     """Either side: orderly close; nothing follows it from the sender."""
 
     TYPE: ClassVar[int] = 8
-    reason: Annotated[str, _TEXT]
+    reason: Annotated[str, TEXT]
 
 
 @_register
@@ -530,7 +354,7 @@ class Announce(Message):
 
     TYPE: ClassVar[int] = 11
     seq: Annotated[int, U32]
-    callback: Annotated[str, _SOCKET_NAME]
+    callback: Annotated[str, SOCKET_NAME]
     # Over TCP: the port where the client serves TCP on the address it connected from (0: none), the way
     # back for pushes into its memory; `callback` is then "".
     tcp_port: Annotated[int, U32] = 0
@@ -548,8 +372,8 @@ class BlocksRequest(Message):
     seq: Annotated[int, U32]
     model_id: Annotated[int, U64]
     tensor_start: Annotated[int, U32]
-    tensor_count: Annotated[int, _U32_POSITIVE]
-    whole: Annotated[bool, _BOOL]
+    tensor_count: Annotated[int, U32_POSITIVE]
+    whole: Annotated[bool, BOOL]
 
 
 @_register
@@ -561,11 +385,11 @@ class BlocksGrant(Message):
     TYPE: ClassVar[int] = 13
     seq: Annotated[int, U32]
     lease_id: Annotated[int, U64]
-    segment: Annotated[str, _SEGMENT]
+    segment: Annotated[str, SEGMENT]
     segment_nbytes: Annotated[int, U64]
-    tensor_offsets: Annotated[tuple[int, ...], _OFFSETS]
-    block_nbytes: Annotated[int, _U64_POSITIVE]
-    num_blocks: Annotated[int, _U64_POSITIVE]
+    tensor_offsets: Annotated[tuple[int, ...], OFFSETS]
+    block_nbytes: Annotated[int, U64_POSITIVE]
+    num_blocks: Annotated[int, U64_POSITIVE]
 
     def _check_fields_together(self) -> None:
         last_offset = max(self.tensor_offsets)
@@ -585,8 +409,8 @@ class WriteRequest(Message):
 
     TYPE: ClassVar[int] = 14
     seq: Annotated[int, U32]
-    addrs: Annotated[tuple[int, ...], _OFFSETS]
-    nbytes: Annotated[tuple[int, ...], _OFFSETS]
+    addrs: Annotated[tuple[int, ...], OFFSETS]
+    nbytes: Annotated[tuple[int, ...], OFFSETS]
 
     def _check_fields_together(self) -> None:
         if len(self.addrs) != len(self.nbytes):
@@ -602,10 +426,10 @@ class WriteGrant(Message):
     TYPE: ClassVar[int] = 15
     seq: Annotated[int, U32]
     lease_id: Annotated[int, U64]
-    segments: Annotated[tuple[str, ...], _SEGMENTS]
-    segment_nbytes: Annotated[tuple[int, ...], _OFFSETS]
-    range_segments: Annotated[tuple[int, ...], _OFFSETS]
-    range_offsets: Annotated[tuple[int, ...], _OFFSETS]
+    segments: Annotated[tuple[str, ...], SEGMENTS]
+    segment_nbytes: Annotated[tuple[int, ...], OFFSETS]
+    range_segments: Annotated[tuple[int, ...], OFFSETS]
+    range_offsets: Annotated[tuple[int, ...], OFFSETS]
 
     def _check_fields_together(self) -> None:
         if len(self.segments) != len(self.segment_nbytes):
@@ -637,10 +461,10 @@ class ResolveRequest(Message):
     model_id: Annotated[int, U64]
     batch_index: Annotated[int, U32]
     tensor_start: Annotated[int, U32]
-    tensor_count: Annotated[int, _U32_POSITIVE]
-    whole: Annotated[bool, _BOOL]
-    for_write: Annotated[bool, _BOOL]
-    consume: Annotated[bool, _BOOL]
+    tensor_count: Annotated[int, U32_POSITIVE]
+    whole: Annotated[bool, BOOL]
+    for_write: Annotated[bool, BOOL]
+    consume: Annotated[bool, BOOL]
 
 
 @_register
@@ -655,11 +479,11 @@ class Location(Message):
     seq: Annotated[int, U32]
     lease_id: Annotated[int, U64]
     pid: Annotated[int, U32]
-    segment: Annotated[str, _OPT_SEGMENT]
+    segment: Annotated[str, OPT_SEGMENT]
     segment_nbytes: Annotated[int, U64]
-    tensor_bases: Annotated[tuple[int, ...], _OFFSETS]
-    unit_nbytes: Annotated[int, _U64_POSITIVE]
-    num_units: Annotated[int, _U64_POSITIVE]
+    tensor_bases: Annotated[tuple[int, ...], OFFSETS]
+    unit_nbytes: Annotated[int, U64_POSITIVE]
+    num_units: Annotated[int, U64_POSITIVE]
     slot: Annotated[int, U32]
 
     def _check_fields_together(self) -> None:
@@ -699,8 +523,8 @@ class Table(Message):
     TYPE: ClassVar[int] = 19
     seq: Annotated[int, U32]
     pid: Annotated[int, U32]
-    generations: Annotated[str, _SEGMENT]
-    entries: Annotated[tuple[tuple[object, ...], ...], _TABLE_ENTRIES]
+    generations: Annotated[str, SEGMENT]
+    entries: Annotated[tuple[tuple[object, ...], ...], TABLE_ENTRIES]
     next_cache_id: Annotated[int, U64]
     version: Annotated[int, U64]
 
@@ -714,22 +538,7 @@ class Release(Message):
 
     TYPE: ClassVar[int] = 20
     lease_id: Annotated[int, U64]
-    ok: Annotated[bool, _BOOL]
-
-
-MAX_ADDRESS_NAMES = 64
-
-
-def _check_address_names(value: object) -> object | None:
-    if not isinstance(value, list | tuple) or not 1 <= len(value) <= MAX_ADDRESS_NAMES:
-        return None
-    return tuple(value) if all(_check_segment_name(v) is not None for v in value) else None
-
-
-def _check_addresses(value: object) -> object | None:
-    if not isinstance(value, list | tuple) or not 1 <= len(value) <= MAX_ADDRESS_NAMES:
-        return None
-    return tuple(value) if all(_is_int(v) and 0 <= v <= _U64_MAX for v in value) else None
+    ok: Annotated[bool, BOOL]
 
 
 @_register
@@ -741,10 +550,7 @@ class AddressRequest(Message):
 
     TYPE: ClassVar[int] = 22
     seq: Annotated[int, U32]
-    names: Annotated[
-        tuple[str, ...],
-        FieldCheck(f"array of 1..{MAX_ADDRESS_NAMES} segment names", _check_address_names),
-    ]
+    names: Annotated[tuple[str, ...], ADDRESS_NAMES]
 
 
 @_register
@@ -754,7 +560,7 @@ class Addresses(Message):
 
     TYPE: ClassVar[int] = 23
     seq: Annotated[int, U32]
-    addrs: Annotated[tuple[int, ...], FieldCheck(f"array of 1..{MAX_ADDRESS_NAMES} U64", _check_addresses)]
+    addrs: Annotated[tuple[int, ...], ADDRESSES]
 
 
 def decode_message(obj: object) -> Message:
@@ -762,9 +568,9 @@ def decode_message(obj: object) -> Message:
     if not isinstance(obj, list) or not obj:
         raise MalformedFrame(f"a message is a non-empty msgpack array, got {type(obj).__name__}")
     type_code = obj[0]
-    cls = MESSAGE_TYPES.get(type_code) if _is_int(type_code) else None
+    cls = MESSAGE_TYPES.get(type_code) if is_int(type_code) else None
     if cls is None:
-        raise MalformedFrame(f"unknown message type {_show(type_code)}")
+        raise MalformedFrame(f"unknown message type {short_repr(type_code)}")
     return cls.from_wire(obj)
 
 

@@ -558,7 +558,7 @@ def test_the_inline_shortcut_admits_nothing_the_full_check_refuses() -> None:
     through the field's check, so int subclasses stay accepted and gaps in a value set stay refused."""
     import enum
 
-    from llm_datadist._protocol.messages import _int_in
+    from llm_datadist._protocol.fields import int_in
 
     class Role(enum.IntEnum):
         DECODER = 2
@@ -567,6 +567,6 @@ def test_the_inline_shortcut_admits_nothing_the_full_check_refuses() -> None:
     assert hello.role == 2
     with pytest.raises(MalformedFrame, match="role"):
         Hello(1, 7, 8, True, 42, 1)
-    odd = _int_in(frozenset({1, 3}), "1 or 3")
+    odd = int_in(frozenset({1, 3}), "1 or 3")
     assert odd.int_range is None  # {1, 3} is not a range: 2 must not pass inline
     assert odd.check(2) is None and odd.check(3) == 3
