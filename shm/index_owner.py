@@ -7,7 +7,8 @@ copy, never from the shared file: a stray write into the file can mislead puller
 never the owner. Of the shared file the owner reads only the fields pullers legitimately write (a name's
 state and unpulled mask, a row's pin, the epoch), each clamped to the values a puller may write. `audit`
 compares the file with the shadow and checks those fields; `repair` puts back what the owner wrote and
-clamps the rest, under the lock, leaving what pullers consumed and pinned as they left it.
+clamps the rest, under the lock, leaving what pullers consumed and pinned as they left it (both by the
+rules below, which `shm.index_audit` applies).
 
 Which bytes are whose (offsets within each region; everything not listed is the owner's):
 
@@ -45,13 +46,11 @@ from .index import (
     _MAGIC,
     _MASK_NBYTES,
     _NAME,
-    _NAME_MASK_OFFSET,
     _NAME_NBYTES,
     _ROW,
     _ROW_INCARNATION_OFFSET,
     _ROW_MASK_OFFSET,
     _ROW_NBYTES,
-    _ROWS_OFFSET,
     _SEGMENT_NAME_NBYTES,
     _U32,
     BUSY_CAPACITY,
@@ -67,14 +66,11 @@ from .index import (
     _hash,
     _layout_nbytes,
 )
+from .index_audit import Regions, find_damage, puller_name_state, put_back
 from .names import make_segment_name
 from .reaper import SHM_DIR
 
 __all__ = ["OwnerIndex"]
-
-_EPOCH = slice(48, 56)
-_ROW_PULLER = slice(8, 32)
-_NAME_FIELDS = slice(4, 64)  # the owner's part of a name entry: kind .. tensor count, and padding
 
 
 def _unlink_if_creator(name: str, creator_pid: int) -> None:
@@ -94,6 +90,9 @@ class OwnerIndex(Index):
         super().__init__(name, fd, mapping, caps)
         self._shadow: mmap.mmap | None = shadow
         self.repairs = 0  # how many times `repair` found something to put back
+        self._regions = Regions(
+            self.rows, self.names, self._caches_offset, self._names_offset, self._buckets_offset, self.nbytes
+        )
         # An owner that never closes (its process exits without finalizing) still unlinks the file.
         self._finalizer = weakref.finalize(self, _unlink_if_creator, name, os.getpid())
 
@@ -343,17 +342,8 @@ class OwnerIndex(Index):
         )
         if not owned_state:
             return NameEntry(index, 0, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, 0)
-        state, mask = self._name_state(offset, count)
+        state, mask = puller_name_state(self._map, offset, count)
         return NameEntry(index, state, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, mask)
-
-    def _name_state(self, offset: int, count: int) -> tuple[int, int]:
-        mm = self._map
-        state = _U32.unpack_from(mm, offset)[0]
-        mask = int.from_bytes(
-            mm[offset + _NAME_MASK_OFFSET : offset + _NAME_MASK_OFFSET + _MASK_NBYTES], "little"
-        )
-        mask &= (1 << count) - 1
-        return (state if state in (NAME_LIVE, NAME_CONSUMED) else NAME_LIVE), mask
 
     def restore(self, index: int, tensors: int, cache_slot: int, generation: int) -> None:
         count = _NAME.unpack_from(self._own, self._name_offset(index))[8]
@@ -413,112 +403,16 @@ class OwnerIndex(Index):
     # ------------------------------------------------------------------------------------ audit
 
     def audit(self) -> list[str]:
-        """The regions where the shared file holds what no owner wrote and no puller may write ([]: none).
-        A few numpy compares over 64-bit words (a couple of milliseconds for the default capacities), taken
-        without the lock: pullers write only their own fields, which it leaves out or only range-checks."""
-        damaged = []
-        shared = np.frombuffer(self._map, dtype="<u8", count=self.nbytes // 8)
-        own = np.frombuffer(self._own, dtype="<u8", count=self.nbytes // 8)
-        try:
-            epoch = _EPOCH.start // 8
-            header_end = _ROWS_OFFSET // 8
-            if not (
-                np.array_equal(shared[:epoch], own[:epoch])
-                and np.array_equal(shared[epoch + 1 : header_end], own[epoch + 1 : header_end])
-            ):
-                damaged.append("header")
-            if not self._rows_sane(
-                self._words(shared, _ROWS_OFFSET, self.rows, _ROW_NBYTES),
-                self._words(own, _ROWS_OFFSET, self.rows, _ROW_NBYTES),
-            ):
-                damaged.append("rows")
-            caches = slice(self._caches_offset // 8, self._names_offset // 8)
-            if not np.array_equal(shared[caches], own[caches]):
-                damaged.append("caches")
-            if not self._names_sane(
-                self._words(shared, self._names_offset, self.names, _NAME_NBYTES),
-                self._words(own, self._names_offset, self.names, _NAME_NBYTES),
-            ):
-                damaged.append("names")
-            tail = self._buckets_offset // 8
-            if not np.array_equal(shared[tail:], own[tail:]):
-                damaged.append("buckets and addresses")
-        finally:
-            del shared, own
-        return damaged
-
-    @staticmethod
-    def _words(view: np.ndarray, offset: int, count: int, nbytes: int) -> np.ndarray:
-        """A region as one row of 64-bit words per entry."""
-        return view[offset // 8 : (offset + count * nbytes) // 8].reshape(count, nbytes // 8)
-
-    @staticmethod
-    def _rows_sane(rows: np.ndarray, own: np.ndarray) -> bool:
-        """Words 0 (holder) and 4-7 (incarnation, padding) are the owner's; a row handed to nobody is all
-        zero; a holder's state (the low half of word 1) is 0 or 1."""
-        if not (np.array_equal(rows[:, 0], own[:, 0]) and np.array_equal(rows[:, 4:8], own[:, 4:8])):
-            return False
-        free = own[:, 0] == 0
-        return not rows[free].any() and bool(np.all((rows[:, 1] & 0xFFFFFFFF) <= 1))
-
-    @staticmethod
-    def _names_sane(names: np.ndarray, own: np.ndarray) -> bool:
-        """The owner's part of each name is as written (the high half of word 0, words 1-7); a free name is
-        all zero; a live one is live or consumed, and its mask (words 8-15) has no bit past its key's
-        tensor count (the high half of word 5)."""
-        if not (
-            np.array_equal(names[:, 1:8], own[:, 1:8]) and np.array_equal(names[:, 0] >> 32, own[:, 0] >> 32)
-        ):
-            return False
-        live = (own[:, 0] & 0xFFFFFFFF) != 0
-        states = names[:, 0] & 0xFFFFFFFF
-        if np.any(states[~live]) or not np.all((states[live] == NAME_LIVE) | (states[live] == NAME_CONSUMED)):
-            return False
-        masks = names[:, 8:]
-        with_bits = np.bitwise_or.reduce(masks, axis=1) != 0
-        if np.any(with_bits & ~live):
-            return False
-        which = np.flatnonzero(with_bits)
-        if not len(which):
-            return True
-        masks = masks[which]
-        counts = (own[which, 5] >> 32).astype(np.int64)
-        # Word j holds bits [64 j, 64 j + 64): the first count - 64 j of them (clamped to [0, 64]) may be set.
-        allowed = np.clip(counts[:, None] - 64 * np.arange(8)[None, :], 0, 64)
-        low = np.where(
-            allowed >= 64, ~np.uint64(0), (np.uint64(1) << allowed.astype(np.uint64)) - np.uint64(1)
-        )
-        return not np.any(masks & ~low)
+        """The regions where the shared file holds what no owner wrote and no puller may write ([]: none);
+        taken without the lock (`shm.index_audit.find_damage`)."""
+        return find_damage(self._map, self._own, self._regions)
 
     def repair(self) -> bool:
         """Put back every byte the owner wrote and clamp what pullers wrote to what they may write, under
         the lock (the caller holds it); what pullers consumed and pinned stays. False if nothing was wrong."""
         if not self.audit():
             return False
-        mm = self._check_locked()
-        own = self._own
-        mm[: _EPOCH.start] = own[: _EPOCH.start]
-        mm[_EPOCH.stop : _ROWS_OFFSET] = own[_EPOCH.stop : _ROWS_OFFSET]
-        for row in range(self.rows):
-            offset = self._row_offset(row)
-            state = _ROW.unpack_from(mm, offset)[1]
-            if not struct.unpack_from("<Q", own, offset)[0] or state > 1:
-                mm[offset : offset + _ROW_NBYTES] = own[offset : offset + _ROW_NBYTES]  # idle: nothing pinned
-            else:
-                mm[offset : offset + 8] = own[offset : offset + 8]
-                mm[offset + 32 : offset + 64] = own[offset + 32 : offset + 64]
-        mm[self._caches_offset : self._names_offset] = own[self._caches_offset : self._names_offset]
-        for index in range(self.names):
-            offset = self._name_offset(index)
-            mm[offset + 4 : offset + 64] = own[offset + 4 : offset + 64]
-            owned_state, *_, count = _NAME.unpack_from(own, offset)
-            if not owned_state:
-                mm[offset : offset + _NAME_NBYTES] = bytes(_NAME_NBYTES)
-            else:
-                state, mask = self._name_state(offset, count)
-                _U32.pack_into(mm, offset, state)
-                self._write_mask(offset, mask)
-        mm[self._buckets_offset : self.nbytes] = own[self._buckets_offset : self.nbytes]
+        put_back(self._check_locked(), self._own, self._regions)
         self.bump_epoch()
         self.repairs += 1
         return True
