@@ -5,7 +5,7 @@ Rules: every figure comes from this run on this machine; throughput is reported 
 repetitions. The owner side of every transfer is a real process (spawned), the measuring side is this one.
 Peers (NIXL, Mooncake, `peers`) are measured the same way between two spawned processes when they are
 installed, and reported as skipped, with the reason, when they are not. The report ends with SPEC.md's
-performance targets, each with its ratio from this run and PASS or MISS (`_targets`).
+performance targets, each with its ratio from this run and PASS or MISS (`report.py` prints and judges).
 Only the public API is driven; the one internal read is the pull's time breakdown, printed when the core
 offers one.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import multiprocessing as mp
 import os
 import socket
@@ -39,6 +38,8 @@ from llm_datadist._shm.reaper import reap
 from . import peers
 from .ours import OWNER, PREFIX, U64_MAX, Owner, link, measurer
 from .proc import BlockPattern, Results, block_patterns, copy_samples, fmt_nbytes, timed
+from .report import judge_targets, plot, print_report, write_json
+from .report import with_ratios as _with_ratios
 
 # ====================================================================== helpers
 
@@ -412,214 +413,11 @@ def _bench_v2(results: Results, port: int, args: argparse.Namespace) -> None:
 # ====================================================================== report
 
 
-def _reference_gbps(results: Results) -> float | None:
-    """The memory's limit: the largest 2-thread copy of this run. Smaller copies can stay in the L3 cache
-    (300 MiB on the development machine) and would overstate what memory can do."""
-    copies = [r for r in results.rows if r.get("name") == "numpy.copyto, 2 threads" and r.get("gbps")]
-    return float(max(copies, key=lambda r: r["nbytes"])["gbps"]) if copies else None
-
-
-# The report's order: rows of one group together, in this order; a group's rows in the order measured,
-# except "blocks", where each of our pull_blocks rows is followed by the peers' rows of the same pattern.
-GROUPS = ("memcpy", "baseline", "peer", "pull_cache", "layers", "latency", "blocks", "one-sided")
-
-
-def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    def place(item: tuple[int, dict[str, Any]]) -> tuple[int, int, int, int]:
-        index, row = item
-        group = GROUPS.index(row["group"]) if row["group"] in GROUPS else len(GROUPS)
-        if row["group"] != "blocks":
-            return (group, 0, 0, index)
-        return (
-            group,
-            row.get("block_nbytes", 0),
-            0 if row.get("id", "").startswith("blocks.ours.") else 1,
-            index,
-        )
-
-    return [row for _, row in sorted(enumerate(rows), key=place)]
-
-
-def _with_ratios(results: Results) -> None:
-    """Each row with a throughput gets `x_memcpy`: its GB/s over the run's reference copy."""
-    reference = _reference_gbps(results)
-    for row in results.rows:
-        if row.get("gbps") and reference:
-            row["x_memcpy"] = row["gbps"] / reference
-
-
-def _report(results: Results, targets: list[dict[str, Any]]) -> None:
-    reference = _reference_gbps(results)
-    columns = ("group", "benchmark", "size", "GB/s", "p50 us", "p99 us", "x memcpy")
-    header = "{:<10} {:<56} {:>9} {:>7} {:>10} {:>10} {:>9}".format(*columns)
-    print(header)
-    print("-" * len(header))
-    for row in _ordered(results.rows):
-        if "skipped" in row:
-            print(f"{row['group']:<10} {row['name']:<56} skipped: {row['skipped']}")
-            continue
-        gbps = row["gbps"]
-        ratio = f"{row['x_memcpy']:9.2f}" if "x_memcpy" in row else f"{'':>9}"
-        gbps_text = f"{gbps:7.2f}" if gbps else f"{'':>7}"
-        print(
-            f"{row['group']:<10} {row['name']:<56} {fmt_nbytes(row['nbytes']):>9} {gbps_text} "
-            f"{row['p50_us']:10.1f} {row['p99_us']:10.1f} {ratio}"
-        )
-        breakdown = row.get("breakdown_us")
-        if breakdown:
-            parts = ", ".join(f"{k} {v:.1f}" for k, v in breakdown.items())
-            print(f"{'':<10}   where the time goes (median us): {parts}")
-        cpu = row.get("cpu_us")
-        if cpu:
-            parts = ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
-            print(f"{'':<10}   CPU per call (mean us, all threads): {parts}")
-        if "vs_whole" in row:
-            print(
-                f"{'':<10}   x the whole pull of the same bytes (p50s, in alternation): {row['vs_whole']:.2f}"
-            )
-    if reference:
-        print(f"x memcpy: ratio to the largest 2-thread numpy.copyto of this run ({reference:.2f} GB/s)")
-    print()
-    print("performance targets (SPEC.md), ratios from this run")
-    header = f"{'target':<62} {'wanted':>8} {'measured':>9}  result"
-    print(header)
-    print("-" * (len(header) + 2))
-    for target in targets:
-        measured = f"{target['measured']:9.2f}" if target["measured"] is not None else f"{'-':>9}"
-        wanted = f"{target['op']} {target['limit']:g}"
-        print(f"{target['target']:<62} {wanted:>8} {measured}  {target['result']:<4}  {target['detail']}")
-
-
-_COMPARE: dict[str, Callable[[float, float], bool]] = {
-    "<=": lambda a, b: a <= b,
-    "<": lambda a, b: a < b,
-    ">=": lambda a, b: a >= b,
-}
-
-
 def _targets(results: Results) -> list[dict[str, Any]]:
-    """SPEC.md's performance targets against this run's rows (after `_with_ratios`): each with a stable
-    `key`, the measured figure, the limit, and PASS or MISS; n/a, with the reason in `detail`, where a row it
-    needs is missing (a peer not installed, a row a quick run leaves out)."""
-    rows = {row["id"]: row for row in results.rows if "id" in row and "skipped" not in row}
-    skipped = {row["id"]: row["skipped"] for row in results.rows if "id" in row and "skipped" in row}
-    targets: list[dict[str, Any]] = []
-
-    def target(key: str, text: str, op: str, limit: float, measured: float | None, detail: str) -> None:
-        passed = measured is not None and _COMPARE[op](measured, limit)
-        result = "n/a" if measured is None else "PASS" if passed else "MISS"
-        targets.append(
-            {
-                "key": key,
-                "target": text,
-                "op": op,
-                "limit": limit,
-                "measured": measured,
-                "result": result,
-                "detail": detail,
-            }
-        )
-
-    def x_memcpy(key: str, text: str, row_id: str, limit: float) -> None:
-        row = rows.get(row_id)
-        measured = row.get("x_memcpy") if row else None
-        if row is None:
-            detail = skipped.get(row_id, "not measured in this run")
-        elif measured is None:
-            detail = "no memcpy reference in this run"
-        else:
-            detail = f"{row['group']} {row['name']}, {fmt_nbytes(row['nbytes'])}"
-        target(key, text, ">=", limit, measured, detail)
-
-    small, rtt = rows.get("latency.small"), rows.get("baseline.msgpack")
-    text = "small pull (1 x 4 KiB) p50 / bare msgpack round trip p50"
-    if small and rtt:
-        detail = f"{small['p50_us']:.1f} us against {rtt['p50_us']:.1f} us"
-        target("small_pull", text, "<=", 0.5, small["p50_us"] / rtt["p50_us"], detail)
-    else:
-        target("small_pull", text, "<=", 0.5, None, "not measured in this run")
-    owner_cpu = small.get("cpu_us", {}).get("the other") if small else None
-    detail = "all its threads, from the scheduler's counters" if owner_cpu is not None else "not measured"
-    target("owner_cpu", "owner's CPU per small pull, us", "<", 5, owner_cpu, detail)
-    for slice_nbytes in LAYER_SLICES:
-        by_layer, whole = (
-            rows.get(f"layers.by_layer.{slice_nbytes}"),
-            rows.get(f"layers.whole.{slice_nbytes}"),
-        )
-        if by_layer is None or whole is None:
-            continue  # the quick run measures one request size
-        target(
-            f"layers.{slice_nbytes}",
-            f"layer by layer (32 pulls) / whole, {fmt_nbytes(by_layer['nbytes'])} request",
-            ">=",
-            0.8,
-            by_layer["vs_whole"],
-            f"p50 {by_layer['p50_us']:.0f} us against {whole['p50_us']:.0f} us",
-        )
-    x_memcpy("whole_64x64k", "pull_cache whole 64 x 64 KiB / memcpy", f"pull.whole.{64 << 10}", 0.6)
-    for block_nbytes, limit in ((16 << 10, 0.6), (64 << 10, 0.65), (256 << 10, 0.8)):
-        text = f"pull_blocks {block_nbytes >> 10} KiB blocks x 64 tensors / memcpy"
-        x_memcpy(f"blocks.{block_nbytes}", text, f"blocks.ours.{block_nbytes}", limit)
-    # The one-sided rows read registered memory into registered memory, as the peers' rows do.
-    ours, nixl = rows.get(f"one_sided.registered.{64 << 10}"), rows.get(f"peer.nixl.{64 << 10}")
-    text = "one-sided 64 KiB p50 / NIXL's 64 KiB p50"
-    if ours and nixl:
-        detail = f"{ours['p50_us']:.1f} us against {nixl['p50_us']:.1f} us (registered -> registered)"
-        target("one_sided_64k_vs_nixl", text, "<=", 1.0, ours["p50_us"] / nixl["p50_us"], detail)
-    else:
-        reason = "NIXL: " + skipped.get("peer.nixl", "not measured") if ours else "not measured in this run"
-        target("one_sided_64k_vs_nixl", text, "<=", 1.0, None, reason)
-    text = "one-sided 1 MiB (registered -> registered) / memcpy"
-    x_memcpy("one_sided_1m", text, f"one_sided.registered.{1 << 20}", 0.85)
-    for row_id, row in rows.items():
-        if row_id.startswith("pull.whole.") and int(row_id.rsplit(".", 1)[1]) >= 16 << 20:
-            x_memcpy(f"large.{row_id}", f"large pull, {row['name']} / memcpy", row_id, 0.9)
-    ours_rows = [r for r in results.rows if "skipped" not in r and r["group"] in OURS and r["samples"] >= 100]
-    text = "p99 / p50, worst of our rows with >= 100 samples"
-    if ours_rows:
-        worst = max(ours_rows, key=lambda r: r["p99_us"] / r["p50_us"])
-        detail = f"{worst['group']} {worst['name']}, {fmt_nbytes(worst['nbytes'])}"
-        target("p99", text, "<=", 3, worst["p99_us"] / worst["p50_us"], detail)
-    else:
-        target("p99", text, "<=", 3, None, "not measured in this run")
-    return targets
-
-
-OURS = ("pull_cache", "layers", "latency", "one-sided")  # and our rows of "blocks" (too few samples for p99)
-
-
-def _plot(results: Results, path: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no plot: matplotlib is not installed (pip install -e '.[plot]')"
-    rows = [
-        r for r in _ordered(results.rows) if r.get("gbps") and r["group"] != "latency"
-    ]  # latency: see the table
-    groups = list(dict.fromkeys(r["group"] for r in rows))
-    colors = plt.get_cmap("tab10")
-    fig, ax = plt.subplots(figsize=(11, 0.3 * len(rows) + 1.5))
-    ax.barh(
-        [f"{r['name']}, {fmt_nbytes(r['nbytes'])}" for r in rows],
-        [r["gbps"] for r in rows],
-        color=[colors(groups.index(r["group"]) % 10) for r in rows],
-    )
-    reference = _reference_gbps(results)
-    if reference:
-        ax.axvline(reference, color="black", linestyle="--", linewidth=1)
-        ax.text(reference, -0.8, " largest 2-thread memcpy", fontsize=8, va="bottom")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors(i % 10)) for i in range(len(groups))]
-    ax.legend(handles, groups, loc="lower right", fontsize=8)
-    ax.set_xlabel("GB/s (median of the run; one synchronous transfer at a time)")
-    ax.tick_params(axis="y", labelsize=7)
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return f"plot written to {path}"
+    """SPEC.md's performance targets against this run's rows (after `_with_ratios`), for the layer-by-layer
+    request sizes this suite measures (`report.judge_targets`; the bench's tests call it, and `_with_ratios`,
+    here)."""
+    return judge_targets(results, LAYER_SLICES)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -659,19 +457,9 @@ def run(args: argparse.Namespace) -> int:
     reap()
     _with_ratios(results)
     targets = _targets(results)
-    _report(results, targets)
-    machine = {
-        "cpus": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "numpy": np.__version__,
-        "platform": sys.platform,
-    }
+    print_report(results, targets)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(
-            json.dumps({"machine": machine, "rows": _ordered(results.rows), "targets": targets}, indent=2)
-        )
-        print(f"JSON written to {args.json}")
+        print(write_json(args.json, results, targets))
     if args.plot:
-        print(_plot(results, Path(args.plot)))
+        print(plot(results, Path(args.plot)))
     return 0
