@@ -18,7 +18,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from importlib import metadata
+from importlib import metadata, util
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
@@ -349,7 +349,9 @@ def run(
         try:
             __import__(module)
         except Exception as exc:
-            reason = f"not installed ({type(exc).__name__}); {hint}"
+            # Installed but unloadable (Mooncake without libibverbs, say) is not "not installed".
+            installed = util.find_spec(module.split(".")[0]) is not None
+            reason = f"{_reason(exc) if installed else f'not installed ({type(exc).__name__})'}; {hint}"
             results.skip("peer", label, reason, id=f"peer.{peer}")
             for pattern in patterns:
                 results.skip(

@@ -106,7 +106,7 @@ def test_each_peer_is_measured_or_skipped_with_the_way_to_install_it() -> None:
             assert rows == [{"group": "peer", "name": label, "skipped": reason, "id": f"peer.{peer}"}]
             assert all(row["skipped"] == reason for row in blocks)
         elif "skipped" in rows[0]:  # installed, but cannot run on this machine: the row says why
-            assert rows[0]["skipped"].startswith("installed, but failed here: ")
+            assert rows[0]["skipped"].startswith("installed, but failed here: "), rows[0]
             assert all(row["skipped"] == rows[0]["skipped"] for row in blocks)
         else:
             assert [row["nbytes"] for row in rows] == list(peers.SIZES)
