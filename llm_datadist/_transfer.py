@@ -1,9 +1,9 @@
 """The transfer arguments both API generations share: a cache key's check, a pull's layer kwargs turned
-into tensor indices (`TensorSelection`), and `transfer_cache_async`'s checks, per-layer push plans and job.
+into tensor indices (`TensorSelection`), and `transfer_cache_async`'s checks, per-config push values and job.
 
 Rules: checks raise the real exception types with the real messages (`LLMException` via `make_error`,
 `TypeError`/`ValueError` from `_validate`) and run before anything is sent; v1 and v2 differ only in
-what they pass in (key label, config type, timeout code).
+what they pass in (key label, config type, timeout code). The byte runs of a push are `_pushplan`'s.
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from llm_datadist._shm.copyplan import Run, plan_block_copy
-
 from ._errors import api_errors
 from ._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
-from ._movers import PushSpan
 from ._owner.records import CacheRecord
+from ._pushplan import TensorPush, blocks_push, slot_push, slot_to_blocks_push
 from ._validate import check_index_lists, check_isinstance, check_range_step1, check_uint32, check_uint64
 from .status import LLMStatusCode, make_error, raise_if_true
 from .v2.llm_types import U64_MAX, CacheKey, CacheKeyByIdAndIndex, LayerSynchronizer, TransferConfig
@@ -209,25 +207,17 @@ def start_transfer(
 
 @dataclass(frozen=True)
 class _TransferPlan:
-    """How one TransferConfig moves each of its layers: spans per tensor, relative to the layer."""
+    """How one TransferConfig moves each of its layers: K and V of layer l (tensors 2l and 2l + 1) land at
+    their two `dst_addrs` as `tensor` says."""
 
     dst_cluster_id: int
     layers: range
     dst_addrs: tuple[int, ...]
-    # For K and V of a layer: (source offset of the tensor in its segment, runs relative to that offset
-    # and to the destination address).
-    src_runs: tuple[Run, ...]
-    span_nbytes: int
-    dst_start_offset: int
+    tensor: TensorPush
 
     def push(self, core: Core, record: CacheRecord, layer: int) -> None:
-        spans = []
-        for j in range(2):
-            tensor = 2 * layer + j
-            base = record.tensor_offset(tensor)
-            dst_addr = self.dst_addrs[2 * (layer - self.layers.start) + j] + self.dst_start_offset
-            runs = tuple(Run(base + run.src_offset, run.dst_offset, run.nbytes) for run in self.src_runs)
-            spans.append(PushSpan(dst_addr, self.span_nbytes, runs))
+        first = 2 * (layer - self.layers.start)
+        spans = self.tensor.spans(record, (2 * layer, 2 * layer + 1), self.dst_addrs[first : first + 2])
         core.transfers.push(self.dst_cluster_id, record, spans)
 
 
@@ -273,33 +263,16 @@ def plan_transfer(
             _param_invalid(
                 api, f"dst_block_memory_size {dst_block_nbytes} is smaller than a block ({block_nbytes})"
             )
-        low = min(dst_block_indices)
-        src_runs = plan_block_copy(
-            [0],
-            [0],
-            src_block_indices,
-            [d - low for d in dst_block_indices],
-            block_nbytes,
-            dst_block_nbytes,
-            block_nbytes,
-        )
-        span = (max(dst_block_indices) - low) * dst_block_nbytes + block_nbytes
-        return _TransferPlan(
-            config.dst_cluster_id,
-            layers,
-            tuple(config.dst_addrs),
-            tuple(src_runs),
-            span,
-            low * dst_block_nbytes,
-        )
+        tensor = blocks_push(src_block_indices, dst_block_indices, block_nbytes, dst_block_nbytes)
+        return _TransferPlan(config.dst_cluster_id, layers, tuple(config.dst_addrs), tensor)
     if config.src_batch_index >= record.batch_size:
         _param_invalid(api, f"src_batch_index {config.src_batch_index} >= batch size {record.batch_size}")
     slot_offset = config.src_batch_index * block_nbytes
     if dst_block_indices is None:
         if dst_block_memory_size:
             _param_invalid(api, "dst_block_memory_size must be None or 0 for a continuous destination")
-        runs = (Run(slot_offset, 0, block_nbytes),)
-        return _TransferPlan(config.dst_cluster_id, layers, tuple(config.dst_addrs), runs, block_nbytes, 0)
+        tensor = slot_push(slot_offset, block_nbytes)
+        return _TransferPlan(config.dst_cluster_id, layers, tuple(config.dst_addrs), tensor)
     if src_block_indices is not None:
         _param_invalid(api, "a continuous source takes no src_block_indices")
     if not dst_block_memory_size:
@@ -311,13 +284,5 @@ def plan_transfer(
         _param_invalid(
             api, f"{len(dst_block_indices)} blocks of {piece} bytes cannot hold a {block_nbytes}-byte slot"
         )
-    low = min(dst_block_indices)
-    pieces = [
-        Run(slot_offset + k * piece, (d - low) * piece, min(piece, block_nbytes - k * piece))
-        for k, d in enumerate(dst_block_indices)
-        if k * piece < block_nbytes
-    ]
-    span = max(run.dst_offset + run.nbytes for run in pieces)
-    return _TransferPlan(
-        config.dst_cluster_id, layers, tuple(config.dst_addrs), tuple(pieces), span, low * piece
-    )
+    tensor = slot_to_blocks_push(slot_offset, block_nbytes, dst_block_indices, piece)
+    return _TransferPlan(config.dst_cluster_id, layers, tuple(config.dst_addrs), tensor)

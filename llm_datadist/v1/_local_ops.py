@@ -2,23 +2,18 @@
 `swap_blocks` (blocks between a user-owned HOST cpu cache and a DEVICE cache of this process).
 
 Rules: every argument is checked before a byte moves; device caches are pinned for the copy (a concurrent
-deallocate cannot free them mid-copy); each copy is one plan of contiguous runs (`shm.copyplan`), built
-with numpy and executed by `core.copier`, with no Python loop per block per tensor.
+deallocate cannot free them mid-copy); the copy itself is the library's (`_local`: one plan of contiguous
+runs, run by `core.copier`, with no Python loop per block per tensor).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, NoReturn
 
-import numpy as np
-import numpy.typing as npt
-
-from llm_datadist._shm.copyplan import plan_block_copy, plan_tensor_copy
-
+from .. import _local
 from .._errors import api_errors
 from .._owner.records import CacheRecord
 from .._validate import check_dict, check_int64, check_isinstance, check_items, check_uint32, check_uint64
@@ -140,13 +135,15 @@ def copy_cache(
     with _pinned(api, core, src_record, dst_record) as (src_pinned, dst_pinned):
         src_base = src_batch_index * slot_nbytes + offset
         dst_base = dst_batch_index * slot_nbytes + offset
-        runs = plan_tensor_copy(
-            [src_pinned.tensor_offset(t) + src_base for t in range(src_pinned.num_tensors)],
-            [dst_pinned.tensor_offset(t) + dst_base for t in range(dst_pinned.num_tensors)],
-            nbytes,
-        )
         with api_errors(api):
-            core.copier.run(runs, src_pinned.pool_block.segment.array, dst_pinned.pool_block.segment.array)
+            _local.copy_ranges(
+                core.copier,
+                src_pinned.pool_block.segment.array,
+                dst_pinned.pool_block.segment.array,
+                [src_pinned.tensor_offset(t) + src_base for t in range(src_pinned.num_tensors)],
+                [dst_pinned.tensor_offset(t) + dst_base for t in range(dst_pinned.num_tensors)],
+                nbytes,
+            )
 
 
 def copy_blocks(api: str, core: Core, cache: KvCache, copy_block_info: dict[int, list[int]]) -> None:
@@ -195,17 +192,16 @@ def copy_blocks(api: str, core: Core, cache: KvCache, copy_block_info: dict[int,
 
     with _pinned(api, core, record) as (pinned,):
         offsets = [pinned.tensor_offset(t) for t in range(pinned.num_tensors)]
-        block_nbytes = pinned.slot_nbytes
-        runs = plan_block_copy(
-            offsets, offsets, src_blocks, dst_blocks_flat, block_nbytes, block_nbytes, block_nbytes
-        )
         array = pinned.pool_block.segment.array
         with api_errors(api):
-            core.copier.run(runs, array, array)
+            _local.copy_blocks(
+                core.copier, array, array, offsets, offsets, src_blocks, dst_blocks_flat, pinned.slot_nbytes
+            )
 
 
-def _host_views(api: str, name: str, cache: KvCache) -> tuple[list[npt.NDArray[np.uint8]], int, int]:
-    """(one uint8 view per tensor over the caller's memory, block count, block nbytes) of a cpu cache."""
+def _host_tensors(api: str, name: str, cache: KvCache) -> tuple[list[int], int, int, int]:
+    """(one address per tensor of the caller's memory, tensor nbytes, block count, block nbytes) of a cpu
+    cache."""
     if cache.cache_id != -1 or cache.cache_desc.placement != Placement.HOST:
         _invalid(api, f"{name} is not a cpu cache (KvCache.create_cpu_cache, placement HOST)")
     desc = cache.cache_desc
@@ -219,8 +215,7 @@ def _host_views(api: str, name: str, cache: KvCache) -> tuple[list[npt.NDArray[n
     if len(addrs) != desc.num_tensors or desc.num_tensors == 0:
         _invalid(api, f"{name} has {len(addrs)} addresses for {desc.num_tensors} tensors")
     tensor_nbytes = desc.size
-    views = [np.ctypeslib.as_array((ctypes.c_ubyte * tensor_nbytes).from_address(addr)) for addr in addrs]
-    return views, shape[0], tensor_nbytes // shape[0]
+    return list(addrs), tensor_nbytes, shape[0], tensor_nbytes // shape[0]
 
 
 def swap_blocks(api: str, core: Core, src: KvCache, dst: KvCache, src_to_dst: dict[int, int]) -> None:
@@ -248,17 +243,19 @@ def swap_blocks(api: str, core: Core, src: KvCache, dst: KvCache, src_to_dst: di
     host_cache, device_cache = (src, dst) if src_is_host else (dst, src)
     host_name, device_name = ("src", "dst") if src_is_host else ("dst", "src")
     record = _device_record(api, core, device_name, device_cache)
-    host_views, host_num_blocks, host_block_nbytes = _host_views(api, host_name, host_cache)
+    host_addrs, host_tensor_nbytes, host_num_blocks, host_block_nbytes = _host_tensors(
+        api, host_name, host_cache
+    )
     if host_block_nbytes != record.slot_nbytes:
         _invalid(
             api,
             f"{host_name} block size {host_block_nbytes} and {device_name} block size "
             f"{record.slot_nbytes} must be equal",
         )
-    if len(host_views) != record.num_tensors:
+    if len(host_addrs) != record.num_tensors:
         _invalid(
             api,
-            f"{host_name} num_tensors {len(host_views)} and {device_name} num_tensors "
+            f"{host_name} num_tensors {len(host_addrs)} and {device_name} num_tensors "
             f"{record.num_tensors} must be equal",
         )
     src_num_blocks, dst_num_blocks = (
@@ -282,14 +279,15 @@ def swap_blocks(api: str, core: Core, src: KvCache, dst: KvCache, src_to_dst: di
     log.debug(
         "[%s] %s %d blocks of %d bytes", api, "in" if src_is_host else "out", len(src_blocks), block_nbytes
     )
-    with _pinned(api, core, record) as (pinned,):
-        segment_array = pinned.pool_block.segment.array
-        for tensor_index, host_view in enumerate(host_views):
-            device_offset = pinned.tensor_offset(tensor_index)
-            src_offset, dst_offset = (0, device_offset) if src_is_host else (device_offset, 0)
-            runs = plan_block_copy(
-                [src_offset], [dst_offset], src_blocks, dst_blocks, block_nbytes, block_nbytes, block_nbytes
-            )
-            src_array, dst_array = (host_view, segment_array) if src_is_host else (segment_array, host_view)
-            with api_errors(api):
-                core.copier.run(runs, src_array, dst_array)
+    with _pinned(api, core, record) as (pinned,), api_errors(api):
+        _local.swap_host_blocks(
+            core.copier,
+            pinned.pool_block.segment.array,
+            [pinned.tensor_offset(t) for t in range(len(host_addrs))],
+            host_addrs,
+            host_tensor_nbytes,
+            src_blocks,
+            dst_blocks,
+            block_nbytes,
+            to_host=not src_is_host,
+        )

@@ -1,19 +1,18 @@
 """`CacheManager`'s copies inside this process: `copy_cache`, `copy_blocks` and `swap_blocks`.
 
 Rules: both sides are pinned for the copy (a cpu cache of `swap_blocks` is memory the caller owns and
-pins nothing); ranges are checked against both caches before any byte moves.
+pins nothing); ranges are checked against both caches before any byte moves; the copy itself is the
+library's (`_local.copy_units_at`: through address views, one plan per pair of tensors).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from llm_datadist._shm.copyplan import plan_block_copy
-
-from .._copy import address_view
 from .._core import PLACEMENT_DEVICE, PLACEMENT_HOST
+from .._local import TensorAddrs, copy_units_at
 from .._validate import (
     check_int64,
     check_isinstance,
@@ -75,16 +74,12 @@ class Copies(ManagerBase):
             core.pins.pinned(src_record.cache_id),
             core.pins.pinned(dst_record.cache_id),
         ):
-            _addr_copy(
+            copy_units_at(
                 core.copier,
-                src_record.tensor_addrs(),
-                dst_record.tensor_addrs(),
-                src_record.tensor_nbytes,
-                dst_record.tensor_nbytes,
+                TensorAddrs(src_record.tensor_addrs(), src_record.tensor_nbytes, slot),
+                TensorAddrs(dst_record.tensor_addrs(), dst_record.tensor_nbytes, slot),
                 [src_batch_index],
                 [dst_batch_index],
-                slot,
-                slot,
                 nbytes,
                 offset,
             )
@@ -113,19 +108,8 @@ class Copies(ManagerBase):
             return
         block = record.slot_nbytes
         with self._timeout_errors(api), core.pins.pinned(record.cache_id):
-            addrs = record.tensor_addrs()
-            _addr_copy(
-                core.copier,
-                addrs,
-                addrs,
-                record.tensor_nbytes,
-                record.tensor_nbytes,
-                [s for s, _ in pairs],
-                destinations,
-                block,
-                block,
-                block,
-            )
+            tensors = TensorAddrs(record.tensor_addrs(), record.tensor_nbytes, block)
+            copy_units_at(core.copier, tensors, tensors, [s for s, _ in pairs], destinations, block)
 
     def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> None:
         """Copy blocks `src -> dst` between two blocks caches, HOST -> DEVICE or DEVICE -> HOST by their
@@ -174,18 +158,7 @@ class Copies(ManagerBase):
             for side in (src, dst):
                 if side.cache_id is not None:
                     pins.enter_context(core.pins.pinned(side.cache_id))
-            _addr_copy(
-                core.copier,
-                src.addrs,
-                dst.addrs,
-                src.span_nbytes,
-                dst.span_nbytes,
-                src_units,
-                dst_units,
-                src.block_nbytes,
-                dst.block_nbytes,
-                src.block_nbytes,
-            )
+            copy_units_at(core.copier, src.tensors(), dst.tensors(), src_units, dst_units, src.block_nbytes)
 
     def _swap_side(self, api: str, core: Core, cache: Cache, name: str) -> _SwapSide:
         """One side of swap_blocks: a cpu cache (cache_id -1: the caller's memory, as its descriptor says)
@@ -211,28 +184,6 @@ class Copies(ManagerBase):
         )
 
 
-def _addr_copy(
-    copier: Any,
-    src_addrs: list[int],
-    dst_addrs: list[int],
-    src_span_nbytes: int,
-    dst_span_nbytes: int,
-    src_units: list[int],
-    dst_units: list[int],
-    src_unit_nbytes: int,
-    dst_unit_nbytes: int,
-    nbytes: int,
-    offset: int = 0,
-) -> None:
-    """Copy unit `src_units[k]` to unit `dst_units[k]` of every tensor pair, through address views (pool
-    caches, registered memory and cpu caches alike); one numpy-built plan per tensor."""
-    for src_addr, dst_addr in zip(src_addrs, dst_addrs, strict=True):
-        runs = plan_block_copy(
-            [offset], [offset], src_units, dst_units, src_unit_nbytes, dst_unit_nbytes, nbytes
-        )
-        copier.run(runs, address_view(src_addr, src_span_nbytes), address_view(dst_addr, dst_span_nbytes))
-
-
 @dataclass(frozen=True, slots=True)
 class _SwapSide:
     """One cache of a swap_blocks call: its tensors' addresses and block layout; `cache_id` None for a cpu
@@ -245,3 +196,7 @@ class _SwapSide:
     num_tensors: int
     span_nbytes: int
     placement: int
+
+    def tensors(self) -> TensorAddrs:
+        """The side's tensors as `_local` copies them: by address, a block a unit."""
+        return TensorAddrs(self.addrs, self.span_nbytes, self.block_nbytes)
