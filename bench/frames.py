@@ -1,6 +1,6 @@
 """What a frame costs in the sans-IO protocol, with and without the tags of TCP links: a Ping and its Pong
 between two Connections (a Unix socket's pair, then a TCP pair after its handshake); the tag of a frame of
-about 1 MiB (a check costs the same); that frame encoded and decoded from 256 KiB reads (as `_transport`
+about 1 MiB (a check costs the same); that frame encoded and decoded from 256 KiB reads (as the wire
 reads), both ways. No socket: CPU per frame. `python -m llm_datadist._bench.frames [--repeat N]`: best of
 N runs, in microseconds.
 """

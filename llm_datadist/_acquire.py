@@ -33,7 +33,7 @@ from . import _faults
 from ._dataplane import peer_index, pin, unpin
 from ._errors import PeerGone, StatusError
 from ._source import Location, SourceRef
-from ._transport import ClientLink
+from ._wire.client import ClientLink
 from .status import LLMStatusCode
 
 

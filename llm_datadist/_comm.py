@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from ._errors import StatusError
 from ._rank_table import RankTable
 from ._runtime import is_local_ip, socket_path_in_runtime
-from ._transport import PeerInfo
+from ._wire.peer import PeerInfo
 from .status import LLMStatusCode
 from .utils.log import log
 

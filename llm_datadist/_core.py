@@ -40,7 +40,9 @@ from ._owner.table import CacheTable
 from ._runtime import ensure_runtime_dir, remove_stale_sockets, socket_path, socket_path_in_runtime
 from ._settings import Settings
 from ._transfers import Transfers
-from ._transport import ClientLink, PeerInfo, Server
+from ._wire.client import ClientLink
+from ._wire.peer import PeerInfo
+from ._wire.server import Server
 from .configs import LLMRole
 from .status import LLMStatusCode
 from .utils.log import log

@@ -17,13 +17,13 @@ from collections.abc import Callable
 from llm_datadist._protocol.messages import MAX_ADDRESS_NAMES, Addresses, AddressRequest
 from llm_datadist._shm.segment import Segment
 
-from . import _auth
 from ._errors import PeerGone, StatusError
 from ._owner.pins import LocalPins
 from ._owner.records import CacheRecord
 from ._owner.table import CacheTable
 from ._remote import MissingExtra, RemoteEngine, engine_available, shared_engine
-from ._transport import ClientLink
+from ._wire import auth
+from ._wire.client import ClientLink
 from .status import LLMStatusCode
 
 
@@ -36,13 +36,13 @@ class CrossHost:
         self._timeout_code = timeout_code
         self.secret: bytes | None = None
         self.secret_problem = (
-            f"no shared secret: set {_auth.ENV_SECRET} (or {_auth.ENV_SECRET_FILE}, a file of mode 0600) "
+            f"no shared secret: set {auth.ENV_SECRET} (or {auth.ENV_SECRET_FILE}, a file of mode 0600) "
             "to the same value on both hosts"
         )
         self.secret_unusable = False  # one is configured, but cannot be used (said at every use)
         try:
-            self.secret = _auth.load_secret()
-        except _auth.SecretError as exc:
+            self.secret = auth.load_secret()
+        except auth.SecretError as exc:
             self.secret_problem = str(exc)
             self.secret_unusable = True
         self._engine: RemoteEngine | None = None

@@ -44,7 +44,8 @@ from ._keys import (
     registered_for_v1,
 )
 from ._source import V2, SourceRef
-from ._transport import ClientLink, PeerInfo
+from ._wire.client import ClientLink
+from ._wire.peer import PeerInfo
 from .status import LLMStatusCode
 
 # An unpin after the copy gets at least this long for the lock, whatever the transfer's deadline left.

@@ -22,7 +22,8 @@ from ._errors import PeerGone, StatusError
 from ._movers import EngineMover, HostMover, Mover
 from ._remote import MissingExtra
 from ._runtime import is_local_ip, socket_path, socket_path_in_runtime
-from ._transport import ClientLink, Server
+from ._wire.client import ClientLink
+from ._wire.server import Server
 from .status import LLMStatusCode
 from .utils.log import log
 

@@ -29,8 +29,8 @@ from ._copy import Copier, address_view, vm_columns
 from ._errors import PeerGone, StatusError
 from ._owner.records import CacheRecord
 from ._source import Location
-from ._transport import ClientLink
 from ._vm import FEW_RUNS, PreparedRuns, VmBadAddress, VmError, VmNotPermitted, VmProcessGone, VmRun
+from ._wire.client import ClientLink
 from .status import LLMStatusCode
 
 if TYPE_CHECKING:

@@ -34,8 +34,8 @@ from ._owner.pins import LocalPins
 from ._owner.records import CacheRecord
 from ._source import RemoteCache, RemoteTable
 from ._transfers import Transfers
-from ._transport import ClientLink
 from ._vm import PreparedRuns
+from ._wire.client import ClientLink
 from .status import LLMStatusCode
 
 # A peer's one-sided table comes in pages; more pages than this is a peer describing more than it can own.

@@ -386,7 +386,7 @@ def probe(port: int, remote_cluster_id: int, probe_cluster_id: int, timeout_s: f
     answered, else why not."""
     from llm_datadist._protocol.messages import Ping, Pong
     from llm_datadist._runtime import socket_path
-    from llm_datadist._transport import ClientLink
+    from llm_datadist._wire.client import ClientLink
 
     deadline = time.monotonic() + timeout_s
     try:

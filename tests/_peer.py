@@ -395,7 +395,7 @@ def _lease_holder_main(pipe: Connection, socket_file: str, remote_cluster_id: in
     from pathlib import Path
 
     from llm_datadist._protocol.messages import KEY_REQ, PullRequest
-    from llm_datadist._transport import ClientLink
+    from llm_datadist._wire.client import ClientLink
 
     link = ClientLink.connect(
         Path(socket_file),
@@ -454,7 +454,7 @@ def _index_holder_main(
 
     from llm_datadist._dataplane import peer_index, pin, unpin
     from llm_datadist._source import V1, V2, SourceRef
-    from llm_datadist._transport import ClientLink
+    from llm_datadist._wire.client import ClientLink
     from llm_datadist.status import LLMStatusCode
 
     incarnation = 4242

@@ -4,5 +4,5 @@ Reading order: `records` (what is recorded), `table` (caches and keys, what the 
 `mirror` (the published index pullers on this host read and pin in), `rows` (a row's life), `pins` (this
 process's own transfers' hold on its caches), `leases` (what peers hold by message, and their
 connections' rows), `service` (requests read off a connection become calls here). The server
-(`_transport`) is handed a `CacheService` and never sees a table.
+(`_wire`) is handed a `CacheService` and never sees a table.
 """

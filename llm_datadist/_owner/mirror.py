@@ -46,7 +46,7 @@ from .rows import Rows
 # stopped process holds it longer); an instance waits its `sync_kv_timeout`.
 INDEX_LOCK_TIMEOUT_S = 5.0
 # The server thread never waits that long: what it cannot do at once it retries at its next housekeeping
-# (a request waits in its connection's queue meanwhile; see `_transport.Server`).
+# (a request waits in its connection's queue meanwhile; see `_wire.server.Server`).
 SERVER_LOCK_TIMEOUT_S = 0.005
 # Housekeeping runs about twice a second; every this many times it also looks for stray writes into the
 # index (a few milliseconds for the default capacities).

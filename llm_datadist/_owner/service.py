@@ -1,7 +1,7 @@
 """What the owner answers its peers: the one place a request read off a connection becomes a call on the
 table (`leases.Leases`, `table.CacheTable`) and a reply.
 
-Rules: the server (`_transport.Server`) owns connections and the handshake and hands every request of a
+Rules: the server (`_wire.server.Server`) owns connections and the handshake and hands every request of a
 linked peer to `CacheService.answer`; it never sees a cache. A StatusError becomes the peer's Error reply;
 IndexBusy (the index lock is held elsewhere; nothing was done) makes the server park the request and
 retry it. What the rest of the process must decide (is a push into that peer running, how its engine
@@ -29,7 +29,7 @@ from llm_datadist._protocol.messages import (
 )
 
 from .._errors import StatusError
-from .._transport import PeerInfo
+from .._wire.peer import PeerInfo
 from ..status import LLMStatusCode
 from .leases import Leases
 from .mirror import SERVER_LOCK_TIMEOUT_S

@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 
 from llm_datadist import _remote
-from llm_datadist._auth import ENV_SECRET
+from llm_datadist._wire.auth import ENV_SECRET
 
 IP_TIMEOUT_S = 10.0
 CLONE_NEWNET = 0x40000000

@@ -1,4 +1,4 @@
-"""What the TCP server decides about peers that have not proved the secret (`_admission`), without a
+"""What the TCP server decides about peers that have not proved the secret (`_wire.admission`), without a
 socket or a clock: which unproven connection makes room for a newcomer, and how refusals are counted into
 one log line per source address and interval."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_datadist._admission import AdmissionLimits, Refusal, RefusalLog, make_room
+from llm_datadist._wire.admission import AdmissionLimits, Refusal, RefusalLog, make_room
 
 # ------------------------------------------------------------------ which unproven connection makes room
 

@@ -1,8 +1,8 @@
-"""The shared secret of TCP links (`_auth`) and what the TCP server does before a peer proved it knows it:
-the secret's sources and their checks, the proofs, and a real `Server` listening on loopback TCP that
-refuses a wrong proof, a Hello before its Challenge, an oversized frame and a peer slow to prove itself,
-whose unproven connections from one address (loopback has a whole /8 of them) never keep out a peer from
-another, and whose refusals make one log line per address and interval."""
+"""The shared secret of TCP links (`_wire.auth`) and what the TCP server does before a peer proved it
+knows it: the secret's sources and their checks, the proofs, and a real `Server` listening on loopback
+TCP that refuses a wrong proof, a Hello before its Challenge, an oversized frame and a peer slow to
+prove itself, whose unproven connections from one address (loopback has a whole /8 of them) never keep
+out a peer from another, and whose refusals make one log line per address and interval."""
 
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ from typing import Any
 
 import pytest
 
-from llm_datadist import _auth
-from llm_datadist._admission import AdmissionLimits
 from llm_datadist._errors import StatusError
 from llm_datadist._owner.leases import Leases
 from llm_datadist._owner.service import CacheService, NodeHooks
@@ -29,7 +27,10 @@ from llm_datadist._owner.table import CacheTable
 from llm_datadist._protocol.connection import Connection, ConnRole
 from llm_datadist._protocol.frames import encode_frame
 from llm_datadist._protocol.messages import PROTOCOL_VERSION, Challenge, Error, Hello, Message, Ping, Pong
-from llm_datadist._transport import ClientLink, Server
+from llm_datadist._wire import auth as _auth
+from llm_datadist._wire.admission import AdmissionLimits
+from llm_datadist._wire.client import ClientLink
+from llm_datadist._wire.server import Server
 from llm_datadist.status import LLMStatusCode
 from tests._logs import warning_lines
 

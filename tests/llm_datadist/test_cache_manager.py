@@ -433,7 +433,7 @@ def test_v2_timeout_is_llm_timeout(seed: int, _runtime_dir) -> None:  # type: ig
 
 def test_forged_requests_are_refused_without_touching_memory(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
     from llm_datadist._protocol.messages import KEY_BLOCKS, ResolveRequest, WriteRequest
-    from llm_datadist._transport import ClientLink
+    from llm_datadist._wire.client import ClientLink
 
     extra = _v2_options(remote_access=False)
     port = next(_ports)

@@ -31,7 +31,7 @@ from llm_datadist._owner.table import CacheTable
 from llm_datadist._shm.index import Index
 from llm_datadist._shm.pool import Pool
 from llm_datadist._source import V2, SourceRef
-from llm_datadist._transport import PeerInfo
+from llm_datadist._wire.peer import PeerInfo
 from llm_datadist.status import LLMStatusCode
 
 NUM_TENSORS = 2

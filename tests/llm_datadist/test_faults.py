@@ -31,7 +31,7 @@ from llm_datadist import (
 )
 from llm_datadist._protocol.messages import Ping, Pong
 from llm_datadist._runtime import socket_path
-from llm_datadist._transport import ClientLink
+from llm_datadist._wire.client import ClientLink
 from tests._fault_peer import FaultPeer, Transfer, finalize_during_pull
 
 OWNER_ID = 1

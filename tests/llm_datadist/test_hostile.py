@@ -36,7 +36,6 @@ from llm_datadist import (
     LLMDataDist,
     LLMRole,
     LLMStatusCode,
-    _auth,
 )
 from llm_datadist._protocol.frames import DEFAULT_MAX_FRAME_NBYTES, FrameDecoder, encode_frame
 from llm_datadist._protocol.integrity import FrameTagger, derive_frame_keys
@@ -74,7 +73,9 @@ from llm_datadist._protocol.messages import (
     decode_message,
 )
 from llm_datadist._remote import engine_available
-from llm_datadist._transport import MAX_CONNECTIONS, ClientLink
+from llm_datadist._wire import auth as _auth
+from llm_datadist._wire.client import ClientLink
+from llm_datadist._wire.server import MAX_CONNECTIONS
 from llm_datadist.ext import tensor_views
 from tests._peer import PROMPT_IP, PromptPeer, decoder, prompt_options, tensor_views_v2
 

@@ -26,7 +26,7 @@ from llm_datadist import (
 )
 from llm_datadist._protocol.messages import KEY_REQ, Ping, PullGrant, PullRequest, Release
 from llm_datadist._shm.index import KIND_REQ, Index
-from llm_datadist._transport import ClientLink
+from llm_datadist._wire.client import ClientLink
 from tests._peer import start_index_holder, start_lease_holder
 
 OWNER_ID = 1

@@ -581,7 +581,7 @@ dd.unlink(comm_id)
 
 HOSTILE = """
 import os, socket
-from llm_datadist import _auth
+from llm_datadist._wire import auth as _auth
 from llm_datadist._protocol.connection import Closed, Connection, ConnRole
 from llm_datadist._protocol.frames import encode_frame
 from llm_datadist._protocol.integrity import derive_frame_keys

@@ -563,7 +563,7 @@ def test_a_prompt_killed_during_the_copy_leaves_the_bytes_readable(seed: int, _r
     # The Decoder's side of a pull, step by step: granted, then the Prompt dies before the copy.
     from llm_datadist._errors import PeerGone
     from llm_datadist._protocol.messages import KEY_REQ, Ping, PullGrant, PullRequest, Release
-    from llm_datadist._transport import ClientLink
+    from llm_datadist._wire.client import ClientLink
 
     with PromptPeer(P, _port(), seed) as peer:
         cache_id = peer.alloc(2, [1, 3333], [(P, 1)])

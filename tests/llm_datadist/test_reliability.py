@@ -28,7 +28,6 @@ from llm_datadist import (
     LLMRole,
     LLMStatusCode,
     _links,
-    _transport,
 )
 from llm_datadist._errors import PeerGone, StatusError
 from llm_datadist._keys import KEY_BLOCKS
@@ -50,7 +49,9 @@ from llm_datadist._protocol.messages import (
     TableRequest,
 )
 from llm_datadist._shm.pool import Pool
-from llm_datadist._transport import ClientLink, Server
+from llm_datadist._wire import conn as _conn
+from llm_datadist._wire.client import ClientLink
+from llm_datadist._wire.server import Server
 from llm_datadist.ext import tensor_views
 from tests._peer import PROMPT_IP, PromptPeer, decoder, tensor_views_v2
 
@@ -361,7 +362,7 @@ def test_a_table_of_thousands_of_caches_comes_in_pages(seed: int, _runtime_dir: 
 def test_a_peer_that_never_reads_its_replies_is_dropped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_transport, "MAX_OUTBUF_NBYTES", 64 << 10)
+    monkeypatch.setattr(_conn, "MAX_OUTBUF_NBYTES", 64 << 10)
     table = CacheTable({1: Pool(capacity_nbytes=1 << 20)}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
     server = Server(cluster_id=P, role=1, service=CacheService(Leases(table)), incarnation=5)
     path = tmp_path / "s.sock"

@@ -42,7 +42,7 @@ def test_documented_errors(seed: int) -> None:
 
 
 def test_decoder_becomes_prompt_and_back(_runtime_dir) -> None:  # type: ignore[no-untyped-def]
-    from llm_datadist._transport import ClientLink
+    from llm_datadist._wire.client import ClientLink
 
     with decoder(5, extra={"llm.EnableSwitchRole": "1"}) as dd:
         kvm = dd.kv_cache_manager

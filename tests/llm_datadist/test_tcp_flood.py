@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from llm_datadist._admission import AdmissionLimits
 from llm_datadist._remote import engine_available
+from llm_datadist._wire.admission import AdmissionLimits
 from tests._netns import HostPair, HostProcess, require_netns
 
 SECRET = "test-secret-of-the-flood-test"

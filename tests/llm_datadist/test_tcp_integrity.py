@@ -22,7 +22,8 @@ from llm_datadist._protocol.frames import HEADER_NBYTES
 from llm_datadist._protocol.integrity import TAG_NBYTES
 from llm_datadist._protocol.messages import Ping, Pong, PullGrant, PullRequest, Release
 from llm_datadist._shm.pool import Pool
-from llm_datadist._transport import ClientLink, Server
+from llm_datadist._wire.client import ClientLink
+from llm_datadist._wire.server import Server
 from llm_datadist.status import LLMStatusCode
 from tests._logs import WarningLines, warning_lines
 

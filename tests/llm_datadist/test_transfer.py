@@ -293,7 +293,7 @@ def test_a_transfer_waits_for_a_destinations_pull_to_end_and_is_busy_past_the_ti
     way): a transfer into that cluster waits for it, and is LLM_LINK_BUSY only if the pull still holds
     its lease when the transfer's timeout ran out."""
     from llm_datadist._protocol.messages import KEY_REQ, PullGrant, PullRequest, Release
-    from llm_datadist._transport import ClientLink
+    from llm_datadist._wire.client import ClientLink
 
     extra = {"llm.SyncKvCacheWaitTime": "800"}
     with PromptPeer(P, next(_ports), seed, extra=extra) as peer, decoder(D) as dd:
