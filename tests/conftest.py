@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,32 +55,81 @@ def _runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     return runtime
 
 
-def _ours(name: str, descendants: set[int]) -> bool:
-    """Whether a new /dev/shm entry can be this test's: made by us, by a descendant, or by a dead process.
-    A segment of a live, unrelated process belongs to another session running at the same time."""
-    from llm_datadist._shm.names import owner_alive, parse_segment_name
+def _children_of(pid: int) -> list[int]:
+    """The direct children of `pid`, from the kernel's per-thread lists (no walk of every process)."""
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        with contextlib.suppress(OSError, ValueError):
+            found.extend(int(child) for child in Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+    return found
+
+
+class _Descendants:
+    """Every process that was this test's descendant, as (pid, start ticks), seen by a thread that looks
+    every few milliseconds while the test runs. A segment whose owner died counts as the test's only if its
+    owner was seen here: another session running on the machine at the same time (pytest in another
+    checkout, an xdist worker) leaves its own dead processes' segments for its own check."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[int, int]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="test-descendants", daemon=True)
+
+    def __enter__(self) -> _Descendants:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self.look()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.005):
+            self.look()
+
+    def look(self) -> None:
+        from llm_datadist._shm.errors import ProcessGone
+        from llm_datadist._shm.names import process_start_ticks
+
+        pending = _children_of(os.getpid())
+        while pending:
+            pid = pending.pop()
+            with contextlib.suppress(ProcessGone, OSError, ValueError, IndexError):
+                self.seen.add((pid, process_start_ticks(pid)))
+            pending.extend(_children_of(pid))
+
+
+def _ours(name: str, descendants: _Descendants) -> bool:
+    """Whether a new /dev/shm entry is this test's: made by us or by a process seen as our descendant.
+    A segment of any other process, alive or dead, belongs to another session running at the same time."""
+    from llm_datadist._shm.names import parse_segment_name
 
     owner = parse_segment_name(name)
     if owner is None:
         # multiprocessing's semaphores (sem.mp-*) carry no owner: one may be another session's, alive,
         # and the library never makes any, so they are neither judged nor removed here.
         return not name.startswith("sem.")
-    if owner.pid == os.getpid() or owner.pid in descendants:
-        return True
-    return not owner_alive(owner)
+    if owner.uid != os.getuid():
+        return False
+    return owner.pid == os.getpid() or (owner.pid, owner.start_ticks) in descendants.seen
 
 
 @pytest.fixture(autouse=True)
 def _no_leaks() -> Iterator[None]:
     before = _shm_entries()
-    yield
+    with _Descendants() as descendants:
+        yield
     # Children get a short grace period to finish exiting; a test that relies on it is still reaped here.
     deadline = time.monotonic() + 5.0
     children = _live_children()
     while children and time.monotonic() < deadline:
         time.sleep(0.02)
         children = _live_children()
-    descendants = {child.pid for child in children}
     for child in children:
         child.kill()
     leaked = sorted(name for name in _shm_entries() - before if _ours(name, descendants))
