@@ -20,8 +20,7 @@ from llm_datadist._protocol.messages import Ping, Pong
 from ._crosshost import CrossHost
 from ._errors import PeerGone, StatusError
 from ._movers import EngineMover, HostMover, Mover
-from ._remote import MissingExtra
-from ._runtime import is_local_ip, socket_path, socket_path_in_runtime
+from ._runtime import ENV_RUNTIME_DIR, is_local_ip, socket_path, socket_path_in_runtime
 from ._wire.client import ClientLink
 from ._wire.server import Server
 from .status import LLMStatusCode
@@ -115,9 +114,13 @@ class Links:
     def link(
         self, remote_cluster_id: int, ip: str, port: int, deadline: float, local_ip: str = ""
     ) -> LLMStatusCode:
-        """Link to the side listening at `ip:port`: through its Unix socket when `ip` is this host's, over
-        TCP otherwise (from `local_ip` when that is one of ours). MissingExtra (raised) when the link
-        needs the transfer engine and it is not installed; every other failure is a returned code."""
+        """Link to the side listening at `ip:port`; every failure is a returned code, said in the log.
+
+        How an address is resolved: a side of this user on this host that listens at `ip:port` (its Unix
+        socket in the runtime directory) is linked through that socket, whatever the ip (a device ip
+        copied from a real deployment's config works on one host); an ip of this host with nobody
+        listening fails there; any other ip is a peer on another host, linked over TCP from `local_ip`
+        when that is one of ours (the shared secret and Mooncake Transfer Engine are needed)."""
         self._server.check_alive()
         with self.lock:
             if remote_cluster_id in self._links:
@@ -125,18 +128,14 @@ class Links:
             if len(self._links) >= MAX_LINKS:
                 log.error("link to cluster %d refused: %d links is the limit", remote_cluster_id, MAX_LINKS)
                 return LLMStatusCode.LLM_LINK_FAILED
+        where = f"link to cluster {remote_cluster_id} at {ip}:{port} failed"
         try:
-            if is_local_ip(ip):
-                link = self.connect_unix(socket_path(ip, port), remote_cluster_id, deadline)
-            else:
-                link = self.connect_tcp(remote_cluster_id, ip, port, deadline, local_ip)
-        except MissingExtra:
-            raise
+            link = self._connect(remote_cluster_id, ip, port, deadline, local_ip)
         except StatusError as exc:
-            log.error("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc.detail)
+            log.error("%s: %s", where, exc.detail)
             return exc.code
         except Exception as exc:
-            log.error("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc)
+            log.error("%s: %s", where, exc)
             return LLMStatusCode.LLM_LINK_FAILED
         with self.lock:
             refused = (
@@ -152,6 +151,31 @@ class Links:
             link.close(say_bye=True)
             return refused
         return LLMStatusCode.LLM_SUCCESS
+
+    def _connect(
+        self, remote_cluster_id: int, ip: str, port: int, deadline: float, local_ip: str
+    ) -> ClientLink:
+        """The link `link` resolves `ip:port` to (its docstring says how); StatusError when it fails."""
+        path = socket_path(ip, port)
+        here = is_local_ip(ip)
+        if here or path.exists():
+            try:
+                return self.connect_unix(path, remote_cluster_id, deadline)
+            except StatusError as exc:
+                # A socket nobody serves any more, named after an address of another host: try that host.
+                if here or not isinstance(exc.__cause__, ConnectionRefusedError | FileNotFoundError):
+                    raise
+        try:
+            self._cross.require("")
+        except StatusError as exc:  # this process cannot reach other hosts: say what was looked for here
+            raise StatusError(
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"nothing of this user on this host listens at {ip}:{port} (no socket {path}) and {ip} is "
+                f"not an address of this host, so the peer would be on another host, and {exc.detail}. "
+                f"On one host: start the listening side first, with listen_ip_info {ip}:{port} and the "
+                f"same runtime directory ({ENV_RUNTIME_DIR})",
+            ) from exc
+        return self.connect_tcp(remote_cluster_id, ip, port, deadline, local_ip)
 
     def adopt(self, remote_cluster_id: int, link: ClientLink) -> None:
         """Hold a link made elsewhere (a two-sided link of `_comm`); the caller holds `lock` and checked

@@ -114,8 +114,9 @@ def test_state_env_and_errors(pair: HostPair, _runtime_dir: object) -> None:
     host = pair.host("a", env={"LLM_DATADIST_SECRET": "s3cret"})
     assert host.pid != os.getpid()
     assert host.run("import os; result = os.getpid()") == host.pid
-    # Environment: the parent's (the fixture's runtime dir) plus `env`.
-    assert host.run("result = os.environ['LLM_DATADIST_RUNTIME_DIR']") == str(_runtime_dir)
+    # Environment: the parent's plus `env`; the runtime dir is the namespace's own, below the parent's (a
+    # host sees no other host's sockets).
+    assert host.run("result = os.environ['LLM_DATADIST_RUNTIME_DIR']") == f"{_runtime_dir}/{pair.ns_a}"
     assert host.run("result = os.environ['LLM_DATADIST_SECRET']") == "s3cret"
     # State carries over between calls; `result` is per call.
     host.run("counter = 41")

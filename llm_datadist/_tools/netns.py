@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 
 from llm_datadist import _remote
+from llm_datadist._runtime import ENV_RUNTIME_DIR, runtime_dir
 from llm_datadist._wire.auth import ENV_SECRET
 
 IP_TIMEOUT_S = 10.0
@@ -133,7 +134,12 @@ def hosts_unavailable() -> str | None:
 
 def enter_netns(name: str) -> None:
     """Move the calling thread into namespace `name` (sockets it opens later live there; so do threads it
-    starts later). Call it first thing in a fresh process: threads started before stay where they were."""
+    starts later). Call it first thing in a fresh process: threads started before stay where they were.
+
+    The process also gets a runtime directory of that namespace's own (below the one it had): it plays a
+    host of its own, and a host sees no other host's sockets, so its links to the other namespace go over
+    TCP and its bytes through the transfer engine, as between two machines."""
+    os.environ[ENV_RUNTIME_DIR] = str(runtime_dir() / name)
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
     try:
