@@ -114,7 +114,8 @@ def _ours_kind(manager: Any, kind: str, plan: Plan) -> list[float]:
     """One pull of `kind` into a fresh cache of this process, checked, then `repeats` timed ones."""
     key = CacheKey(OWNER, U64_MAX, 0, PREFIX)
     pattern = plan.pattern
-    src_rows, dst_rows = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    src_rows: np.ndarray[Any, Any] = np.zeros(1, dtype=np.int64)
+    dst_rows: np.ndarray[Any, Any] = np.zeros(1, dtype=np.int64)
     repeats = plan.repeats
     if kind == "blocks":
         shape = [pattern.pool_blocks, pattern.block_nbytes // 2]
@@ -201,7 +202,7 @@ def _ours(results: Results, pair: Any, plan: Plan, port: int, env: dict[str, str
 # ====================================================================== Mooncake TE, two raw engines
 
 
-def _engine(ip: str, pool: np.ndarray) -> Any:
+def _engine(ip: str, pool: np.ndarray[Any, Any]) -> Any:
     from mooncake.engine import TransferEngine
 
     engine = TransferEngine()

@@ -20,9 +20,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default="", help="also write the results as JSON to this file")
     parser.add_argument("--plot", default="", help="also draw a PNG bar chart (needs the 'plot' extra)")
     parser.add_argument(
-        "--port", type=int, default=0, help="owner listen port (default: derived from the pid)"
+        "--port",
+        type=int,
+        default=0,
+        help="v1 owner's listen port, v2's is the next (default: two free ones, from the pid)",
     )
-    parser.add_argument("--timeout-ms", type=int, default=60000, help="sync_kv_timeout of both sides")
+    parser.add_argument(
+        "--timeout-ms", type=int, default=60000, help="sync_kv_timeout of both sides (default 60000)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument(
         "--hosts",

@@ -42,7 +42,7 @@ U64_MAX = 2**64 - 1
 PREFIX = 7  # the owner binds every benchmark cache to this prefix key: prefix keys are never consumed
 
 
-def fill_value(tensor_index: int, row: np.ndarray) -> np.ndarray:
+def fill_value(tensor_index: int, row: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """The byte the owner's "fill" writes into row `row` (a batch slot or a block) of tensor `tensor_index`:
     different for neighbouring rows and tensors, so a row pulled from or into the wrong place shows."""
     return unit_bytes(tensor_index * 31 + row)

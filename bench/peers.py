@@ -63,7 +63,7 @@ def _pool_nbytes(patterns: list[BlockPattern]) -> int:
     return max((p.tensors * p.tensor_nbytes for p in patterns), default=0)
 
 
-def _pool_fill(pool: np.ndarray) -> None:
+def _pool_fill(pool: np.ndarray[Any, Any]) -> None:
     """Chunk c (16 KiB) of the pool holds the byte `unit_bytes(c)`: writes every page once (prefaulted)."""
     chunks = pool.reshape(-1, _CHUNK)
     chunks[:] = unit_bytes(np.arange(len(chunks)))[:, None]
@@ -80,7 +80,7 @@ def _descs(pattern: BlockPattern, local_addr: int, remote_addr: int) -> tuple[li
     return local, remote
 
 
-def _check_blocks(pool: np.ndarray, pattern: BlockPattern) -> None:
+def _check_blocks(pool: np.ndarray[Any, Any], pattern: BlockPattern) -> None:
     """Every destination block of every tensor holds its source block's bytes (see `_pool_fill`)."""
     per_block = pattern.block_nbytes // _CHUNK
     src = np.asarray(pattern.src_blocks, dtype=np.int64)
@@ -231,7 +231,7 @@ def _mooncake_reader(
     return measured, blocks
 
 
-def _checked(read: Callable[[], None], local: np.ndarray, nbytes: int, repeats: int) -> list[float]:
+def _checked(read: Callable[[], None], local: np.ndarray[Any, Any], nbytes: int, repeats: int) -> list[float]:
     """Check that one read brings the owner's bytes, then time `repeats` more."""
     local[:nbytes] = 0
     read()
@@ -241,7 +241,7 @@ def _checked(read: Callable[[], None], local: np.ndarray, nbytes: int, repeats: 
 
 
 def _checked_blocks(
-    read: Callable[[], None], pool: np.ndarray, pattern: BlockPattern, repeats: int
+    read: Callable[[], None], pool: np.ndarray[Any, Any], pattern: BlockPattern, repeats: int
 ) -> list[float]:
     """Check that one read of the pattern brings the owner's blocks to their places, then time `repeats`."""
     pool[:] = 0

@@ -34,9 +34,10 @@ import numpy as np
 from llm_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType
 from llm_datadist._runtime import ensure_runtime_dir
 from llm_datadist._shm.reaper import reap
+from llm_datadist._tools.names import free_ports
 
 from . import peers
-from .ours import OWNER, PREFIX, U64_MAX, Owner, link, measurer
+from .ours import IP, OWNER, PREFIX, U64_MAX, Owner, link, measurer
 from .proc import BlockPattern, Results, block_patterns, copy_samples, fmt_nbytes, timed
 from .report import judge_targets, plot, print_report, write_json
 from .report import with_ratios as _with_ratios
@@ -423,7 +424,7 @@ def _targets(results: Results) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     results = Results(quiet=args.quiet)
     runtime = ensure_runtime_dir()
-    port = args.port or 30000 + os.getpid() % 30000
+    port = args.port or free_ports(IP, 2)  # v1's owner listens on port, v2's on port + 1
     steps: list[tuple[str, Callable[[], None]]] = []
     for nbytes in (64 << 10, 1 << 20, 16 << 20, 128 << 20) + (() if args.quick else (512 << 20,)):
         for threads in (1, 2):

@@ -20,6 +20,13 @@ from .utils.log import log
 # What a public method may raise besides LLMException (documented, and what the real library raises).
 _PUBLIC_TYPES = (LLMException, TypeError, ValueError, RuntimeError)
 
+# What a call through an instance that a forked child inherited from its parent says.
+FORK_HINT = (
+    "this LLMDataDist was initialised by process {pid}, before this process was forked from it; a forked "
+    "child cannot use its parent's instance: init one of its own in the child, or start children with "
+    "the spawn or forkserver start method (multiprocessing.get_context('spawn'))"
+)
+
 
 class StatusError(Exception):
     """An internal failure whose public status code is already known."""
@@ -72,6 +79,9 @@ class api_errors:
         if isinstance(exc, StatusError):
             raise make_error(api, exc.code, exc.detail) from exc
         if isinstance(exc, OutOfPoolMemory):
+            # A full pool, or /dev/shm that cannot back the pages (`SharedMemoryExhausted`, whose message
+            # names the mount, the bytes needed and free and how to raise it): the code of a full pool.
+            # Allocations arrive here already as the instance's own out-of-memory code (`CacheTable`).
             raise make_error(api, LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY, str(exc)) from exc
         if isinstance(exc, ShmError):
             raise make_error(api, LLMStatusCode.LLM_FAILED, f"shared memory: {exc}") from exc

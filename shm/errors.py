@@ -23,10 +23,29 @@ class OutOfPoolMemory(ShmError):
 
 
 class SharedMemoryExhausted(OutOfPoolMemory):
-    """The kernel could not back the pages (the tmpfs behind /dev/shm is full, or memory ran out).
+    """The tmpfs behind /dev/shm cannot back the pages asked for (it is full, or memory ran out), found by a
+    check before populating them or by the population failing. `space.exhausted` builds it: the message
+    names the directory and its mount, the bytes needed and free, and how to make it larger.
 
     A subclass of `OutOfPoolMemory` so a caller that handles a full pool handles a full host the same way.
     """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        needed_nbytes: int = 0,
+        free_nbytes: int = 0,
+        size_nbytes: int = 0,
+        directory: str = "/dev/shm",
+        error: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.error = error  # the errno of the population that failed; None: refused before populating
+        self.needed_nbytes = needed_nbytes
+        self.free_nbytes = free_nbytes
+        self.size_nbytes = size_nbytes
+        self.directory = directory
 
 
 class InvalidRange(ShmError):

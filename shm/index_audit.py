@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -90,12 +90,12 @@ def find_damage(shared: mmap.mmap, own: mmap.mmap, regions: Regions) -> list[str
     return damaged
 
 
-def _words(view: np.ndarray, offset: int, count: int, nbytes: int) -> np.ndarray:
+def _words(view: np.ndarray[Any, Any], offset: int, count: int, nbytes: int) -> np.ndarray[Any, Any]:
     """A region as one row of 64-bit words per entry."""
     return view[offset // 8 : (offset + count * nbytes) // 8].reshape(count, nbytes // 8)
 
 
-def _rows_sane(rows: np.ndarray, own: np.ndarray) -> bool:
+def _rows_sane(rows: np.ndarray[Any, Any], own: np.ndarray[Any, Any]) -> bool:
     """Words 0 (holder) and 4-7 (incarnation, padding) are the owner's; a row handed to nobody is all
     zero; a holder's state (the low half of word 1) is 0 or 1."""
     if not (np.array_equal(rows[:, 0], own[:, 0]) and np.array_equal(rows[:, 4:8], own[:, 4:8])):
@@ -104,7 +104,7 @@ def _rows_sane(rows: np.ndarray, own: np.ndarray) -> bool:
     return not rows[free].any() and bool(np.all((rows[:, 1] & 0xFFFFFFFF) <= 1))
 
 
-def _names_sane(names: np.ndarray, own: np.ndarray) -> bool:
+def _names_sane(names: np.ndarray[Any, Any], own: np.ndarray[Any, Any]) -> bool:
     """The owner's part of each name is as written (the high half of word 0, words 1-7); a free name is
     all zero; a live one is live or consumed, and its mask (words 8-15) has no bit past its key's
     tensor count (the high half of word 5)."""

@@ -25,11 +25,13 @@ unlinked by `close` (or by a finalizer when the creating process exits without c
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import struct
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -69,6 +71,7 @@ from .index import (
 from .index_audit import Regions, find_damage, puller_name_state, put_back
 from .names import make_segment_name
 from .reaper import SHM_DIR
+from .space import exhausted
 
 __all__ = ["OwnerIndex"]
 
@@ -123,7 +126,14 @@ class OwnerIndex(Index):
             raise ShmError("could not create a uniquely named index")
         try:
             os.fchmod(fd, 0o600)
-            os.ftruncate(fd, nbytes)  # sparse: pages are allocated where they are written
+            os.ftruncate(fd, nbytes)
+            try:
+                # Every page backed now: a write into a page tmpfs cannot back would be SIGBUS later.
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                    raise
+                raise exhausted(nbytes, "an owner's published index", error=exc.errno) from exc
             mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             # Private and anonymous: pages read before they are written are the zero page, not memory.
             shadow = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -149,6 +159,13 @@ class OwnerIndex(Index):
             )
             target[_GENERATIONS_OFFSET : _GENERATIONS_OFFSET + len(raw)] = raw
         return cls(name, fd, mapping, (rows, caches, names, buckets), shadow)
+
+    def forget_in_child(self) -> None:
+        """In a process forked from the owner: unmap and close this process's copy only. The file, its
+        state and its lock are the owner's (an OFD lock lives as long as any copy of the descriptor, so a
+        child that kept it would keep a lock its owner took)."""
+        self._finalizer.detach()
+        super().close()
 
     def close(self) -> None:
         """Mark the index closed (pullers that still map it see that), unlink and unmap it."""
@@ -354,11 +371,11 @@ class OwnerIndex(Index):
         self._check_locked()
         shared = self._names_view(self._map)
         own = self._names_view(self._own)
-        found = np.flatnonzero((shared[:, 0] == NAME_CONSUMED) & (own[:, 0] == NAME_LIVE)).tolist()
+        found: list[int] = np.flatnonzero((shared[:, 0] == NAME_CONSUMED) & (own[:, 0] == NAME_LIVE)).tolist()
         del shared, own  # no export of a mapping may outlive this call (close needs none)
         return found
 
-    def _names_view(self, target: mmap.mmap) -> np.ndarray:
+    def _names_view(self, target: mmap.mmap) -> np.ndarray[Any, Any]:
         return np.frombuffer(
             target, dtype="<u4", count=self.names * _NAME_NBYTES // 4, offset=self._names_offset
         ).reshape(self.names, _NAME_NBYTES // 4)

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from .errors import OutOfPoolMemory, ShmError
+from .errors import OutOfPoolMemory, SharedMemoryExhausted, ShmError
 from .segment import PAGE_NBYTES, Segment
+from .space import check_space, exhausted, format_nbytes
 
 __all__ = ["Block", "Pool"]
 
@@ -52,6 +53,9 @@ class _Arena:
     # offset -> (block, reserved nbytes); the reservation is the block's nbytes rounded up to the alignment.
     reserved: dict[int, tuple[Block, int]] = field(default_factory=dict)
     used_nbytes: int = 0
+    # Pages below this offset were populated once and stay backed (freeing a block keeps its pages): a
+    # block there costs /dev/shm nothing new. First fit fills segments from the start, so the prefix is all.
+    backed_end_offset: int = 0
 
     @classmethod
     def over(cls, segment: Segment) -> _Arena:
@@ -171,7 +175,9 @@ class Pool:
         """A block of `nbytes` (> 0) at an aligned address, its pages prefaulted for writing.
 
         Raises ValueError for nbytes <= 0, `OutOfPoolMemory` when a fixed pool has no free range that fits,
-        `SharedMemoryExhausted` (an `OutOfPoolMemory`) when the host cannot back the pages.
+        `SharedMemoryExhausted` (an `OutOfPoolMemory`) when /dev/shm cannot back the pages: checked before
+        populating any (what it has free against what the block adds), and again if populating fails, in
+        which case the pages it did populate are given back before the error is raised.
         """
         if self._closed:
             raise ShmError("pool is closed")
@@ -187,6 +193,9 @@ class Pool:
                 f"no free range of {reserve_nbytes} bytes in a pool of {self._capacity_nbytes} bytes "
                 f"({self.used_nbytes} in use)"
             )
+        if self._capacity_nbytes is None:
+            # A new segment only for this block: refuse before making it (its pages are all new).
+            check_space(reserve_nbytes, f"a pool block of {format_nbytes(nbytes)}")
         arena = self._add_arena(reserve_nbytes)
         offset = arena.take(reserve_nbytes, self._alignment)
         if offset is None:
@@ -229,11 +238,25 @@ class Pool:
         )
 
     def _hand_out(self, arena: _Arena, offset: int, nbytes: int, reserve_nbytes: int) -> Block:
+        end_offset = offset + reserve_nbytes
+        new_offset = max(offset, arena.backed_end_offset)  # from here on, the pages are not backed yet
+        what = f"a pool block of {format_nbytes(nbytes)}"
         try:
+            check_space(end_offset - new_offset, what)
             arena.segment.prefault(offset, reserve_nbytes)
+        except SharedMemoryExhausted as exc:
+            arena.give_back(offset, reserve_nbytes)
+            if exc.error is None:
+                raise  # refused by the check: nothing was populated
+            # Populating failed part way: what it did populate would stay in /dev/shm, unused, until the
+            # segment goes. Give those pages back, then say what is free once they are.
+            if end_offset > new_offset:
+                arena.segment.release(new_offset, end_offset - new_offset)
+            raise exhausted(end_offset - new_offset, what, error=exc.error) from exc
         except BaseException:
             arena.give_back(offset, reserve_nbytes)
             raise
+        arena.backed_end_offset = max(arena.backed_end_offset, end_offset)
         block = Block(arena.segment, offset, nbytes)
         arena.reserved[offset] = (block, reserve_nbytes)
         return block

@@ -13,7 +13,6 @@ import mmap
 import os
 import weakref
 from types import TracebackType
-from typing import Self
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +20,7 @@ import posix_ipc
 
 from .errors import InvalidRange, SegmentNotFound, SegmentTooSmall, SharedMemoryExhausted, ShmError
 from .names import make_segment_name
+from .space import check_space, exhausted
 
 PAGE_NBYTES = mmap.PAGESIZE
 
@@ -39,11 +39,11 @@ _CREATE_TRIES = 8
 #   (populating for read leaves a second, write, fault per page). Touching one byte per page: 9.0 GB/s.
 # Attaching an object whose pages exist: populating the page tables gives 9.1-9.2 GB/s on the first read
 # (6.3-6.6 without; MAP_POPULATE and MADV_POPULATE_READ alike, 11 ms per 256 MiB) and 10.1 GB/s on the first
-# write of a writable mapping (2.4 without). So `attach` maps writable mappings with MAP_POPULATE and then
-# runs prefault() (MADV_POPULATE_WRITE: cheap on present pages, and it covers pages the creator never
-# touched); read-only mappings must use ACCESS_READ, which excludes MAP_POPULATE, so prefault() does it
-# (MADV_POPULATE_READ).
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+# write of a writable mapping (2.4 without). So `attach` runs prefault() (MADV_POPULATE_WRITE, or _READ for
+# a read-only mapping, which must use ACCESS_READ) over the object's data extents only: on tmpfs a populate,
+# read or write, allocates every hole it covers, so populating a pool's sparse segment whole (or mapping it
+# with MAP_POPULATE) filled /dev/shm with capacity nobody used (a 64 MiB chunk holding a 4 MiB cache took
+# 64 MiB as soon as a peer mapped it).
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 
 
@@ -93,10 +93,15 @@ class Segment:
     def create(cls, nbytes: int, *, prefault: bool = True) -> Segment:
         """Create, size and map a new segment owned by this process; with `prefault`, populate every page now.
 
-        Raises ValueError for nbytes <= 0, `SharedMemoryExhausted` if the pages cannot be backed.
+        Raises ValueError for nbytes <= 0, `SharedMemoryExhausted` if the pages cannot be backed: with
+        `prefault`, checked before anything is created (what /dev/shm has free), and again if populating
+        fails (the segment is gone by then, so the figures in the message are those after it). Without
+        `prefault` nothing is backed yet (tmpfs objects are sparse) and nothing is checked.
         """
         if nbytes <= 0:
             raise ValueError(f"segment size must be positive, got {nbytes}")
+        if prefault:
+            check_space(nbytes, "a new shared-memory segment")
         shm = None
         for _ in range(_CREATE_TRIES):
             name = make_segment_name()
@@ -123,6 +128,9 @@ class Segment:
         if prefault:
             try:
                 segment.prefault()
+            except SharedMemoryExhausted as exc:
+                segment.close()  # unlinked: the pages it did populate are free again
+                raise exhausted(nbytes, "a new shared-memory segment", error=exc.error) from exc
             except BaseException:
                 segment.close()
                 raise
@@ -132,8 +140,9 @@ class Segment:
     def attach(cls, name: str, *, writable: bool = False, min_nbytes: int = 0) -> Segment:
         """Map an existing segment (read-only unless `writable`), its page tables populated; not owned here.
 
-        A writable mapping is prefaulted for writing over its whole size, which also allocates any page the
-        creator never touched (pool segments have their used ranges populated already, so this is cheap).
+        Only the pages the object holds now are populated (its data extents, found with SEEK_DATA and
+        SEEK_HOLE): on tmpfs even a read fault allocates a page, so populating a pool's sparse segment whole
+        would fill /dev/shm with its unused capacity. Pages the creator backs later fault in on first use.
 
         Raises `SegmentNotFound` if no object has that name, `SegmentTooSmall` if it is empty or smaller than
         `min_nbytes`, `ShmError` if this process may not open it.
@@ -152,16 +161,19 @@ class Segment:
                 need_nbytes = max(min_nbytes, 1)
                 raise SegmentTooSmall(f"segment {name!r} holds {nbytes} bytes, need at least {need_nbytes}")
             if writable:
-                mapping = mmap.mmap(shm.fd, nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=_PROT_RW)
+                # No MAP_POPULATE: it would populate the holes too (see above); prefault() below populates.
+                mapping = mmap.mmap(shm.fd, nbytes, flags=mmap.MAP_SHARED, prot=_PROT_RW)
             else:
                 # ACCESS_READ (not prot=PROT_READ) makes the buffer, hence numpy's array, refuse writes
                 # rather than segfault; mmap then rejects extra flags, so prefault() below populates.
                 mapping = mmap.mmap(shm.fd, nbytes, access=mmap.ACCESS_READ)
+            extents = _data_extents(shm.fd, nbytes)
         finally:
             shm.close_fd()
         segment = cls(name, mapping, nbytes, owned=False, writable=writable)
         try:
-            segment.prefault()
+            for offset, extent_nbytes in extents:
+                segment.prefault(offset, extent_nbytes)
         except BaseException:
             segment.close()
             raise
@@ -231,10 +243,24 @@ class Segment:
             if exc.errno == errno.EINVAL:
                 _touch_pages(array, offset, nbytes, write=self._writable)
                 return
-            # ENOMEM (no memory) or EFAULT (tmpfs full: the fault would have been SIGBUS).
-            raise SharedMemoryExhausted(
-                f"cannot back {nbytes} bytes of segment {self._name}: {os.strerror(exc.errno or 0)}"
-            ) from exc
+            # ENOMEM (no memory) or EFAULT (tmpfs full: the fault would have been SIGBUS). The pages it did
+            # populate stay in the object: `release` gives back those of a range nobody uses.
+            raise exhausted(nbytes, f"segment {self._name}", error=exc.errno) from exc
+
+    def release(self, offset: int, nbytes: int) -> None:
+        """Give the pages wholly inside [offset, offset + nbytes) back to the system (MADV_REMOVE: the file
+        system frees them; they read as zeros afterwards). For the owner's writable mapping only, over bytes
+        that nobody uses: a pool's free range, or a reservation whose prefault failed. Partial pages at
+        either end stay: they may hold a neighbour's bytes."""
+        self._check_range(offset, nbytes)
+        if not self._writable:
+            raise ShmError(f"segment {self._name} is mapped read-only here; it cannot release pages")
+        first_offset = -(-offset // PAGE_NBYTES) * PAGE_NBYTES
+        end_offset = (offset + nbytes) // PAGE_NBYTES * PAGE_NBYTES
+        if end_offset <= first_offset:
+            return
+        assert self._mmap is not None
+        self._mmap.madvise(mmap.MADV_REMOVE, first_offset, end_offset - first_offset)
 
     # ----------------------------------------------------------------- teardown
 
@@ -263,7 +289,7 @@ class Segment:
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(self._name)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> Segment:
         return self
 
     def __exit__(
@@ -287,6 +313,23 @@ class Segment:
         if offset < 0 or nbytes < 0 or offset + nbytes > self._nbytes:
             raise InvalidRange(f"[{offset}, {offset}+{nbytes}) outside {self._name} ({self._nbytes} bytes)")
         return array
+
+
+def _data_extents(fd: int, nbytes: int) -> list[tuple[int, int]]:
+    """(offset, nbytes) of each range of the object `fd` that holds pages, in order (lseek SEEK_DATA and
+    SEEK_HOLE, which tmpfs answers from its page cache); the whole object where the file system cannot say."""
+    extents: list[tuple[int, int]] = []
+    offset = 0
+    try:
+        while offset < nbytes:
+            data_offset = os.lseek(fd, offset, os.SEEK_DATA)
+            hole_offset = min(os.lseek(fd, data_offset, os.SEEK_HOLE), nbytes)
+            extents.append((data_offset, hole_offset - data_offset))
+            offset = hole_offset
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:  # ENXIO: no data after `offset`
+            return [(0, nbytes)]
+    return extents
 
 
 def _touch_pages(array: npt.NDArray[np.uint8], offset: int, nbytes: int, *, write: bool) -> None:

@@ -1,12 +1,14 @@
 """The `llm-datadist` command: `demo`, `bench`, `soak`, `gc` (remove what dead processes left), `ls`.
 
-Rules: every subcommand exits 0 on success and non-zero with a message on stderr otherwise.
+Rules: every subcommand exits 0 on success and non-zero with a message on stderr otherwise; every option has
+a help text; stdout is line-buffered, so each line the tools print goes out whole (`output`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 
 from llm_datadist import _bench
 from llm_datadist._runtime import list_sockets, remove_stale_sockets, runtime_dir
@@ -14,7 +16,25 @@ from llm_datadist._shm.reaper import list_segments, reap
 
 from .demo import run as demo
 from .netns import remove_stale_namespaces
+from .output import LOG_NOTE, whole_lines
 from .soak import run as soak
+
+DISTRIBUTION = "llm-datadist-host"
+BENCH_DESCRIPTION = (
+    "Measure our transfers (v1 and v2, whole, layer by layer, scattered blocks, small-message latency) "
+    "against numpy.copyto, sockets, multiprocessing pipes and queues, and NIXL and Mooncake when they are "
+    "installed; print a table of GB/s and p50/p99 times with ratios to memcpy. Progress lines go to stderr "
+    "and the report to stdout, one whole line at a time, so the library's log lines (stdout, as the real "
+    "library writes them; level from ASCEND_GLOBAL_LOG_LEVEL, ERROR by default) fall between its lines, "
+    "never inside one. Its ports are its own (free ones, from the pid): runs at the same time do not meet."
+)
+
+
+def _version() -> str:
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return "unknown (the package is not installed)"
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -54,26 +74,44 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="llm-datadist", description=__doc__.splitlines()[0] if __doc__ else None
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo_parser = sub.add_parser("demo", help="pull real-sized KV cache between two processes and verify it")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}", help="print the installed version"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    demo_parser = sub.add_parser(
+        "demo",
+        help="pull real-sized KV cache between two processes and verify it",
+        description=demo.DESCRIPTION,
+    )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=demo.run)
-    bench_parser = sub.add_parser("bench", help="measure transfers against memcpy and the alternatives")
+    bench_parser = sub.add_parser(
+        "bench", help="measure transfers against memcpy and the alternatives", description=BENCH_DESCRIPTION
+    )
     _bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=_bench.run)
     soak_parser = sub.add_parser(
         "soak",
         help="owners restart, pools grow and shrink, pullers verify every byte; figures must stay flat",
+        description=soak.DESCRIPTION + " " + LOG_NOTE,
     )
     soak.add_arguments(soak_parser)
     soak_parser.set_defaults(func=soak.run)
-    sub.add_parser("gc", help="unlink shared memory and sockets left by dead processes").set_defaults(
-        func=_gc
-    )
-    sub.add_parser("ls", help="list this user's llm_datadist shared memory and sockets").set_defaults(
-        func=_ls
-    )
+    sub.add_parser(
+        "gc",
+        help="unlink shared memory and sockets left by dead processes",
+        description="Unlink this user's /dev/shm segments whose owner died, the sockets in the runtime "
+        "directory nobody serves, and network namespaces of dead demo, bench or test runs. Takes no options; "
+        "what live processes hold is left alone.",
+    ).set_defaults(func=_gc)
+    sub.add_parser(
+        "ls",
+        help="list this user's llm_datadist shared memory and sockets",
+        description="List this user's /dev/shm segments (owner pid, alive or dead, size) and the sockets "
+        "in the runtime directory (who serves each, or stale). Takes no options.",
+    ).set_defaults(func=_ls)
     args = parser.parse_args(argv)
+    whole_lines()
     code: int = args.func(args)
     return code
 

@@ -16,6 +16,7 @@ than 1 MiB for the soak's units, which can be large.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -23,13 +24,13 @@ GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / the golden ratio: consecutive 
 _CHUNK_WORDS = 1 << 17  # 1 MiB of pattern at a time
 
 
-def unit_bytes(index: np.ndarray) -> np.ndarray:
+def unit_bytes(index: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """The byte each unit `index` holds (any integer array): `index % 251 + 1`, never 0 (so a unit left
     zeroed shows too)."""
     return (index % 251 + 1).astype(np.uint8)
 
 
-def golden_chunks(seed: int, nbytes: int) -> Iterator[tuple[int, np.ndarray]]:
+def golden_chunks(seed: int, nbytes: int) -> Iterator[tuple[int, np.ndarray[Any, Any]]]:
     """`golden_bytes(seed, nbytes)` as (offset, bytes) in chunks of at most 1 MiB."""
     words = -(-nbytes // 8)
     for first in range(0, words, _CHUNK_WORDS):
@@ -40,7 +41,7 @@ def golden_chunks(seed: int, nbytes: int) -> Iterator[tuple[int, np.ndarray]]:
         yield offset, values.view(np.uint8)[: nbytes - offset]
 
 
-def golden_bytes(seed: int, nbytes: int) -> np.ndarray:
+def golden_bytes(seed: int, nbytes: int) -> np.ndarray[Any, Any]:
     """The first `nbytes` of the words `seed + i * GOLDEN` (mod 2**64), as uint8."""
     out = np.empty(nbytes, dtype=np.uint8)
     for offset, chunk in golden_chunks(seed, nbytes):
@@ -70,25 +71,25 @@ def _stamp_seed(stamp: Stamp) -> int:
     return value
 
 
-def _body_chunks(stamp: Stamp, nbytes: int) -> Iterator[tuple[int, np.ndarray]]:
+def _body_chunks(stamp: Stamp, nbytes: int) -> Iterator[tuple[int, np.ndarray[Any, Any]]]:
     """(offset in the unit, expected bytes) after the stamp, in chunks of at most 1 MiB."""
     for offset, chunk in golden_chunks(_stamp_seed(stamp), nbytes - STAMP_NBYTES):
         yield STAMP_NBYTES + offset, chunk
 
 
-def fill_unit(unit: np.ndarray, stamp: Stamp) -> None:
+def fill_unit(unit: np.ndarray[Any, Any], stamp: Stamp) -> None:
     """Write `stamp` and its body over all of `unit` (uint8, at least STAMP_NBYTES long)."""
     unit[:STAMP_NBYTES] = np.array(stamp, dtype="<u8").view(np.uint8)
     for offset, chunk in _body_chunks(stamp, unit.nbytes):
         unit[offset : offset + chunk.nbytes] = chunk
 
 
-def read_stamp(unit: np.ndarray) -> Stamp:
+def read_stamp(unit: np.ndarray[Any, Any]) -> Stamp:
     a, b, c, d = (int(w) for w in unit[:STAMP_NBYTES].copy().view("<u8"))
     return (a, b, c, d)
 
 
-def body_matches(unit: np.ndarray, stamp: Stamp) -> bool:
+def body_matches(unit: np.ndarray[Any, Any], stamp: Stamp) -> bool:
     """Every byte of `unit` after its stamp is the body `stamp` seeds."""
     return all(
         np.array_equal(unit[offset : offset + chunk.nbytes], chunk)

@@ -1,8 +1,10 @@
 """What the demo's parent and both pairs of sides share: the shape of the KV cache, the block tables, the
 bytes the Prompt writes, the options both sides start with, and how a side reports its rows.
 
-Rules: nothing here starts a process. A side sends its parent ("progress", row) as each row is measured,
-then ("done", result) or ("error", traceback) once.
+Rules: nothing here starts a process. A side sends its parent ("step", what it is doing) as it starts
+each step that can take a while, ("progress", row) as each row is measured, then ("done", result) or
+("error", traceback) once. Every name a run shares with other processes (its port, its communicator) is in
+its `Setup`, unique per run.
 """
 
 from __future__ import annotations
@@ -25,6 +27,18 @@ PROMPT_CLUSTER = 1
 DECODER_CLUSTER = 2
 IP = "127.0.0.1"
 U64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where one run's sides meet, handed whole to each side. The port and the communicator name are the
+    run's own (the parent picks them per run: other demos of this user may run at the same time)."""
+
+    port: int  # the v1 Prompt's listen port
+    comm_name: str  # the v2 two-sided link's communicator
+    timeout_ms: int  # sync_kv_timeout of both sides
+    prompt_ip: str = IP
+    decoder_ip: str = IP
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,7 @@ def block_order(shape: Shape, which: int) -> list[int]:
     return [int(b) for b in rng.permutation(shape.pool_blocks)[: shape.table_blocks]]
 
 
-def expected_slot(tensor_index: int, slot: int, nbytes: int) -> np.ndarray:
+def expected_slot(tensor_index: int, slot: int, nbytes: int) -> np.ndarray[Any, Any]:
     """The bytes the Prompt writes into one (tensor, slot): golden bytes seeded by both, cheap to
     regenerate and different everywhere."""
     return golden_bytes(tensor_index * 1_000_003 + slot * 7_919 + 1, nbytes)
@@ -79,6 +93,11 @@ def options(listen: str | None, timeout_ms: int) -> dict[str, str]:
     return dict(config.generate_options())
 
 
+def step(pipe: Connection, what: str) -> None:
+    """Tell the parent what this side does now (it prints it when the side has been quiet a while)."""
+    pipe.send(("step", what))
+
+
 class Rows(list[dict[str, Any]]):
     """The Decoder's result rows; each is also sent to the parent as it is added, which prints it as a
     line of progress (a full-sized run takes a while)."""
@@ -90,3 +109,6 @@ class Rows(list[dict[str, Any]]):
     def append(self, row: dict[str, Any]) -> None:
         super().append(row)
         self._pipe.send(("progress", row))
+
+    def step(self, what: str) -> None:
+        step(self._pipe, what)

@@ -1,8 +1,11 @@
-"""`llm-datadist demo`'s parent: starts the v1 pair, then the v2 pair (each side a spawned process, in
-a network namespace of its own with `--hosts`), prints each row as it comes and the table at the end.
+"""`llm-datadist demo`'s parent: checks what /dev/shm can hold (`fit`), then starts the v1 pair and, only if
+it passed, the v2 pair (each side a spawned process, in a network namespace of its own with `--hosts`),
+prints their progress as it comes (`watch`) and the table at the end.
 
 Rules: the parent only orchestrates over pipes, prints and reaps; every wait is bounded, and a side that
-ended or reported an error ends the wait at once. Exit 0 only when every byte was verified.
+ended or reported an error ends the wait at once. The first failure ends the run. The port and the
+communicator are this run's own (`names`). Exit 0 only when every byte was verified; 2 when the demo cannot
+run here (before anything started), 1 when it failed.
 """
 
 from __future__ import annotations
@@ -12,69 +15,32 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-import time
-from multiprocessing.connection import Connection
 from typing import Any
 
 from llm_datadist._shm.reaper import reap
+from llm_datadist._shm.space import format_nbytes, shm_space
 
+from ..names import free_ports, run_name
 from ..netns import Hosts, NamespacePair, hosts_unavailable, in_netns, sigterm_as_exit
-from . import v1, v2
-from .common import Shape
-
-Watched = tuple[tuple[mp.process.BaseProcess, Connection], ...]
-
-
-def _wait(pipe: Connection, what: str, timeout_s: float, watched: Watched = ()) -> Any:
-    """The next result from a child, printing its progress rows as they come. Every wait is bounded, and
-    a watched process (with the pipe it reports on) that ended, a crash or an error it reported, ends the
-    wait at once rather than at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"{what} did not answer within {timeout_s:.0f} s")
-        if not pipe.poll(min(remaining, 0.5)):
-            for process, other in watched:
-                if process.exitcode is None or pipe.poll(0):
-                    continue
-                if other is not pipe and other.poll(0):
-                    status, value = other.recv()
-                    if status == "error":
-                        raise RuntimeError(f"{process.name} failed:\n{value}")
-                raise RuntimeError(f"{what}: the {process.name} process ended (exit code {process.exitcode})")
-            continue
-        status, value = pipe.recv()
-        if status == "progress":
-            seconds = value.get("seconds")
-            took = f" in {seconds * 1e3:.1f} ms" if seconds is not None else ""
-            print(f"  done: {value['name']}, {_format_nbytes(value['nbytes'])}{took}", flush=True)
-            continue
-        if status == "error":
-            raise RuntimeError(f"{what} failed:\n{value}")
-        return value
-
-
-def _format_nbytes(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
+from ..output import LOG_NOTE, library_log_on_stderr, say
+from . import fit, v1, v2
+from .common import IP, Setup, Shape
+from .watch import Side, Watch
 
 
 def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
     reference = next((r["gbps"] for r in rows if r["name"] == "numpy.copyto, 2 threads"), None)
     header = f"{'transfer':<48} {'bytes':>10} {'time ms':>9} {'GB/s':>7} {'x memcpy(2T)':>13}"
-    print(header, file=out)
-    print("-" * len(header), file=out)
+    lines = [header, "-" * len(header)]
     for row in rows:
         seconds = row.get("seconds")
         time_text = f"{seconds * 1e3:9.2f}" if seconds is not None else f"{'':>9}"
         ratio = f"{row['gbps'] / reference:13.2f}" if reference else f"{'':>13}"
-        print(
-            f"{row['name']:<48} {_format_nbytes(row['nbytes']):>10} {time_text} {row['gbps']:7.2f} {ratio}",
-            file=out,
+        lines.append(
+            f"{row['name']:<48} {format_nbytes(row['nbytes']):>10} {time_text} {row['gbps']:7.2f} {ratio}"
         )
+    for line in lines:
+        say(line, out)
 
 
 RATIO_NOTE = """
@@ -89,8 +55,7 @@ def _run_pair(
     prompt_target: Any,
     decoder_target: Any,
     shape: Shape,
-    port: int,
-    timeout_ms: int,
+    setup: Setup,
     *,
     together: bool,
     hosts: Hosts | None = None,
@@ -102,41 +67,42 @@ def _run_pair(
     decoder_pipe, decoder_child = ctx.Pipe()
     # The Decoder asks the Prompt for the layer-wise push directly, over its own pipe.
     prompt_peer, decoder_peer = ctx.Pipe()
-    ips: tuple[str, ...] = ()
     if hosts is not None:
         prompt_target = in_netns(hosts.prompt_netns, prompt_target, hosts.env)
         decoder_target = in_netns(hosts.decoder_netns, decoder_target, hosts.env)
-        ips = (hosts.prompt_ip, hosts.decoder_ip)
-    prompt = ctx.Process(
-        target=prompt_target, args=(prompt_child, prompt_peer, shape, port, timeout_ms, *ips), name="prompt"
+    prompt = Side(
+        "prompt",
+        ctx.Process(target=prompt_target, args=(prompt_child, prompt_peer, shape, setup), name="prompt"),
+        prompt_pipe,
     )
-    decoder = ctx.Process(
-        target=decoder_target,
-        args=(decoder_child, decoder_peer, shape, port, timeout_ms, *ips),
-        name="decoder",
+    decoder = Side(
+        "decoder",
+        ctx.Process(target=decoder_target, args=(decoder_child, decoder_peer, shape, setup), name="decoder"),
+        decoder_pipe,
     )
+    watch = Watch(prompt, decoder)
     result: dict[str, Any] | None = None
     interrupted = False
     try:
-        prompt.start()
+        prompt.process.start()
         if together:
-            decoder.start()
-        both: Watched = ((prompt, prompt_pipe), (decoder, decoder_pipe))
-        _wait(prompt_pipe, "prompt", 600, both if together else both[:1])
-        print("  done: Prompt ready", flush=True)
+            decoder.process.start()
+        both = (prompt, decoder)
+        watch.wait(prompt, "prompt", 600, both if together else (prompt,))
+        watch.line("  done: Prompt ready")
         if not together:
-            decoder.start()
-        result = _wait(decoder_pipe, "decoder", 1800, both)
+            decoder.process.start()
+        result = watch.wait(decoder, "decoder", 1800, both)
         prompt_pipe.send(("stop", None))
-        _wait(prompt_pipe, "prompt", 120, both[:1])
+        watch.wait(prompt, "prompt", 120, (prompt,))
     except (TimeoutError, RuntimeError) as exc:
-        print(f"demo failed: {exc}", file=sys.stderr)
+        say(f"demo failed: {exc}", sys.stderr)
         result = None
     except BaseException:  # Ctrl-C, or SIGTERM across hosts (`sigterm_as_exit`): no time to wait
         interrupted = True
         raise
     finally:
-        for process in (decoder, prompt):
+        for process in (decoder.process, prompt.process):
             if process.pid is None:
                 continue  # never started (the Prompt failed first)
             process.join(0.5 if interrupted else 30)
@@ -153,79 +119,132 @@ Across hosts: these rows ran across two network namespaces joined by a veth pair
 with a shared secret, the bytes moved by Mooncake Transfer Engine. A veth is a memory copy in the kernel,
 not a wire, so only the ratios mean anything."""
 V2_START = "v2 (cache_manager): both sides register numpy memory and link two-sided..."
+V1_FAILED = "demo: stopped after the v1 half failed (the v2 half did not run)"
 
 
-def _run_hosts(
-    shape: Shape, port: int, timeout_ms: int
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The v1 pair, then the v2 pair, with the Prompt in one fresh namespace and the Decoder in another
-    (see `netns.Hosts`; the v2 rank table names each side's address); the namespaces are deleted before it
-    returns."""
+Result = tuple[list[dict[str, Any]], int]  # the rows of both halves, and the bytes that differed
+
+
+def _halves(shape: Shape, setup: Setup, hosts: Hosts | None) -> Result | None:
+    """The v1 pair, then, only if it passed, the v2 pair: their rows and mismatches, or None at the first
+    failure."""
+    say(V1_START)
+    v1_result = _run_pair(v1.prompt, v1.decoder, shape, setup, together=False, hosts=hosts)
+    if v1_result is None:
+        say(V1_FAILED, sys.stderr)
+        return None
+    # Cache-manager mode, shaped like vllm-ascend's connector: both sides register memory they own, link
+    # two-sided, and the Decoder pulls a block table.
+    say(V2_START)
+    v2_result = _run_pair(v2.prompt, v2.decoder, shape, setup, together=True, hosts=hosts)
+    if v2_result is None:
+        return None
+    return v1_result["rows"] + v2_result["rows"], v1_result["mismatches"] + v2_result["mismatches"]
+
+
+def _across_hosts(shape: Shape, setup: Setup) -> Result | None:
+    """`_halves` with the Prompt in one fresh namespace and the Decoder in another (see `netns.Hosts`; the
+    v2 rank table names each side's address); the namespaces are deleted before it returns."""
     try:
         with sigterm_as_exit(), NamespacePair() as pair:
             hosts = Hosts.of(pair)
-            print(
-                f"across hosts: the Prompt in network namespace {pair.ns_a} at {pair.ip_a}:{port}, the "
+            say(
+                f"across hosts: the Prompt in network namespace {pair.ns_a} at {pair.ip_a}:{setup.port}, the "
                 f"Decoder in {pair.ns_b} at {pair.ip_b}, joined by a veth pair; a fresh random secret"
             )
-            print(V1_START)
-            v1_result = _run_pair(v1.prompt, v1.decoder, shape, port, timeout_ms, together=False, hosts=hosts)
-            print(V2_START)
-            v2_result = _run_pair(v2.prompt, v2.decoder, shape, port, timeout_ms, together=True, hosts=hosts)
-            return v1_result, v2_result
+            placed = Setup(setup.port, setup.comm_name, setup.timeout_ms, hosts.prompt_ip, hosts.decoder_ip)
+            return _halves(shape, placed, hosts)
     except (OSError, RuntimeError, TimeoutError, subprocess.SubprocessError) as exc:
-        print(f"demo failed: {exc}", file=sys.stderr)
-        return None, None
+        say(f"demo failed: {exc}", sys.stderr)
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.small:
-        shape = Shape(layers=4, tokens=256, kv_heads=8, head_dim=128)
-    else:
-        shape = Shape(layers=args.layers, tokens=args.tokens, kv_heads=args.kv_heads, head_dim=args.head_dim)
-    if args.hosts and (reason := hosts_unavailable()) is not None:
-        print(f"demo --hosts: {reason}", file=sys.stderr)
-        return 2
-    port = args.port or 20000 + os.getpid() % 40000
-    total = shape.slot_nbytes * shape.num_tensors
-    print(
-        f"KV cache: {shape.layers} layers x (K, V), {shape.tokens} tokens, {shape.kv_heads} KV heads x "
-        f"{shape.head_dim}, fp16: {_format_nbytes(total)} per request, {os.cpu_count()} CPUs"
+    with library_log_on_stderr():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    sized = args.small or any(
+        value is not None for value in (args.layers, args.tokens, args.kv_heads, args.head_dim)
     )
-    if args.hosts:
-        v1_result, v2_result = _run_hosts(shape, port, args.timeout_ms)
+    if args.small:
+        shape = fit.SMALL
     else:
-        print(V1_START)
-        v1_result = _run_pair(v1.prompt, v1.decoder, shape, port, args.timeout_ms, together=False)
-        # Cache-manager mode, shaped like vllm-ascend's connector: both sides register memory they own,
-        # link two-sided, and the Decoder pulls a block table.
-        print(V2_START)
-        v2_result = _run_pair(v2.prompt, v2.decoder, shape, port, args.timeout_ms, together=True)
-    if v1_result is None or v2_result is None:
+        shape = Shape(
+            layers=fit.DEFAULT.layers if args.layers is None else args.layers,
+            tokens=fit.DEFAULT.tokens if args.tokens is None else args.tokens,
+            kv_heads=fit.DEFAULT.kv_heads if args.kv_heads is None else args.kv_heads,
+            head_dim=fit.DEFAULT.head_dim if args.head_dim is None else args.head_dim,
+        )
+    if args.hosts and (reason := hosts_unavailable()) is not None:
+        say(f"demo --hosts: {reason}", sys.stderr)
+        return 2
+    plan = fit.plan(shape, shm_space(), sized=sized)
+    for line in plan.lines:
+        say(line)
+    if plan.shape is None:
+        say(plan.refusal, sys.stderr)
+        return 2
+    shape = plan.shape
+    setup = Setup(args.port or free_ports(IP), run_name(v2.COMM_PREFIX), args.timeout_ms)
+    say(f"KV cache: {fit.describe(shape)}, {os.cpu_count()} CPUs")
+    say(f"this run's names: port {setup.port}, communicator {setup.comm_name!r}")
+    result = _across_hosts(shape, setup) if args.hosts else _halves(shape, setup, None)
+    if result is None:
         return 1
-    print()
-    print_table(v1_result["rows"] + v2_result["rows"])
-    print(RATIO_NOTE)
+    rows, mismatches = result
+    say()
+    print_table(rows)
+    say(RATIO_NOTE)
     if args.hosts:
-        print(HOSTS_NOTE)
-    mismatches = v1_result["mismatches"] + v2_result["mismatches"]
+        say(HOSTS_NOTE)
     if mismatches:
-        print(f"FAILED: {mismatches} bytes differ", file=sys.stderr)
+        say(f"FAILED: {mismatches} bytes differ", sys.stderr)
         return 1
-    print("every byte verified")
+    say("every byte verified")
     return 0
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be a positive integer")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text}: not a port (1-65535)")
+    return value
+
+
+DESCRIPTION = f"""Spawn a Prompt and a Decoder process and move a request of KV cache every way the API
+offers (v1: whole, layer by layer, with offsets, pushed, as a block table; v2: registered memory over a
+two-sided link), print a line per step and a table of times next to numpy.copyto, and verify every byte.
+It checks /dev/shm first: the default size needs about {format_nbytes(fit.need(fit.DEFAULT).nbytes)} of it;
+with less it scales itself down (when you chose the size, it says what to do instead), and it stops at the
+first failure. Its port and communicator are its own: runs at the same time do not meet. {LOG_NOTE}"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--small", action="store_true", help="4 layers x 256 tokens (4 MiB per request)")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument(
-        "--port", type=int, default=0, help="Prompt listen port (default: derived from the pid)"
+        "--small",
+        action="store_true",
+        help=f"4 layers x 256 tokens: 4 MiB per request, about {format_nbytes(fit.need(fit.SMALL).nbytes)} "
+        "of /dev/shm, a few seconds",
     )
-    parser.add_argument("--timeout-ms", type=int, default=60000, help="sync_kv_timeout of both sides")
+    parser.add_argument("--layers", type=_positive, help="model layers, each a K and a V tensor (default 32)")
+    parser.add_argument("--tokens", type=_positive, help="tokens per request (default 4096)")
+    parser.add_argument("--kv-heads", type=_positive, help="KV heads per tensor (default 8)")
+    parser.add_argument("--head-dim", type=_positive, help="elements per head, fp16 (default 128)")
+    parser.add_argument(
+        "--port", type=_port, default=0, help="the Prompt's listen port (default: a free one, from the pid)"
+    )
+    parser.add_argument(
+        "--timeout-ms", type=_positive, default=60000, help="sync_kv_timeout of both sides (default 60000)"
+    )
     parser.add_argument(
         "--hosts",
         action="store_true",

@@ -30,22 +30,25 @@ from llm_datadist import (
     TransferConfig,
 )
 from llm_datadist._shm.segment import Segment
+from llm_datadist._shm.space import format_nbytes
 from llm_datadist.ext import tensor_views
 
+from ..output import library_log_to_stderr
 from .common import (
     BLOCK_TOKENS,
     DECODER_CLUSTER,
-    IP,
     PAGED_MODEL_ID,
     PAGED_SLOT,
     PROMPT_CLUSTER,
     PUSHED_SLOT,
     U64_MAX,
     Rows,
+    Setup,
     Shape,
     block_order,
     expected_slot,
     options,
+    step,
 )
 
 
@@ -56,27 +59,25 @@ class _AllLayersReady(LayerSynchronizer):
         return True
 
 
-def prompt(
-    pipe: Connection,
-    peer: Connection,
-    shape: Shape,
-    port: int,
-    timeout_ms: int,
-    prompt_ip: str = IP,
-    decoder_ip: str = IP,
-) -> None:
+def prompt(pipe: Connection, peer: Connection, shape: Shape, setup: Setup) -> None:
+    library_log_to_stderr()
     datadist = LLMDataDist(LLMRole.PROMPT, PROMPT_CLUSTER)
+    timeout_ms = setup.timeout_ms
     try:
-        datadist.init(options(f"{prompt_ip}:{port}", timeout_ms))
+        step(pipe, f"init, listening on {setup.prompt_ip}:{setup.port}")
+        datadist.init(options(f"{setup.prompt_ip}:{setup.port}", timeout_ms))
         manager = datadist.kv_cache_manager
+        n = shape.num_tensors
         desc = CacheDesc(
             shape.num_tensors, [4, shape.tokens, shape.kv_heads, shape.head_dim], DataType.DT_FLOAT16
         )
         # Slots 0-2 hold one request each; slot 3 is bound to a prefix key, used to warm the link up.
         keys = [CacheKey(PROMPT_CLUSTER, req) for req in (1, 2, 3)]
         keys.append(CacheKey(PROMPT_CLUSTER, U64_MAX, 0, 9))
+        step(pipe, f"allocating 4 requests ({format_nbytes(4 * shape.slot_nbytes * n)}), pages prefaulted")
         cache = manager.allocate_cache(desc, keys)
         for t, view in enumerate(tensor_views(cache)):
+            step(pipe, f"writing the bytes to check into the requests, tensor {t + 1} of {n}")
             raw = view.view(np.uint8).reshape(4, -1)
             for slot in range(4):
                 raw[slot] = expected_slot(t, slot, shape.slot_nbytes)
@@ -85,8 +86,11 @@ def prompt(
             [shape.pool_blocks, BLOCK_TOKENS, shape.kv_heads, shape.head_dim],
             DataType.DT_FLOAT16,
         )
+        paged_nbytes = shape.block_nbytes * shape.pool_blocks
+        step(pipe, f"allocating a paged pool ({format_nbytes(paged_nbytes * n)}), pages prefaulted")
         paged = manager.allocate_blocks_cache(paged_desc, BlocksCacheKey(PROMPT_CLUSTER, PAGED_MODEL_ID))
         for t, view in enumerate(tensor_views(paged)):
+            step(pipe, f"writing the bytes to check into the paged pool, tensor {t + 1} of {n}")
             view.view(np.uint8).reshape(-1)[:] = expected_slot(
                 t, PAGED_SLOT, shape.block_nbytes * shape.pool_blocks
             )
@@ -95,6 +99,7 @@ def prompt(
         while True:
             if peer.poll(0.05):
                 dst_cluster, addrs = peer.recv()
+                step(pipe, "pushing a request layer by layer (transfer_cache_async)")
                 started = time.perf_counter()
                 task = manager.transfer_cache_async(
                     cache, _AllLayersReady(), [TransferConfig(dst_cluster, addrs, None, PUSHED_SLOT)]
@@ -133,7 +138,7 @@ def copy_bandwidth(nbytes: int, threads: int, repeats: int = 3, *, shared: bool 
         dst = np.zeros(nbytes, dtype=np.uint8)
     bounds = np.linspace(0, nbytes, threads + 1, dtype=np.int64)
 
-    def part(i: int, src: np.ndarray, dst: np.ndarray) -> None:
+    def part(i: int, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
         np.copyto(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]])
 
     best = float("inf")
@@ -152,25 +157,23 @@ def copy_bandwidth(nbytes: int, threads: int, repeats: int = 3, *, shared: bool 
     return nbytes / best / 1e9
 
 
-def decoder(
-    pipe: Connection,
-    peer: Connection,
-    shape: Shape,
-    port: int,
-    timeout_ms: int,
-    prompt_ip: str = IP,
-    decoder_ip: str = IP,
-) -> None:
+def decoder(pipe: Connection, peer: Connection, shape: Shape, setup: Setup) -> None:
+    library_log_to_stderr()
     datadist = LLMDataDist(LLMRole.DECODER, DECODER_CLUSTER)
     rows = Rows(pipe)
     mismatches = 0
+    timeout_ms = setup.timeout_ms
     try:
+        rows.step("init")
         datadist.init(options(None, timeout_ms))
         manager = datadist.kv_cache_manager
         slot = shape.slot_nbytes
         total = slot * shape.num_tensors
+        rows.step(f"measuring numpy.copyto of {format_nbytes(total)}, 1 thread (best of 3)")
         rows.append({"name": "numpy.copyto, 1 thread", "nbytes": total, "gbps": copy_bandwidth(total, 1)})
+        rows.step(f"measuring numpy.copyto of {format_nbytes(total)}, 2 threads (best of 3)")
         rows.append({"name": "numpy.copyto, 2 threads", "nbytes": total, "gbps": copy_bandwidth(total, 2)})
+        rows.step(f"measuring numpy.copyto of {format_nbytes(total)} between two shared-memory segments")
         rows.append(
             {
                 "name": "numpy.copyto, 2 threads, shm to shm",
@@ -181,8 +184,9 @@ def decoder(
 
         info = LLMClusterInfo()
         info.remote_cluster_id = PROMPT_CLUSTER
-        info.append_local_ip_info(decoder_ip, 0)
-        info.append_remote_ip_info(prompt_ip, port)
+        info.append_local_ip_info(setup.decoder_ip, 0)
+        info.append_remote_ip_info(setup.prompt_ip, setup.port)
+        rows.step(f"linking to the Prompt at {setup.prompt_ip}:{setup.port}")
         ret, codes = datadist.link_clusters([info], timeout=10000)
         if ret != LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link_clusters failed: {ret} {codes}")
@@ -201,11 +205,13 @@ def decoder(
             bad = 0
             start, nbytes = region
             for t in tensors:
+                rows.step(f"checking every byte pulled, tensor {t + 1} of {len(tensors)}")
                 want = expected_slot(t, src_slot, slot)[src_start : src_start + nbytes]
                 bad += int(np.count_nonzero(views[t][start : start + nbytes] != want))
             return bad
 
         def timed(name: str, nbytes: int, action: Any) -> None:
+            rows.step(name)
             started = time.perf_counter()
             action()
             elapsed = time.perf_counter() - started
@@ -214,7 +220,11 @@ def decoder(
         prefix = CacheKey(PROMPT_CLUSTER, U64_MAX, 0, 9)
         timed(
             "warm-up: 4 KiB per tensor "
-            + ("(maps the segment)" if prompt_ip == IP else "(finds the segment's address)"),
+            + (
+                "(maps the segment)"
+                if setup.prompt_ip == setup.decoder_ip
+                else "(finds the segment's address)"
+            ),
             4096 * shape.num_tensors,
             lambda: manager.pull_cache(prefix, dst, size=4096),
         )
@@ -275,6 +285,7 @@ def decoder(
             f"transfer_cache_async, {shape.layers} layers",
         ):
             clear()
+            rows.step(f"{name}: the Prompt pushes into this cache")
             peer.send((DECODER_CLUSTER, dst.per_device_tensor_addrs[0]))
             if not peer.poll(timeout_ms / 1000.0 + 60):
                 raise TimeoutError("the Prompt did not finish the push")
@@ -294,6 +305,7 @@ def decoder(
         manager.deallocate_cache(dst)
 
         # Paged: a block table scattered over the Prompt's pool lands scattered over ours.
+        rows.step("allocating a paged pool")
         paged = manager.allocate_blocks_cache(
             CacheDesc(
                 shape.num_tensors,
@@ -321,6 +333,7 @@ def decoder(
                 ),
             )
             for t, blocks in enumerate(paged_views):
+                rows.step(f"checking every block pulled, tensor {t + 1} of {len(paged_views)}")
                 want = expected_slot(t, PAGED_SLOT, shape.block_nbytes * shape.pool_blocks).reshape(
                     shape.pool_blocks, -1
                 )

@@ -18,21 +18,25 @@ import numpy as np
 from llm_datadist import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole, RegisterMemStatus
 from llm_datadist._rank_table import default_rank_table
 
+from ..output import library_log_to_stderr
 from .common import (
     BLOCK_TOKENS,
     DECODER_CLUSTER,
-    IP,
     PAGED_MODEL_ID,
     PAGED_SLOT,
     PROMPT_CLUSTER,
     Rows,
+    Setup,
     Shape,
     block_order,
     expected_slot,
     options,
+    step,
 )
 
-COMM_NAME = "pd_comm_demo"
+# A run's communicator is this and the parent's pid (`names.run_name`): a comm name is host-wide for a
+# user, and demos of one user may run at the same time.
+COMM_PREFIX = "pd_comm_demo"
 V2_MEMBERS = {PROMPT_CLUSTER: 0, DECODER_CLUSTER: 1}
 
 
@@ -45,7 +49,7 @@ def _cache_manager_options(timeout_ms: int) -> dict[str, str]:
     return settings
 
 
-def _registered_blocks(shape: Shape) -> list[np.ndarray]:
+def _registered_blocks(shape: Shape) -> list[np.ndarray[Any, Any]]:
     """Memory this process owns (as a framework's KV tensors would be), one array per tensor."""
     return [
         np.zeros(shape.pool_blocks * shape.block_nbytes, dtype=np.uint8) for _ in range(shape.num_tensors)
@@ -67,9 +71,9 @@ def _rank_table(prompt_ip: str, decoder_ip: str) -> str:
     return json.dumps({"version": "1.0", "server_count": "2", "server_list": servers, "status": "completed"})
 
 
-def _two_sided_link(datadist: Any, deadline_s: float, prompt_ip: str, decoder_ip: str) -> int:
-    table = _rank_table(prompt_ip, decoder_ip)
-    comm_id: int = datadist.link(COMM_NAME, dict(V2_MEMBERS), table)
+def _two_sided_link(datadist: Any, deadline_s: float, setup: Setup) -> int:
+    table = _rank_table(setup.prompt_ip, setup.decoder_ip)
+    comm_id: int = datadist.link(setup.comm_name, dict(V2_MEMBERS), table)
     deadline = time.monotonic() + deadline_s
     while (status := datadist.query_register_mem_status(comm_id)) != RegisterMemStatus.OK:
         if status == RegisterMemStatus.FAILED or time.monotonic() > deadline:
@@ -78,21 +82,16 @@ def _two_sided_link(datadist: Any, deadline_s: float, prompt_ip: str, decoder_ip
     return comm_id
 
 
-def prompt(
-    pipe: Connection,
-    peer: Connection,
-    shape: Shape,
-    port: int,
-    timeout_ms: int,
-    prompt_ip: str = IP,
-    decoder_ip: str = IP,
-) -> None:
+def prompt(pipe: Connection, peer: Connection, shape: Shape, setup: Setup) -> None:
+    library_log_to_stderr()
     datadist = LLMDataDist(LLMRole.PROMPT, PROMPT_CLUSTER)
     try:
-        datadist.init(_cache_manager_options(timeout_ms))
+        step(pipe, "init")
+        datadist.init(_cache_manager_options(setup.timeout_ms))
         manager = datadist.cache_manager
         arrays = _registered_blocks(shape)
         for t, array in enumerate(arrays):
+            step(pipe, f"writing the bytes to check into its blocks, tensor {t + 1} of {len(arrays)}")
             array[:] = expected_slot(t, PAGED_SLOT, array.nbytes)
         desc = CacheDesc(
             shape.num_tensors,
@@ -102,7 +101,8 @@ def prompt(
         cache = manager.register_blocks_cache(
             desc, [a.ctypes.data for a in arrays], BlocksCacheKey(PROMPT_CLUSTER, PAGED_MODEL_ID)
         )
-        comm_id = _two_sided_link(datadist, 120, prompt_ip, decoder_ip)
+        step(pipe, f"linking two-sided (communicator {setup.comm_name!r})")
+        comm_id = _two_sided_link(datadist, 120, setup)
         pipe.send(("ready", None))
         pipe.poll(3600)
         pipe.recv()
@@ -115,20 +115,14 @@ def prompt(
         datadist.finalize()
 
 
-def decoder(
-    pipe: Connection,
-    peer: Connection,
-    shape: Shape,
-    port: int,
-    timeout_ms: int,
-    prompt_ip: str = IP,
-    decoder_ip: str = IP,
-) -> None:
+def decoder(pipe: Connection, peer: Connection, shape: Shape, setup: Setup) -> None:
+    library_log_to_stderr()
     datadist = LLMDataDist(LLMRole.DECODER, DECODER_CLUSTER)
     rows = Rows(pipe)
     mismatches = 0
     try:
-        datadist.init(_cache_manager_options(timeout_ms))
+        rows.step("init")
+        datadist.init(_cache_manager_options(setup.timeout_ms))
         manager = datadist.cache_manager
         arrays = _registered_blocks(shape)
         desc = CacheDesc(
@@ -137,18 +131,21 @@ def decoder(
             DataType.DT_FLOAT16,
         )
         cache = manager.register_blocks_cache(desc, [a.ctypes.data for a in arrays])
-        comm_id = _two_sided_link(datadist, 120, prompt_ip, decoder_ip)
+        rows.step(f"linking two-sided (communicator {setup.comm_name!r})")
+        comm_id = _two_sided_link(datadist, 120, setup)
         prompt_blocks, decoder_blocks = block_order(shape, 1), block_order(shape, 2)
         nbytes = shape.table_blocks * shape.block_nbytes * shape.num_tensors
         key = BlocksCacheKey(PROMPT_CLUSTER, PAGED_MODEL_ID)
         for name in ("v2 pull_blocks, registered memory, first", "v2 pull_blocks, registered memory"):
             for array in arrays:
                 array[:] = 0
+            rows.step(name)
             started = time.perf_counter()
             manager.pull_blocks(key, cache, prompt_blocks, decoder_blocks)
             seconds = time.perf_counter() - started
             rows.append({"name": name, "nbytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9})
             for t, array in enumerate(arrays):
+                rows.step(f"checking every block pulled, tensor {t + 1} of {len(arrays)}")
                 blocks = array.reshape(shape.pool_blocks, -1)
                 want = expected_slot(t, PAGED_SLOT, array.nbytes).reshape(shape.pool_blocks, -1)
                 mismatches += int(np.count_nonzero(blocks[decoder_blocks] != want[prompt_blocks]))

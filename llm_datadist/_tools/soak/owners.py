@@ -183,7 +183,7 @@ class _V2Owner(_Owner):
         super().__init__(spec, pipe)
         self.datadist = datadist
         self.manager = datadist.cache_manager
-        self.live: list[tuple[Entry, list[np.ndarray]]] = []
+        self.live: list[tuple[Entry, list[np.ndarray[Any, Any]]]] = []
 
     def unlink_a_puller(self) -> None:
         """End a v2 puller's link from the serving side, while it may be pulling."""

@@ -173,7 +173,9 @@ class _Puller:
 
     # -- pulls
 
-    def check(self, got: np.ndarray, entry: Entry, tensor: int, unit: int, *, stale_ok: bool) -> bool:
+    def check(
+        self, got: np.ndarray[Any, Any], entry: Entry, tensor: int, unit: int, *, stale_ok: bool
+    ) -> bool:
         """True when the unit holds what the entry says; False for a stale entry (the owner restarted and
         the id now names another cache: the bytes are that cache's, intact). Raises on wrong bytes."""
         want = make_stamp(entry.cluster_id, entry.incarnation, entry.serial, tensor, unit)
@@ -198,7 +200,9 @@ class _Puller:
             )
         return True
 
-    def pull_v1(self, entry: Entry) -> tuple[int, list[tuple[np.ndarray, int, int]], Callable[[], None]]:
+    def pull_v1(
+        self, entry: Entry
+    ) -> tuple[int, list[tuple[np.ndarray[Any, Any], int, int]], Callable[[], None]]:
         kvm = self.datadist.kv_cache_manager
         rng = self.rng
         entry_id = (entry.cluster_id, entry.incarnation, entry.serial)
@@ -238,7 +242,9 @@ class _Puller:
         ]
         return len(tensors) * entry.unit_nbytes, units, lambda: kvm.deallocate_cache(dst)
 
-    def pull_v2(self, entry: Entry) -> tuple[int, list[tuple[np.ndarray, int, int]], Callable[[], None]]:
+    def pull_v2(
+        self, entry: Entry
+    ) -> tuple[int, list[tuple[np.ndarray[Any, Any], int, int]], Callable[[], None]]:
         manager = self.datadist.cache_manager
         rng = self.rng
         n, nbytes = entry.num_tensors, entry.unit_nbytes

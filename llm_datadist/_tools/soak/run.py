@@ -27,13 +27,24 @@ from typing import Any
 from llm_datadist._runtime import socket_path
 
 from ..netns import Hosts, NamespacePair, hosts_unavailable, sigterm_as_exit
+from ..output import library_log_on_stderr
 from .driver import Soak
 from .report import report
 from .spec import IP, PORT_RANGE
 
+DESCRIPTION = (
+    "A churn soak through the public API, in real processes: two v1 and two v2 owners (one of each "
+    "restarted by SIGKILL or finalize) allocate, register and free caches while three pullers pull and "
+    "verify every byte; every few seconds it samples each long-lived process's RSS, descriptors, threads "
+    "and /dev/shm mappings, and passes only when nothing failed and every figure is back where it started. "
+    "It runs in a private runtime directory (unless LLM_DATADIST_RUNTIME_DIR is set) on ports of its own, "
+    "so runs at the same time do not meet; each child's output goes to a log file, named on failure."
+)
+
 
 def _pick_ports(rng: random.Random, count: int, ip: str) -> list[int]:
-    """Ports in 26000-26999 whose socket for `ip` is not already in the runtime directory."""
+    """Ports in 26000-26999 whose socket for `ip` is not already in the runtime directory. `rng` is the
+    run's own (seeded with the pid, not the soak's seed): two runs with one seed must not pick one port."""
     ports: list[int] = []
     while len(ports) < count:
         port = rng.randint(*PORT_RANGE)
@@ -82,8 +93,7 @@ def soak(
         if hosts:
             stack.enter_context(sigterm_as_exit())
             where = Hosts.of(stack.enter_context(NamespacePair()))
-        rng = random.Random(seed)
-        ports = _pick_ports(rng, 4, where.prompt_ip if where else IP)
+        ports = _pick_ports(random.Random(f"{seed}:{os.getpid()}"), 4, where.prompt_ip if where else IP)
         log_dir = tempfile.mkdtemp(prefix="llmdd-soak-logs-")
         runner = Soak(duration_s, seed, log_dir, out, where, debug_memory_s)
         runner.log(f"soak: {duration_s:.0f} s of churn, seed {seed}, runtime dir {runtime}, ports {ports}")
@@ -130,7 +140,7 @@ def soak(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--minutes", type=float, help="churn this many minutes (default 1)")
-    length.add_argument("--seconds", type=float, help="churn this many seconds (short runs)")
+    length.add_argument("--seconds", type=float, help="churn this many seconds (for short runs)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (printed; default: random)")
     parser.add_argument(
         "--hosts",
@@ -138,12 +148,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="owners and pullers on two hosts: two network namespaces made for the run (root, iproute2 "
         "and the multihost extra)",
     )
-    # For finding what grows: the long-lived children dump tracemalloc, gc and malloc figures to their logs
-    # every this many seconds (slows them down; docs/soak.md).
-    parser.add_argument("--debug-memory", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--debug-memory",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="for finding what grows: the long-lived children dump tracemalloc, gc and malloc figures to "
+        "their logs every S seconds (slows them down; docs/soak.md; default 0: never)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    with library_log_on_stderr():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.seconds is not None:
         duration_s = float(args.seconds)
     elif args.minutes is not None:

@@ -54,7 +54,7 @@ LINK_CODES = frozenset(
 )
 
 
-def memory_at(address: int, nbytes: int) -> np.ndarray:
+def memory_at(address: int, nbytes: int) -> np.ndarray[Any, Any]:
     """uint8 view of `nbytes` at a real address of this process (what `tensor_addrs` promise)."""
     return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(address))
 
