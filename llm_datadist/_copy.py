@@ -16,6 +16,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -89,7 +90,7 @@ def _load_kernel() -> _CopyRuns | None:
 _copy_runs = _load_kernel()
 
 
-def address_view(address: int, nbytes: int) -> np.ndarray:
+def address_view(address: int, nbytes: int) -> np.ndarray[Any, Any]:
     """A uint8 array over `nbytes` of this process's memory at `address` (memory the user registered).
 
     The caller guarantees the range is mapped where it is touched: only the planned runs are.
@@ -103,7 +104,7 @@ def vm_columns(
     remote_bases: Sequence[int],
     remote_offsets: Sequence[int],
     lengths: Sequence[int],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """Cross-memory runs as the uint64 columns `_vm` takes: run k of tensor t moves lengths[k] bytes between
     local_bases[t] + local_offsets[k] and remote_bases[t] + remote_offsets[k] (tensor-major). ValueError
     when an address would pass 2**64 (a hostile table entry; numpy would wrap silently)."""
@@ -119,7 +120,7 @@ def vm_columns(
     return local.ravel(), remote.ravel(), nbytes.ravel()
 
 
-def _kernel_can_copy(src: np.ndarray, dst: np.ndarray) -> bool:
+def _kernel_can_copy(src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> bool:
     """The C kernel takes a base address per side: each array must be one contiguous range, the two must
     not overlap (runs could then depend on each other's writes), and dst writable (numpy would refuse)."""
     if not dst.flags.writeable:
@@ -128,8 +129,11 @@ def _kernel_can_copy(src: np.ndarray, dst: np.ndarray) -> bool:
 
 
 def _cut_runs(
-    src_offsets: np.ndarray, dst_offsets: np.ndarray, lengths: np.ndarray, parts: int
-) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    src_offsets: np.ndarray[Any, Any],
+    dst_offsets: np.ndarray[Any, Any],
+    lengths: np.ndarray[Any, Any],
+    parts: int,
+) -> list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]]:
     """The runs in `parts` slices of about equal bytes (a run across a cut is split between two slices)."""
     run_starts = np.cumsum(lengths) - lengths  # where each run starts among the plan's bytes
     total = int(run_starts[-1] + lengths[-1])
@@ -185,7 +189,7 @@ class Copier:
         # False once the kernel refused a copy within this process (a seccomp filter, no such call).
         self._kernel_copies = True
 
-    def run(self, runs: Sequence[Run], src: np.ndarray, dst: np.ndarray) -> None:
+    def run(self, runs: Sequence[Run], src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
         check_runs(runs, src.nbytes, dst.nbytes)
         copy_runs = _copy_runs
         # One small run stays in numpy: the latency of a small pull by key is a numpy call's.
@@ -211,7 +215,7 @@ class Copier:
 
         self._in_parts(len(parts), len(parts), work)
 
-    def run_strided(self, copy: StridedCopy, src: np.ndarray, dst: np.ndarray) -> None:
+    def run_strided(self, copy: StridedCopy, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
         """Execute a strided copy: one numpy call, or one per thread over disjoint rows when it is large
         (contiguous rows on both sides are first split into halves of one big run)."""
         copy.check(src.nbytes, dst.nbytes)
@@ -252,7 +256,7 @@ class Copier:
             return
         self._in_parts(copy.rows, parts, lambda rows: execute_strided(copy, src, dst, rows))
 
-    def run_blocks(self, plan: BlockPlan, src: np.ndarray, dst: np.ndarray) -> None:
+    def run_blocks(self, plan: BlockPlan, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
         """Execute a paged plan in one pass over the bytes where it can (see _PER_UNIT_MIN_NBYTES), split
         over the copy threads when it is large. Overlapping arrays take the gather-then-scatter path."""
         plan.check(src.nbytes, dst.nbytes)
@@ -289,7 +293,13 @@ class Copier:
         self._in_parts(count, parts, lambda tensors: execute(plan, src, dst, tensors))
 
     def run_vm(
-        self, pid: int, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, *, write: bool
+        self,
+        pid: int,
+        local: np.ndarray[Any, Any],
+        remote: np.ndarray[Any, Any],
+        nbytes: np.ndarray[Any, Any],
+        *,
+        write: bool,
     ) -> None:
         """Cross-memory copies with process `pid` (reads, or writes with `write`): run i moves nbytes[i]
         between local[i] here and remote[i] there (uint64 columns), split over the copy threads by bytes
@@ -301,9 +311,9 @@ class Copier:
     def _kernel_copy(
         self,
         pid: int,
-        local: np.ndarray,
-        remote: np.ndarray,
-        nbytes: np.ndarray,
+        local: np.ndarray[Any, Any],
+        remote: np.ndarray[Any, Any],
+        nbytes: np.ndarray[Any, Any],
         parts: int,
         *,
         write: bool = False,
@@ -325,7 +335,9 @@ class Copier:
 
         self._in_parts(parts, parts, work)
 
-    def _kernel_blocks(self, plan: BlockPlan, src: np.ndarray, dst: np.ndarray, parts: int) -> bool:
+    def _kernel_blocks(
+        self, plan: BlockPlan, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], parts: int
+    ) -> bool:
         """The plan as one scatter-gather list for process_vm_readv on this very process, cut into `parts`
         of about equal bytes. False (nothing to trust in dst yet) when the kernel refuses such copies."""
         src_starts, dst_starts, lengths = block_runs(plan)
@@ -354,11 +366,11 @@ class Copier:
     def _c_copy(
         self,
         copy_runs: _CopyRuns,
-        src: np.ndarray,
-        dst: np.ndarray,
-        src_offsets: np.ndarray,
-        dst_offsets: np.ndarray,
-        lengths: np.ndarray,
+        src: np.ndarray[Any, Any],
+        dst: np.ndarray[Any, Any],
+        src_offsets: np.ndarray[Any, Any],
+        dst_offsets: np.ndarray[Any, Any],
+        lengths: np.ndarray[Any, Any],
         what: str,
     ) -> None:
         """Checked runs (uint64 columns of offsets into src and dst) through the C kernel: one call per copy

@@ -12,6 +12,7 @@ Writes never go unpinned (a write cannot be taken back once it landed in reused 
 
 from __future__ import annotations
 
+import os
 import platform
 import threading
 import time
@@ -163,11 +164,14 @@ class OneSided:
         name = f"model_id {model_id}" if model_id is not None else f"cache id {cache_id}"
         raise StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no remote-accessible cache with {name}")
 
-    def remote_table(self, remote_cluster_id: int, *, refresh: bool = False) -> RemoteTable:
+    def remote_table(
+        self, remote_cluster_id: int, *, refresh: bool = False, deadline: float | None = None
+    ) -> RemoteTable:
         """The peer's table of remote-accessible caches, read from its index (or, when the peer could not
         publish every cache there, fetched page by page) on first use and kept on the link: a new link, to
-        a restarted peer, starts with no table."""
-        deadline = time.monotonic() + self._timeout_s
+        a restarted peer, starts with no table. `deadline`: the caller's, else `sync_kv_timeout` from now."""
+        if deadline is None:
+            deadline = time.monotonic() + self._timeout_s
         link = self._links.link_to(remote_cluster_id, deadline)
         table = None if refresh else link.remote_table
         if isinstance(table, RemoteTable):
@@ -267,6 +271,7 @@ class OneSided:
         link: ClientLink | None = None,
         prepared: PreparedRuns | None = None,
         words: Segment | None = None,
+        deadline: float | None = None,
     ) -> tuple[PreparedRuns | None, Segment | None]:
         """Read from a peer's cache (from its table) into ours with no round trip to the peer.
 
@@ -278,9 +283,10 @@ class OneSided:
         `link`: the link `link_to` just gave (spares looking it up again). Returns what a caller that
         repeats this very read (same link, entry, local record and runs) may pass back to skip building it
         again: the prepared copy and the entry's generation segment as mapped (`remote_cache_current`'s
-        `words`).
+        `words`). `deadline`: the caller's (a HIXL transfer's own timeout), else `sync_kv_timeout` from now.
         """
-        deadline = time.monotonic() + self._timeout_s
+        if deadline is None:
+            deadline = time.monotonic() + self._timeout_s
         if link is None:
             link = self._links.link_to(remote_cluster_id, deadline)
         mover = mover_of(link)
@@ -288,7 +294,14 @@ class OneSided:
             # Nothing of the peer is mapped here to check a generation in: it pins the cache for the read
             # instead (one round trip, then the mover's read).
             self._transfers.transfer_pinned(
-                remote_cluster_id, remote, remote_tensor_start, local, local_tensor_start, tensor_count, runs
+                remote_cluster_id,
+                remote,
+                remote_tensor_start,
+                local,
+                local_tensor_start,
+                tensor_count,
+                runs,
+                deadline=deadline,
             )
             return None, None
         location = remote.location(remote_tensor_start, tensor_count)
@@ -433,6 +446,14 @@ def _add_table_page(reply: Table, caches: dict[int, RemoteCache], blocks: dict[i
 # with the loads on its side), which is the barrier CPython can place without compiled code.
 _STRONGLY_ORDERED = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
 _FENCE = threading.Lock()
+
+
+def _new_fence() -> None:
+    global _FENCE
+    _FENCE = threading.Lock()  # one a thread of the parent held at the fork stays held in the child
+
+
+os.register_at_fork(after_in_child=_new_fence)
 
 
 def order_loads() -> None:

@@ -46,6 +46,9 @@ class Settings:
     host_pool: PoolConfig | None = None
     local_comm_res: str | None = None
     link_total_time_s: int = 0
+    # "hixl": the real library moves bytes with the HIXL engine then, and answers two-sided links, a
+    # switch_role to another address and link_clusters with other than one remote ip as that backend does.
+    transfer_backend: str | None = None
 
     @property
     def timeout_code(self) -> LLMStatusCode:
@@ -102,13 +105,21 @@ def parse_options(role: LLMRole, cluster_id: int, options: dict[str, str]) -> Se
     if remote_text is None and (local_comm_res is not None or backend is not None):
         remote_text = "1"
     if backend is not None:
+        # The real init's checks and messages, in its order; then its engine takes "hixl" only.
+        for needed, option, state in (
+            (cache_manager_mode, "llm.EnableCacheManager", "configured"),
+            (remote_text == "1", "llm.EnableRemoteCacheAccessible", "enable"),
+            ("llm.listenIpInfo" in options, "llm.listenIpInfo", "configured"),
+        ):
+            if not needed:
+                raise make_error(
+                    api,
+                    LLMStatusCode.LLM_PARAM_INVALID,
+                    f"llm.TransferBackend is not supported when {option} is not {state}",
+                )
         if backend != "hixl":
-            raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"unknown llm.TransferBackend {backend!r}")
-        if not cache_manager_mode or remote_text != "1" or "llm.listenIpInfo" not in options:
             raise make_error(
-                api,
-                LLMStatusCode.LLM_PARAM_INVALID,
-                "transfer_backend needs cache-manager mode, remote cache access and listen_ip_info",
+                api, LLMStatusCode.LLM_PARAM_INVALID, f"Transfer backend:{backend} is not supported"
             )
     link_total_text = options.get("llm.LinkTotalTime", "0")
     if not link_total_text.isdigit():
@@ -192,4 +203,5 @@ def parse_options(role: LLMRole, cluster_id: int, options: dict[str, str]) -> Se
         ),
         local_comm_res=local_comm_res,
         link_total_time_s=int(link_total_text),
+        transfer_backend=backend,
     )

@@ -140,10 +140,12 @@ class Transfers:
         runs: list[UnitRun],
         *,
         write: bool = False,
+        deadline: float | None = None,
     ) -> None:
         """Read (or `write`) `runs` between our tensors and a peer's cache found in its table, pinned by its
         cache id for the duration (in the peer's index, or by asking the peer): memory its owner frees or
-        unregisters is never written, and LLM_KV_CACHE_NOT_EXIST comes once it freed the cache."""
+        unregisters is never written, and LLM_KV_CACHE_NOT_EXIST comes once it freed the cache. `deadline`:
+        the caller's (a HIXL transfer's own timeout), else `sync_kv_timeout` from now."""
         ref = SourceRef(
             KEY_CACHE_ID,
             remote.cache_id,
@@ -161,7 +163,7 @@ class Transfers:
                 raise StatusError(LLMStatusCode.LLM_FAILED, "peer resolved a cache of another shape")
             return runs
 
-        self.transfer_resolved(remote_cluster_id, ref, local, local_tensor_start, plan)
+        self.transfer_resolved(remote_cluster_id, ref, local, local_tensor_start, plan, deadline=deadline)
 
     def transfer_resolved(
         self,
@@ -170,10 +172,13 @@ class Transfers:
         local: CacheRecord,
         local_tensor_start: int,
         plan: Callable[[Location], list[UnitRun]],
+        *,
+        deadline: float | None = None,
     ) -> None:
         """Pin the cache `ref` names at the peer (in its index when it holds the cache, else by asking it),
         copy the runs `plan` gives for where it is (a push when `ref.for_write`), release."""
-        deadline = time.monotonic() + self._timeout_s
+        if deadline is None:
+            deadline = time.monotonic() + self._timeout_s
         link = self._links.link_to(remote_cluster_id, deadline)
         with link.exclusive(deadline), self._acquirer.acquire(link, ref, deadline) as location:
             mover_of(link).copy_units(

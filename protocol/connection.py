@@ -30,6 +30,7 @@ from .messages import (
     Hello,
     Location,
     Message,
+    Notify,
     Ping,
     Pong,
     PullDone,
@@ -97,6 +98,7 @@ SENDABLE: dict[tuple[ConnRole, ConnPhase], frozenset[type[Message]]] = {
             Release,
             Ping,
             AddressRequest,
+            Notify,
             Bye,
         }
     ),

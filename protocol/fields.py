@@ -21,6 +21,7 @@ __all__ = [
     "ENGINE",
     "I64",
     "MAX_ADDRESS_NAMES",
+    "MAX_NOTIFY_NBYTES",
     "MAX_SEGMENT_NAME_CHARS",
     "MAX_TABLE_ENTRIES",
     "MAX_TENSORS",
@@ -28,6 +29,7 @@ __all__ = [
     "NONCE",
     "NONCE_MAX_NBYTES",
     "NONCE_MIN_NBYTES",
+    "NOTIFY_TEXT",
     "OFFSETS",
     "OPT_NONCE",
     "OPT_PROOF",
@@ -56,6 +58,7 @@ _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
 MAX_SEGMENT_NAME_CHARS = 255
 MAX_TEXT_CHARS = 4096
+MAX_NOTIFY_NBYTES = 1024  # a HIXL notify's name and message each (the real engine's limit, in bytes)
 MAX_TENSORS = 65536
 MAX_TABLE_ENTRIES = 4096
 MAX_ADDRESS_NAMES = 64
@@ -128,6 +131,15 @@ def _text(max_chars: int) -> FieldCheck:
         return value if isinstance(value, str) and len(value) <= max_chars else None
 
     return FieldCheck(f"str of at most {max_chars} chars", check)
+
+
+def _check_notify_text(value: object) -> object | None:
+    if not isinstance(value, str) or len(value) > MAX_NOTIFY_NBYTES:
+        return None
+    try:
+        return value if len(value.encode()) <= MAX_NOTIFY_NBYTES else None
+    except UnicodeEncodeError:  # a lone surrogate: no UTF-8 text
+        return None
 
 
 def _check_segment_name(value: object) -> object | None:
@@ -245,6 +257,7 @@ U64_POSITIVE = _int_range(1, _U64_MAX, "U64 >= 1")
 ROLE = int_in(_ROLES, "role in {1, 2, 3}")
 BOOL = FieldCheck("bool", lambda v: v if isinstance(v, bool) else None, is_bool=True)
 TEXT = _text(MAX_TEXT_CHARS)
+NOTIFY_TEXT = FieldCheck(f"str of at most {MAX_NOTIFY_NBYTES} UTF-8 bytes", _check_notify_text)
 SEGMENT = FieldCheck(
     f"segment name of 1..{MAX_SEGMENT_NAME_CHARS} chars matching /?[A-Za-z0-9._-]+", _check_segment_name
 )

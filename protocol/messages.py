@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Self, TypeVar
+from typing import Annotated, ClassVar, TypeVar
 
 from .errors import MalformedFrame
 from .fields import (
@@ -24,6 +24,7 @@ from .fields import (
     MAX_TENSORS,
     MAX_TEXT_CHARS,
     NONCE,
+    NOTIFY_TEXT,
     OFFSETS,
     OPT_NONCE,
     OPT_PROOF,
@@ -75,6 +76,7 @@ __all__ = [
     "Hello",
     "Location",
     "Message",
+    "Notify",
     "Ping",
     "Pong",
     "PullDone",
@@ -91,7 +93,7 @@ __all__ = [
     "encode_message",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6  # 6: Notify
 
 # PullRequest.key_kind: what key_id names at the owner.
 KEY_REQ = 1  # key_id is a req_id
@@ -101,6 +103,9 @@ KEY_BLOCKS = 4  # ResolveRequest only: model_id names a blocks cache
 
 _KEY_KIND = int_in(frozenset({KEY_REQ, KEY_PREFIX, KEY_CACHE_ID}), "key_kind in {1, 2, 3}")
 _RESOLVE_KIND = int_in(frozenset({KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, KEY_BLOCKS}), "key_kind in {1, 2, 3, 4}")
+
+# A message class and its instances in `from_wire` and `_register` (typing.Self is 3.11+).
+_M = TypeVar("_M", bound="Message")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +148,7 @@ class Message:
         return wire
 
     @classmethod
-    def from_wire(cls, wire: list[object]) -> Self:
+    def from_wire(cls: type[_M], wire: list[object]) -> _M:
         """Build and validate a message from its wire array; MalformedFrame on any wrong shape or field."""
         if not isinstance(wire, list):
             raise MalformedFrame(f"{cls.__name__}: expected a msgpack array, got {type(wire).__name__}")
@@ -157,8 +162,6 @@ class Message:
 MESSAGE_TYPES: dict[int, type[Message]] = {}
 """TYPE -> message class, filled by @_register; decode_message dispatches on it."""
 _REGISTERED: set[type[Message]] = set()
-
-_M = TypeVar("_M", bound=Message)
 
 
 def _register(cls: type[_M]) -> type[_M]:
@@ -561,6 +564,19 @@ class Addresses(Message):
     TYPE: ClassVar[int] = 23
     seq: Annotated[int, U32]
     addrs: Annotated[tuple[int, ...], ADDRESSES]
+
+
+@_register
+@dataclass(frozen=True, slots=True)
+class Notify(Message):
+    """Client -> server (a HIXL engine's `send_notify`): a named message for the server's application, kept
+    until it asks for what arrived (`get_notifies`). Answered with Ack once kept, or Error when the server
+    keeps no notifies (a plain `llm_datadist` instance) or no more from this connection."""
+
+    TYPE: ClassVar[int] = 24
+    seq: Annotated[int, U32]
+    name: Annotated[str, NOTIFY_TEXT]
+    message: Annotated[str, NOTIFY_TEXT]
 
 
 def decode_message(obj: object) -> Message:

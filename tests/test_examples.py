@@ -19,6 +19,7 @@ def test_there_are_examples() -> None:
         "v1_layerwise_push",
         "v2_one_sided_blocks",
         "v2_two_sided",
+        "hixl_read_write",
     }
 
 

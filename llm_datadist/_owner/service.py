@@ -20,6 +20,7 @@ from llm_datadist._protocol.messages import (
     AddressRequest,
     BlocksRequest,
     Message,
+    Notify,
     PullDone,
     PullRequest,
     ResolveRequest,
@@ -76,6 +77,11 @@ class NodeHooks:
         """Where our segments `names` are mapped, registered with our transfer engine (a remote peer's
         AddressRequest); StatusError for a name that is not one of our live segments."""
         raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, "no segments are served across hosts")
+
+    def notified(self, peer: PeerInfo, name: str, message: str) -> None:
+        """A linked peer's notify (a HIXL engine's `send_notify`): keep it for this side's application, or
+        StatusError when this side keeps none (a plain `llm_datadist` instance) or no more from the peer."""
+        raise StatusError(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "this side keeps no notifies")
 
 
 class CacheService:
@@ -134,6 +140,9 @@ class CacheService:
             return self._table_page(msg)
         if isinstance(msg, PullDone):
             leases.release(msg.lease_id, ok=msg.ok, owner=conn)
+            return Ack(msg.seq)
+        if isinstance(msg, Notify):
+            self.hooks.notified(peer, msg.name, msg.message)
             return Ack(msg.seq)
         if isinstance(msg, AddressRequest):
             if not peer.remote:

@@ -318,14 +318,17 @@ def test_remap_registered_memory_checks() -> None:
     with _running(LLMRole.DECODER, _v2()) as dd:
         cm = dd.cache_manager
         device = MemInfo(Memtype.MEM_TYPE_DEVICE, 0x1000, 64)
-        cm.remap_registered_memory(device)
-        cm.remap_registered_memory([device, device])
-        cm.remap_registered_memory([])  # nothing to check, nothing to do
         host = MemInfo(Memtype.MEM_TYPE_HOST, 0x1000, 64)
-        for bad in ((device,), None, [device, "x"], [host], [MemInfo(Memtype.MEM_TYPE_DEVICE, 0, 64)]):
+        # The engine's checks after the argument checks: something to remap, then a link (a remap with a
+        # link is in tests/hixl/test_backend.py).
+        for bad in ((device,), None, [device, "x"], [host], [MemInfo(Memtype.MEM_TYPE_DEVICE, 0, 64)], []):
             with pytest.raises(LLMException) as exc_info:
                 cm.remap_registered_memory(bad)  # type: ignore[arg-type]
             assert _code(exc_info) == PI
+        for good in (device, [device, device]):
+            with pytest.raises(LLMException) as exc_info:
+                cm.remap_registered_memory(good)
+            assert _code(exc_info) == LLMStatusCode.LLM_NOT_YET_LINK
 
 
 def test_swap_blocks_follows_the_placements() -> None:

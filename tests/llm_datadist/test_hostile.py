@@ -58,6 +58,7 @@ from llm_datadist._protocol.messages import (
     Hello,
     Location,
     Message,
+    Notify,
     Ping,
     Pong,
     PullDone,
@@ -105,6 +106,7 @@ _REPLY_TO: dict[type[Message], type[Message]] = {
     PullDone: Ack,
     Ping: Pong,
     AddressRequest: Addresses,  # refused on the Unix socket: only a peer on another host may ask
+    Notify: Ack,  # refused by an owner that is no HIXL engine
 }
 _GRANTS = (PullGrant, BlocksGrant, WriteGrant, Location)
 # Requests that must never be refused.
@@ -415,6 +417,8 @@ def _client_requests(v: _View) -> dict[type[Message], st.SearchStrategy[Message]
         Release: st.builds(Release, leases, st.booleans()),
         Announce: st.builds(Announce, _U32, _CALLBACK, st.integers(0, 65535)),
         Ping: st.builds(Ping, _U32),
+        # A HIXL engine's notify: an owner that is no HIXL engine keeps none (Error), and nothing else.
+        Notify: st.builds(Notify, _U32, st.text(max_size=16), st.text(max_size=16)),
         # Over a Unix socket a peer maps segments itself: the owner refuses to say where they are.
         AddressRequest: st.builds(AddressRequest, _U32, st.lists(_plausible_name(v), min_size=1, max_size=4)),
     }

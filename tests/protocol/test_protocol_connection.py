@@ -34,6 +34,7 @@ from llm_datadist._protocol.messages import (
     Hello,
     Location,
     Message,
+    Notify,
     Ping,
     Pong,
     PullDone,
@@ -310,6 +311,7 @@ def test_sendable_tables_as_specified() -> None:
         Release,
         Ping,
         AddressRequest,
+        Notify,
         Bye,
     }
     assert SENDABLE[(s, ConnPhase.READY)] == {

@@ -30,6 +30,7 @@ from llm_datadist._protocol.messages import (
     Hello,
     Location,
     Message,
+    Notify,
     Ping,
     Pong,
     PullDone,
@@ -57,6 +58,8 @@ texts = st.text(max_size=64) | st.text(min_size=4090, max_size=4096, alphabet="a
 nonces = st.just(b"") | st.binary(min_size=16, max_size=64)
 proofs = st.just(b"") | st.binary(min_size=32, max_size=32)
 engines = st.just("") | st.from_regex(r"[0-9A-Za-z.:_\[\]-]{1,128}", fullmatch=True)
+# A notify's name and message: at most 1024 bytes of UTF-8 (256 four-byte characters fill it).
+notify_texts = st.text(max_size=64) | st.just("😀" * 256) | st.text("a", min_size=1024, max_size=1024)
 segment_names = st.builds(
     lambda slash, body: slash + body,
     st.sampled_from(["", "/"]),
@@ -176,6 +179,7 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
     ),
     Location: locations(),
     TableRequest: st.builds(TableRequest, u32, u64),
+    Notify: st.builds(Notify, u32, notify_texts, notify_texts),
     Release: st.builds(Release, u64, st.booleans()),
     Table: st.builds(
         Table,
@@ -213,6 +217,7 @@ VALID: list[Message] = [
     Location(1, 2, 4097, "/seg", 4097 * 3333 * 2, (0, 4097 * 3333), 4097, 3333, 3332),
     TableRequest(4097, 1),
     Release(U64_MAX, False),
+    Notify(3333, "cache_ready", "é" * 512),
     Table(
         3333, 4097, "/llmdd.0.1.2.gen", (TABLE_ENTRY, (1, False, (), "", 0, (2**47,), 3333, 1, 0, 1)), 0, 1
     ),
@@ -244,7 +249,8 @@ def test_registry_is_complete() -> None:
         15,
     ]
     assert {type(msg) for msg in VALID} == set(MESSAGE_TYPES.values())
-    assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 5)
+    assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 6)
+    assert Notify.TYPE == 24
 
 
 @pytest.mark.parametrize("msg", VALID, ids=lambda m: type(m).__name__)
@@ -321,6 +327,8 @@ BAD_OFFSETS = [[], [-1], [True], [1.0], [None], "abc", None, 3, [0] * 65537, {"0
 BAD_NONCE: list[Any] = [b"x" * 15, b"x" * 65, "x" * 32, None, 16, [0] * 16]
 BAD_PROOF: list[Any] = [b"x", b"x" * 31, b"x" * 33, "x" * 32, None, 0]
 BAD_ENGINE: list[Any] = ["a b", "a/b", "x" * 129, "é", None, 3, b"1.2.3.4:5"]
+# 1025 bytes: one byte too many, in one-byte or in multi-byte characters.
+BAD_NOTIFY_TEXT: list[Any] = ["x" * 1025, "é" * 512 + "x", "😀" * 257, b"n", None, 1]
 BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
     Hello: {
         "version": BAD_U32,
@@ -422,6 +430,7 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
     },
     TableRequest: {"seq": BAD_U32, "start_cache_id": BAD_U64},
     Release: {"lease_id": BAD_U64, "ok": BAD_BOOL},
+    Notify: {"seq": BAD_U32, "name": BAD_NOTIFY_TEXT, "message": BAD_NOTIFY_TEXT},
     Table: {
         "seq": BAD_U32,
         "pid": BAD_U32,
