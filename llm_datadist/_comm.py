@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from ._errors import StatusError
 from ._rank_table import RankTable
-from ._runtime import is_local_ip, socket_path_in_runtime
+from ._runtime import SHARED_NAMES_HINT, is_local_ip, socket_path_in_runtime
 from ._wire.peer import PeerInfo
 from .status import LLMStatusCode
 from .utils.log import log
@@ -99,7 +99,8 @@ class Comms:
             core.server.listen(path)
         except FileExistsError as exc:
             raise StatusError(
-                LLMStatusCode.LLM_LINK_FAILED, f"rank {own} of {comm_name!r} is taken: {exc}"
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"rank {own} of {comm_name!r} is taken: {exc}; {SHARED_NAMES_HINT}",
             ) from exc
         tcp: tuple[str, int] | None = None
         if any(hosts.values()):

@@ -37,7 +37,13 @@ from ._owner.mirror import SERVER_LOCK_TIMEOUT_S
 from ._owner.pins import LocalPins
 from ._owner.service import CacheService, NodeHooks
 from ._owner.table import CacheTable
-from ._runtime import ensure_runtime_dir, remove_stale_sockets, socket_path, socket_path_in_runtime
+from ._runtime import (
+    SHARED_NAMES_HINT,
+    ensure_runtime_dir,
+    remove_stale_sockets,
+    socket_path,
+    socket_path_in_runtime,
+)
 from ._settings import Settings
 from ._transfers import Transfers
 from ._wire.client import ClientLink
@@ -68,6 +74,7 @@ class Core(NodeHooks):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.role = settings.role
+        self.forked_from: int | None = None  # the parent's pid, in a child forked after init (`abandon`)
         reaped = reap()
         if reaped:
             log.info("removed %d shared-memory segments left by dead processes", len(reaped))
@@ -149,7 +156,9 @@ class Core(NodeHooks):
         try:
             self.server.listen(path)
         except FileExistsError as exc:
-            raise StatusError(LLMStatusCode.LLM_FAILED, f"{listen[0]}:{listen[1]} is taken: {exc}") from exc
+            raise StatusError(
+                LLMStatusCode.LLM_FAILED, f"{listen[0]}:{listen[1]} is taken: {exc}; {SHARED_NAMES_HINT}"
+            ) from exc
         self.public_path = path
         ip, port = listen
         if ip.startswith("127."):
@@ -282,6 +291,16 @@ class Core(NodeHooks):
         return self.links.drop_push_link(remote_cluster_id) or dropped
 
     # ------------------------------------------------------------------ teardown
+
+    def abandon(self, parent_pid: int) -> None:
+        """In a child forked from this process after init: close the child's copies of the parent's
+        sockets and index, and touch nothing the parent shares with its peers (no message, no unlink, no
+        index write, no unpin: those are the parent's). Every later call through this instance fails with
+        `_errors.FORK_HINT`; the child may init an instance of its own."""
+        self.forked_from = parent_pid
+        self.server.abandon()
+        self.links.abandon()
+        self.table.index.forget_in_child()
 
     def close(self) -> None:
         """Release everything, in an order that lets every transfer in flight end as it would: ours (on

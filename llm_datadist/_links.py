@@ -319,6 +319,14 @@ class Links:
                 link.owned_segments.discard(name.lstrip("/"))
                 link.owned_segments.discard(name)
 
+    def abandon(self) -> None:
+        """In a forked child: every link's copy of its socket and index closed, nothing said to a peer."""
+        self.closed = True
+        for link in list(self._links.values()) + list(self._push_links.values()):
+            link.abandon()
+        self._links.clear()
+        self._push_links.clear()
+
     def close_all(self, before: Callable[[], None]) -> list[ClientLink]:
         """No more links: every link is taken out of the registries (`before` runs first, under the
         lock); the caller closes them."""

@@ -72,6 +72,16 @@ _shared: RemoteEngine | None = None
 _shared_lock = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    """The parent's engine did not come along into a forked child (its threads stay with the parent)."""
+    global _shared, _shared_lock
+    _shared = None
+    _shared_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def shared_engine(local_ip: str) -> RemoteEngine:
     """This process's engine, started on `local_ip` at the first call. One per process: Mooncake has no way
     to stop an engine, so a later instance (after `finalize` and `init`) uses the same one."""

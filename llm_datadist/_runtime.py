@@ -22,6 +22,11 @@ import psutil
 from .status import LLMStatusCode, make_error
 
 ENV_RUNTIME_DIR = "LLM_DATADIST_RUNTIME_DIR"
+# Said wherever a name another program of this user holds is refused (a listen address, a comm's rank).
+SHARED_NAMES_HINT = (
+    "listen addresses and comm names are this user's, host-wide; give jobs that run side by side a "
+    f"runtime directory each ({ENV_RUNTIME_DIR}=<a directory of their own>)"
+)
 # A listener is bound under a hidden name starting so and linked to its real name once it listens.
 TEMP_SOCKET_PREFIX = ".bind-"
 # sun_path is 108 bytes on Linux, including the terminating NUL.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._errors import api_errors
-from ._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
+from ._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, KeyId
 from ._owner.records import CacheRecord
 from ._pushplan import TensorPush, blocks_push, slot_push, slot_to_blocks_push
 from ._validate import check_index_lists, check_isinstance, check_range_step1, check_uint32, check_uint64
@@ -122,6 +122,24 @@ def check_cache_key(cache_key: CacheKey, *, prefix_label: str = "prefix id") -> 
         "only one of req id and prefix id should contain valid value:[0, 2**64-1), "
         f"req id:{req_id}, {prefix_label}{prefix_id}.",
     )
+
+
+def owner_key(api: str, key: CacheKey) -> KeyId | None:
+    """The owner-side index of a key bound at allocation or registration: (kind, req_id or prefix_id,
+    model_id), None for a padding key (neither set). A key that sets both is refused here, as every pull of
+    it would be (LLM_PARAM_INVALID; for a prefix key, pass req_id=2**64-1 and prefix_id=P)."""
+    req_valid, prefix_valid = key.req_id != U64_MAX, key.prefix_id != U64_MAX
+    if req_valid and prefix_valid:
+        _param_invalid(
+            api,
+            f"a key sets either req_id or prefix_id, not both (req_id {key.req_id}, prefix_id "
+            f"{key.prefix_id}): no pull could name it; a prefix key has req_id=2**64-1",
+        )
+    if prefix_valid:
+        return (KEY_PREFIX, key.prefix_id, key.model_id)
+    if req_valid:
+        return (KEY_REQ, key.req_id, key.model_id)
+    return None
 
 
 def key_fields(api: str, key: CacheKey | CacheKeyByIdAndIndex) -> tuple[int, int, int, int, int]:

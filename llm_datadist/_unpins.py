@@ -8,6 +8,7 @@ two comes last. One lock serialises all of it, across threads of the process.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -17,6 +18,18 @@ from llm_datadist._shm.index import Index
 _lock = threading.Lock()
 _owed: list[tuple[Index, int, int, bool]] = []  # (index, row, ticket, ok)
 _released: set[int] = set()  # id() of owed indexes whose link let go of them
+
+
+def _forget_in_child() -> None:
+    """A forked child owes nothing: the pins are its parent's (a pin is its holder's, pid and start time),
+    and the parent's threads, one of which may have held the lock, did not come along."""
+    global _lock, _owed, _released
+    _lock = threading.Lock()
+    _owed = []
+    _released = set()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def owe(index: Index, row: int, ticket: int, ok: bool) -> None:

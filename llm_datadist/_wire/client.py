@@ -288,6 +288,16 @@ class ClientLink:
         if index is not None:
             _unpins.release(index)  # closed now, or once the unpins owed through it are done
 
+    def abandon(self) -> None:
+        """In a forked child: close this process's copy of the socket and of the peer's index, without a
+        word to the peer and without touching its index (its pins are the parent's)."""
+        self.broken = self.broken or "this process was forked from the one that made the link"
+        self._poller = None
+        self._sock.close()
+        index, self.index = self.index, None
+        if index is not None:
+            index.close()
+
     def check_peer_alive(self) -> None:
         """PeerGone if the peer's end of the socket is closed (it exited or died), without waiting or
         reading: one poll for a hang-up. A transfer that never talks to the peer (a one-sided read) asks

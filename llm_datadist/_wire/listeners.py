@@ -144,6 +144,15 @@ class Listeners:
         for done in waiting:
             done.set()
 
+    def abandon(self) -> None:
+        """In a forked child: close this process's copies of the listening sockets, unlink nothing. No lock:
+        the child has one thread, and a lock another thread of the parent held at the fork stays held."""
+        self._lock = threading.Lock()
+        listeners, self._listeners = self._listeners, {}
+        changes, self._changes = self._changes, []
+        for listener in list(listeners.values()) + [change.listener for change in changes]:
+            listener.close()
+
     def close(self) -> None:
         """Close every listener, served or waiting to be, and release whoever waits for a removal."""
         with self._lock:

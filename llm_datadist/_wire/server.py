@@ -206,6 +206,22 @@ class Server:
         # The service refers back to its owner: no cycle outlives the close.
         self._requests.service = ClosedService()
 
+    def abandon(self) -> None:
+        """In a child forked from this process (whose server thread did not come along): close this
+        process's copies of every socket, so that the parent's peers still see its connections end when the
+        parent ends them, and say nothing to anyone (no Bye, no unlink, no service call)."""
+        self._stop.set()
+        self.failure = "this process was forked from the one that started the server"
+        for sconn in list(self._conns.values()):
+            sconn.closing = True
+            sconn.sock.close()
+        self._conns.clear()
+        self._listeners.abandon()
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        self._requests.service = ClosedService()
+
     def _conns_of(self, cluster_id: int) -> list[ServerConn]:
         return [c for c in self._conns.values() if c.peer is not None and c.peer.cluster_id == cluster_id]
 

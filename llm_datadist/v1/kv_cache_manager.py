@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .._errors import api_errors
-from .._keys import KEY_PREFIX, KEY_REQ, KeyId
+from .._errors import FORK_HINT, api_errors
+from .._keys import KeyId
 from .._owner.records import CacheRecord
 from .._source import SourceRef
 from .._transfer import (
@@ -21,6 +21,7 @@ from .._transfer import (
     check_cache_key,
     check_transfer_args,
     key_fields,
+    owner_key,
     parse_layer_kwargs,
     plan_transfer,
     start_transfer,
@@ -37,7 +38,6 @@ from ..configs import LLMRole
 from ..status import LLMStatusCode, make_error
 from ..v2.cache import KvCache
 from ..v2.llm_types import (
-    U64_MAX,
     BlocksCacheKey,
     CacheDesc,
     CacheKey,
@@ -57,15 +57,6 @@ def _param_invalid(api: str, context: str) -> NoReturn:
     raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, context)
 
 
-def owner_key(key: CacheKey) -> KeyId | None:
-    """The owner-side index of a key: (kind, req_id or prefix_id, model_id); None for a padding key."""
-    if key.prefix_id != U64_MAX:
-        return (KEY_PREFIX, key.prefix_id, key.model_id)
-    if key.req_id != U64_MAX:
-        return (KEY_REQ, key.req_id, key.model_id)
-    return None
-
-
 class KvCacheManager:
     """The v1 manager, reached through `LLMDataDist.kv_cache_manager`.
 
@@ -83,9 +74,12 @@ class KvCacheManager:
         return self._core is not None
 
     def _require_core(self, api: str) -> Core:
-        if self._core is None:
+        core = self._core
+        if core is None:
             raise make_error(api, LLMStatusCode.LLM_FAILED, "kv cache manager is not initialized")
-        return self._core
+        if core.forked_from is not None:
+            raise make_error(api, LLMStatusCode.LLM_FAILED, FORK_HINT.format(pid=core.forked_from))
+        return core
 
     def _finalize(self) -> None:
         self._core = None
@@ -126,7 +120,7 @@ class KvCacheManager:
         self._check_desc(api, cache_desc)
         if cache_keys and self._role != LLMRole.PROMPT:
             _param_invalid(api, f"cache_keys is not supported by {self._role.name}")
-        keys = [owner_key(key) for key in cache_keys]
+        keys = [owner_key(api, key) for key in cache_keys]
         return self._allocate(api, core, cache_desc, keys, is_blocks=False)
 
     def allocate_blocks_cache(
@@ -202,7 +196,7 @@ class KvCacheManager:
     def _deallocate_later(self, cache: KvCache) -> None:
         """`KvCache.__del__`'s deallocate: it cannot wait for the index lock, nor fail."""
         core = self._core
-        if core is not None and cache._is_valid and cache.cache_id != -1:
+        if core is not None and core.forked_from is None and cache._is_valid and cache.cache_id != -1:
             cache._invalidate()
             core.table.deallocate_later(cache.cache_id)
 
@@ -212,7 +206,7 @@ class KvCacheManager:
         core = self._require_core(api)
         self._check_role(api, LLMRole.PROMPT)
         check_isinstance("cache_key", cache_key, CacheKey)
-        key = owner_key(cache_key)
+        key = owner_key(api, cache_key)
         if key is not None:
             with api_errors(api):
                 core.table.remove_key(key)

@@ -13,8 +13,7 @@ import functools
 import threading
 from typing import TYPE_CHECKING, NoReturn
 
-from .._errors import StatusError, api_errors
-from .._keys import KEY_PREFIX, KEY_REQ, KeyId
+from .._errors import FORK_HINT, StatusError, api_errors
 from .._oneside import check_remote_tensors
 from .._owner.records import CacheRecord
 from .._source import RemoteCache
@@ -22,7 +21,7 @@ from .._transfer import LayerArgs, TensorSelection, check_cache_key
 from .._validate import check_isinstance
 from ..status import LLMStatusCode, make_error
 from .cache import Cache
-from .llm_types import U64_MAX, CacheKey
+from .llm_types import CacheKey
 
 if TYPE_CHECKING:
     from .._core import Core
@@ -51,14 +50,6 @@ def _timeout_errors(api: str) -> api_errors:
     return api_errors(api, timeout_code=LLMStatusCode.LLM_TIMEOUT)
 
 
-def _owner_key(key: CacheKey) -> KeyId | None:
-    if key.prefix_id != U64_MAX:
-        return (KEY_PREFIX, key.prefix_id, key.model_id)
-    if key.req_id != U64_MAX:
-        return (KEY_REQ, key.req_id, key.model_id)
-    return None
-
-
 class ManagerBase:
     """The state the parts of `CacheManager` share."""
 
@@ -71,9 +62,12 @@ class ManagerBase:
         self._prepared: dict[tuple[object, ...], tuple[Core, PreparedRead]] = {}
 
     def _require_core(self, api: str) -> Core:
-        if self._core is None:
+        core = self._core
+        if core is None:
             raise make_error(api, LLMStatusCode.LLM_FAILED, "cache manager is not initialized")
-        return self._core
+        if core.forked_from is not None:
+            raise make_error(api, LLMStatusCode.LLM_FAILED, FORK_HINT.format(pid=core.forked_from))
+        return core
 
     def _finalize(self) -> None:
         self._core = None

@@ -33,7 +33,9 @@ from .llm_types import (
 
 if TYPE_CHECKING:
     from .._core import Core
-from ._base import ManagerBase, _invalid, _owner_key
+from .._procmaps import require_mapped
+from .._transfer import owner_key
+from ._base import ManagerBase, _invalid
 
 # The real library caps the addresses registered over all register calls (240; 256 before 8.1).
 MAX_REGISTERED_ADDRS = 240
@@ -108,7 +110,7 @@ class Memory(ManagerBase):
             if data_key in seen:
                 _invalid(api, f"multiply identical cache_keys {data_key} occurred in the request")
             seen.add(data_key)
-        return self._pool_allocate(api, cache_desc, [_owner_key(k) for k in cache_keys], is_blocks=False)
+        return self._pool_allocate(api, cache_desc, [owner_key(api, k) for k in cache_keys], is_blocks=False)
 
     def allocate_blocks_cache(
         self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
@@ -212,6 +214,9 @@ class Memory(ManagerBase):
             )
         allow_peers_to_attach()
         with api_errors(api):
+            # Pulls land in registered memory and peers read (and may push into) it: all of it must be
+            # this process's own, readable and writable, or a peer would read whatever lies beyond it.
+            require_mapped(((addr, desc.size) for addr in addrs), what="tensor", writable=True)
             record = core.table.register(
                 num_tensors=desc.num_tensors,
                 tensor_nbytes=desc.size,
@@ -241,7 +246,7 @@ class Memory(ManagerBase):
         check_isinstance("cache_keys", cache_keys, (list, tuple))
         for key in cache_keys:
             check_isinstance("cache_keys", key, CacheKey)
-        keys = [_owner_key(k) for k in cache_keys]
+        keys = [owner_key(api, k) for k in cache_keys]
         return self._register(api, cache_desc, addrs, keys, remote_accessible, is_blocks=False)
 
     def register_blocks_cache(
@@ -286,18 +291,20 @@ class Memory(ManagerBase):
         api = "remove_cache_key"
         core = self._require_core(api)
         check_isinstance("cache_key", cache_key, CacheKey)
-        key = _owner_key(cache_key)
+        key = owner_key(api, cache_key)
         with self._timeout_errors(api):
             bound = core.table.bound(key) if key is not None else None
             if key is not None and bound is not None and not bound.registered:
                 core.table.remove_key(key)
 
     def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
-        """Validated as the real one: a list or one MemInfo, each a MemInfo of device memory with addr != 0
-        and size > 0 (LLM_PARAM_INVALID for each); memory here never moves, so a valid remap (an empty list
-        included) has nothing to do."""
+        """Checked as the real one: a list or one MemInfo, each a MemInfo of device memory with addr != 0
+        and size > 0, the list not empty (LLM_PARAM_INVALID), and a link made (LLM_NOT_YET_LINK). Then the
+        real one redoes the NICs' registrations of that memory after a memory error moved its pages; here
+        nothing holds pages by physical address (peers reach memory by virtual address at every copy), so
+        there is nothing to redo (docs/hixl.md, "remap")."""
         api = "remap_registered_memory"
-        self._require_core(api)
+        core = self._require_core(api)
         if not isinstance(mem_infos, (list, MemInfo)):
             _invalid(
                 api, f"mem_infos type only support list of MemInfo or MemInfo, but got {type(mem_infos)}."
@@ -314,3 +321,8 @@ class Memory(ManagerBase):
                 _invalid(api, f"check mem_info.addr failed, addr can not be zero, index={i}.")
             if info.size <= 0:
                 _invalid(api, f"check mem_info.size failed, size must be > 0, index={i}.")
+        # Then the engine's: something to remap, and a link whose registrations it would redo.
+        if not infos:
+            _invalid(api, "mem_infos is empty")
+        if not core.links.clusters() and not core.server.peers():
+            raise make_error(api, LLMStatusCode.LLM_NOT_YET_LINK, "No comm link yet")

@@ -1,21 +1,27 @@
 """`LLMDataDist`: the front end (init/finalize, links, the manager properties).
 
 Rules: one initialised instance per process (`llm_engine_instance`), finalised at exit by an atexit hook
-that swallows `LLMException`. Methods other than `init` raise `RuntimeError("llm datadist is not
-initialized")` before `init`. `link_clusters`/`unlink_clusters` never raise for a failed link: they return
-the overall code and one code per cluster, as the real library does.
+that swallows `LLMException`, and on SIGTERM where the program left SIGTERM at its default (then the process
+ends as SIGTERM would; `LLM_DATADIST_SIGTERM=0` leaves SIGTERM alone). A child forked after init closes its
+copies of the parent's sockets, never uses, finalizes or unlinks the parent's instance, and may init its
+own. Methods other than `init` raise `RuntimeError("llm datadist is not initialized")` before `init`.
+`link_clusters`/`unlink_clusters` never raise for a failed link: they return the overall code and one code
+per cluster, as the real library does.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import os
+import signal
 import threading
 import time
+from types import FrameType
 from typing import ClassVar
 
 from .._core import Core
-from .._errors import api_errors
+from .._errors import FORK_HINT, api_errors
 from .._rank_table import check_link_args
 from .._runtime import parse_listen_ip_info
 from .._settings import parse_options
@@ -29,6 +35,11 @@ from .llm_types import RegisterMemStatus
 
 MAX_CLUSTERS_PER_CALL = 16
 _atexit_registered = False
+# "0": init leaves SIGTERM alone (the program's own handler, or the default: no clean-up).
+ENV_SIGTERM = "LLM_DATADIST_SIGTERM"
+# How long a SIGTERM waits for the instance to finalize before the process ends anyway (what is left then
+# is removed by the next init or `llm-datadist gc`: its owner is dead). Under docker stop's 10 s grace.
+_SIGTERM_FINALIZE_S = 5.0
 
 
 def _finalize_at_exit() -> None:
@@ -36,6 +47,52 @@ def _finalize_at_exit() -> None:
     if instance is not None:
         with contextlib.suppress(LLMException):
             instance.finalize()
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """Finalize (on a thread of its own, bounded: the main thread may hold what finalize waits for), then
+    end the process as SIGTERM would: the default action, re-raised."""
+    instance = LLMDataDist.llm_engine_instance
+    if instance is not None:
+        finisher = threading.Thread(target=_finalize_at_exit, name="llmdd-sigterm", daemon=True)
+        finisher.start()
+        finisher.join(_SIGTERM_FINALIZE_S)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _handle_sigterm() -> None:
+    """At init: SIGTERM finalizes, where the program left it at its default and we are on the main thread
+    (the only one Python lets set a handler); `LLM_DATADIST_SIGTERM=0` turns this off."""
+    if os.environ.get(ENV_SIGTERM, "").strip() == "0":
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _leave_sigterm() -> None:
+    """At finalize: SIGTERM is the default again, if the handler is still ours."""
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is _on_sigterm
+    ):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _after_fork_in_child() -> None:
+    """The instance the parent initialised is not the child's: close the child's copies of its sockets and
+    files (`Core.abandon`) and let the child init its own. No lock: the child has one thread, and a lock
+    another thread of the parent held at the fork stays held in the child."""
+    LLMDataDist._instance_lock = threading.Lock()
+    instance, LLMDataDist.llm_engine_instance = LLMDataDist.llm_engine_instance, None
+    core = instance._core if instance is not None else None
+    if core is not None and core.forked_from is None:
+        core.abandon(os.getppid())
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class LLMDataDist:
@@ -92,6 +149,7 @@ class LLMDataDist:
             if not _atexit_registered:
                 atexit.register(_finalize_at_exit)
                 _atexit_registered = True
+            _handle_sigterm()
         log.info("llm datadist %d initialised as %s", self._cluster_id, self._role)
 
     def finalize(self) -> None:
@@ -100,6 +158,8 @@ class LLMDataDist:
             core, self._core = self._core, None
             if core is None:
                 return
+            if core.forked_from is not None:
+                return  # the parent's instance, inherited by a fork: the parent finalizes it
             if self._kv_cache_manager is not None:
                 self._kv_cache_manager._finalize()
             if self._cache_manager is not None:
@@ -107,12 +167,15 @@ class LLMDataDist:
             self._kv_cache_manager = self._cache_manager = None
             if LLMDataDist.llm_engine_instance is self:
                 LLMDataDist.llm_engine_instance = None
+                _leave_sigterm()
         core.close()
 
     def _require_core(self) -> Core:
         core = self._core
         if core is None:
             raise RuntimeError("llm datadist is not initialized")
+        if core.forked_from is not None:
+            raise make_error("LLMDataDist", LLMStatusCode.LLM_FAILED, FORK_HINT.format(pid=core.forked_from))
         return core
 
     # ------------------------------------------------------------------ properties
@@ -189,6 +252,10 @@ class LLMDataDist:
             if info.remote_cluster_id is None or not info.remote_ip_info_list:
                 log.error("link_clusters: cluster info needs remote_cluster_id and a remote ip: %r", info)
                 results.append(LLMStatusCode.LLM_LINK_FAILED)
+                continue
+            if _hixl_backend(core) and len(info.remote_ip_info_list) != 1:
+                log.error("link_clusters: with the hixl backend a cluster takes one remote ip: %r", info)
+                results.append(LLMStatusCode.LLM_PARAM_INVALID)
                 continue
             ip, port = info.remote_ip_info_list[0]
             # Over TCP (a peer on another host) the link leaves from the local ip given, when it is ours.
@@ -278,6 +345,15 @@ class LLMDataDist:
             raise make_error(
                 api, LLMStatusCode.LLM_PARAM_INVALID, "not supported with several devices in one process"
             )
+        if v2 and _hixl_backend(core):
+            # The hixl backend serves where init said, whatever the role: another address is refused.
+            if listen is not None and listen != core.settings.listen:
+                raise make_error(
+                    api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "the hixl backend keeps init's listen_ip_info"
+                )
+            core.set_role(role)
+            self._role = role
+            return
         if core.links.clusters() or core.server.peers():
             raise make_error(api, LLMStatusCode.LLM_EXIST_LINK, "unlink every cluster first")
         with api_errors(api):
@@ -304,6 +380,7 @@ class LLMDataDist:
         name, members, table = check_link_args(
             comm_name, cluster_rank_info, rank_table, local_cluster_id=self._cluster_id
         )
+        _no_two_sided_links(api, core)
         with api_errors(api):
             return core.comms.link(name, members, table)
 
@@ -316,6 +393,7 @@ class LLMDataDist:
                 api, LLMStatusCode.LLM_PARAM_INVALID, "unlink is only available in cache-manager mode"
             )
         check_uint64("comm_id", comm_id)
+        _no_two_sided_links(api, core)
         with api_errors(api):
             core.comms.unlink(comm_id)
 
@@ -326,6 +404,7 @@ class LLMDataDist:
         if not self._v2(core):
             raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, "only available in cache-manager mode")
         check_uint64("comm_id", comm_id)
+        _no_two_sided_links(api, core)
         with api_errors(api):
             return RegisterMemStatus(core.comms.status(comm_id))
 
@@ -335,3 +414,15 @@ def _overall(results: list[LLMStatusCode]) -> LLMStatusCode:
         if code != LLMStatusCode.LLM_SUCCESS:
             return code
     return LLMStatusCode.LLM_SUCCESS
+
+
+def _hixl_backend(core: Core) -> bool:
+    return core.settings.transfer_backend == "hixl"
+
+
+def _no_two_sided_links(api: str, core: Core) -> None:
+    """The hixl backend has no two-sided links: LLM_FEATURE_NOT_ENABLED, as its engine answers."""
+    if _hixl_backend(core):
+        raise make_error(
+            api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, "not supported by the hixl transfer backend"
+        )

@@ -63,14 +63,24 @@ def test_prompt_crash_cycles_leak_nothing(seed: int, _runtime_dir) -> None:  # t
                 assert dd.unlink_clusters([info])[0] == LLMStatusCode.LLM_SUCCESS
             finally:
                 peer.close()
-            # The survivor's server thread may still hold a descriptor for a moment (cleaning up after
-            # the dead peer probes the runtime directory's sockets): wait for it to settle.
-            settle_deadline = time.monotonic() + 3
-            while fds_after and _fds() != fds_after[0] and time.monotonic() < settle_deadline:
-                time.sleep(0.02)
             fds_after.append(_fds())
         assert not _segments_of(dead)
         assert not list(_runtime_dir.glob("127.0.0.1_*.sock"))
-        # The first cycle may start multiprocessing's own helper (the resource tracker) and its pipe:
-        # from then on every crash cycle must leave the descriptor count where it was.
-        assert fds_after[1:] == [fds_after[0]] * (CYCLES - 1), fds_after
+        # The first cycle may start multiprocessing's own helper (the resource tracker) and its pipe; a
+        # descriptor may also stay open for a moment after a cycle (the server thread probing the runtime
+        # directory's sockets, an index mapping closed at the next housekeeping). A leak stays: one per
+        # crash would leave four more after the last cycle than after the first, whatever the timing.
+        settle_deadline = time.monotonic() + 10
+        while _fds() > fds_after[0] and time.monotonic() < settle_deadline:
+            time.sleep(0.05)
+        assert _fds() <= fds_after[0], (fds_after, _fds(), _fd_targets())
+
+
+def _fd_targets() -> list[str]:
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            continue
+    return targets

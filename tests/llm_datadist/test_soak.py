@@ -2,7 +2,7 @@
 layer ranges and keys, while the Prompt keeps allocating and freeing. Every byte is verified, every key
 is served exactly once, and at the end nothing is held: caches, keys, leases, segments, descriptors.
 
-LLM_DATADIST_SOAK_SECONDS sets the duration (default 60 s; longer on demand).
+LLM_DATADIST_SOAK_SECONDS sets the duration (default 20 s; the long runs are `llm-datadist soak`).
 """
 
 from __future__ import annotations
@@ -28,11 +28,18 @@ from llm_datadist import (
     LLMRole,
     LLMStatusCode,
 )
+from llm_datadist._shm.names import parse_segment_name
 from llm_datadist.ext import tensor_views
 
 P = 1
 PORT = 20500
-SOAK_SECONDS = float(os.environ.get("LLM_DATADIST_SOAK_SECONDS", "60"))
+SOAK_SECONDS = float(os.environ.get("LLM_DATADIST_SOAK_SECONDS", "20"))
+
+
+def _segments_of(pids: set[int]) -> int:
+    """How many /dev/shm entries this test's processes own (other sessions' come and go meanwhile)."""
+    owners = (parse_segment_name(name) for name in os.listdir("/dev/shm"))
+    return sum(1 for owner in owners if owner is not None and owner.pid in pids)
 
 
 def _pattern(key: int, tensor: int, nbytes: int) -> np.ndarray:
@@ -116,6 +123,7 @@ def test_soak_two_decoders_one_prompt(seed: int, _runtime_dir) -> None:  # type:
             status, value = pipe.recv()
             assert status == "ready", value
         me = psutil.Process()
+        pids = {os.getpid(), *(process.pid for process, _ in decoders)}
         outstanding: dict[int, Connection] = {}
         served: set[int] = set()
         next_key = 1
@@ -146,7 +154,7 @@ def test_soak_two_decoders_one_prompt(seed: int, _runtime_dir) -> None:  # type:
                 served.add(value)
                 del outstanding[value]
             if len(served) % 50 == 0:
-                samples.append((me.memory_info().rss, me.num_fds(), len(os.listdir("/dev/shm"))))
+                samples.append((me.memory_info().rss, me.num_fds(), _segments_of(pids)))
         for _, pipe in decoders:
             pipe.send(None)
         pulled = 0
