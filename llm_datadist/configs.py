@@ -30,8 +30,8 @@ __all__ = ["LLMClusterInfo", "LLMConfig", "LLMRole", "LlmConfig", "ip_int_to_str
 class LLMRole(IntEnum):
     """Role label of an LLMDataDist: PROMPT=1, DECODER=2, MIX=3; `str()` gives "LLMRole.PROMPT".
 
-    An IntEnum as in current hixl (a plain Enum before 2026-05). The engine sees it as the `llm.Role`
-    option "Prompt" / "Decoder" / "Mix".
+    An IntEnum as in current hixl (a plain Enum before 2026-05); `format()` with a spec formats the number
+    (f"{role:d}" is "1"). The engine sees it as the `llm.Role` option "Prompt" / "Decoder" / "Mix".
     """
 
     PROMPT = 1
@@ -40,6 +40,10 @@ class LLMRole(IntEnum):
 
     def __str__(self) -> str:
         return f"{self.__class__.__name__}.{self.name}"
+
+    def __format__(self, format_spec: str) -> str:
+        # As on Python 3.11+ (status.LLMStatusCode says why): "" gives str(), any other spec the number.
+        return int.__format__(self, format_spec)
 
 
 def trans_str_ip(ip: str | int) -> int:

@@ -8,6 +8,8 @@ installed, as raw `uint16` otherwise.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ._rank_table import default_rank_table
@@ -16,7 +18,7 @@ from .status import LLMStatusCode, make_error
 from .v2.cache import KvCache
 
 
-def tensor_views(cache: KvCache) -> list[np.ndarray]:
+def tensor_views(cache: KvCache) -> list[np.ndarray[Any, Any]]:
     """One numpy array per tensor of `cache`, shaped like `cache.cache_desc.shape`, sharing its memory."""
     api = "tensor_views"
     manager = getattr(cache, "_kv_cache_manager", None)

@@ -32,7 +32,8 @@ class LLMStatusCode(IntEnum):
     """Result codes, with the numeric values the native engine uses.
 
     An `IntEnum` whose `str()` (and so f-string) form is "LLMStatusCode.NAME", as in current hixl (it was a
-    plain `Enum` before 2026-05; an IntEnum compares equal to itself either way). Engine codes 20-23
+    plain `Enum` before 2026-05; an IntEnum compares equal to itself either way); `format()` with a spec
+    formats the number (f"{code:#x}"), on every Python. Engine codes 20-23
     (CACHE_INCOMPATIBLE ...) have no member, as in the real package; `code_2_status` maps them to LLM_FAILED.
     """
 
@@ -68,6 +69,12 @@ class LLMStatusCode(IntEnum):
 
     def __str__(self) -> str:
         return f"{self.__class__.__name__}.{self.name}"
+
+    def __format__(self, format_spec: str) -> str:
+        # IntEnum's format is int's from Python 3.11: an empty spec gives str() (the name above), any other
+        # spec formats the number. 3.10's Enum.__format__ would format the name whenever __str__ is
+        # overridden (f"{code:d}" a ValueError), so it is spelled out here, as in LLMRole and Placement.
+        return int.__format__(self, format_spec)
 
 
 class LLMException(RuntimeError):

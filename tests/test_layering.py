@@ -8,10 +8,15 @@ with ast."""
 from __future__ import annotations
 
 import ast
-import tomllib
+import sys
 from pathlib import Path
 
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the test extra installs tomli, its origin, on 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -165,9 +170,9 @@ def test_the_rooms_are_installed_under_the_package() -> None:
     assert Path(llm_datadist._protocol.messages.__file__).resolve().parent == ROOT / "protocol"
     assert Path(llm_datadist._bench.suite.__file__).resolve().parent == ROOT / "bench"
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert config["tool"]["setuptools"]["packages"]["find"]["include"] == ["llm_datadist*"]
+    assert config["tool"]["setuptools"]["packages"]["find"]["include"] == ["llm_datadist*", "hixl*"]
     assert {f"llm_datadist/{link}" for link in ROOMS} <= set(config["tool"]["ruff"]["extend-exclude"])
-    assert config["tool"]["mypy"]["files"] == ["llm_datadist"]
+    assert config["tool"]["mypy"]["files"] == ["llm_datadist", "hixl"]
 
 
 # ------------------------------------------------------------------ the layers inside llm_datadist/
@@ -192,8 +197,8 @@ PULLER = {
 }
 # Leaves both sides use: _errors, _keys, _runtime, _unpins (the owed unpins a link's index mapping waits
 # for), status, utils. They import none of the layers above.
-NODE = {"_core", "_comm"}
-LEAVES = {"_errors", "_keys", "_runtime", "_unpins", "status", "utils"}
+NODE = {"_core", "_comm", "_hixl"}
+LEAVES = {"_errors", "_keys", "_runtime", "_unpins", "_procmaps", "status", "utils"}
 FACES = {"v1", "v2"}
 
 
@@ -229,6 +234,27 @@ def test_the_owner_imports_neither_the_pullers_side_nor_the_faces() -> None:
 
 def test_the_leaves_import_no_layer() -> None:
     assert not _layer_violations(LEAVES, WIRE | OWNER | PULLER | NODE | FACES)
+
+
+def test_the_hixl_engine_imports_no_face() -> None:
+    assert not _layer_violations({"_hixl"}, FACES | {"_comm", TOOLS})
+    found = []
+    for path in _library_modules():
+        names = {n for n in _imported_modules(path, _package_of(path)) if n.split(".")[0] == "hixl"}
+        if names:
+            found.append(f"{path.relative_to(ROOT)} imports {sorted(names)}")
+    assert not found, "\n".join(found)  # the library never imports the face
+
+
+def test_the_hixl_face_reaches_the_library_through_its_engine_only() -> None:
+    found = []
+    for path in sorted((ROOT / "hixl").rglob("*.py")):
+        names = _imported_modules(path, _package_of(path))
+        bad = sorted(n for n in names if n.split(".")[0] == "llm_datadist" and _layer_of(n) != "_hixl")
+        if bad:
+            found.append(f"{path.relative_to(ROOT)} imports {bad}")
+    assert not found, "\n".join(found)
+    assert (ROOT / "hixl" / "hixl.py").is_file()
 
 
 def test_transfers_and_movers_never_import_the_faces() -> None:

@@ -54,13 +54,18 @@ __all__ = [
 
 
 class Placement(IntEnum):
-    """Where a cache lives: HOST=0, DEVICE=1; `str()` gives "Placement.HOST" (IntEnum as in current hixl)."""
+    """Where a cache lives: HOST=0, DEVICE=1; `str()` gives "Placement.HOST" (IntEnum as in current hixl),
+    `format()` with a spec the number (f"{placement:d}" is "0")."""
 
     HOST = 0
     DEVICE = 1
 
     def __str__(self) -> str:
         return f"{self.__class__.__name__}.{self.name}"
+
+    def __format__(self, format_spec: str) -> str:
+        # As on Python 3.11+ (status.LLMStatusCode says why): "" gives str(), any other spec the number.
+        return int.__format__(self, format_spec)
 
 
 class RegisterMemStatus(Enum):
