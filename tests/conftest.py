@@ -8,6 +8,7 @@ import os
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -151,3 +152,22 @@ def seed(request: pytest.FixtureRequest) -> int:
     value = int(os.environ.get("LLM_DATADIST_TEST_SEED", random.randrange(2**32)))
     print(f"[{request.node.nodeid}] seed={value}")
     return value
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Each reason tests were skipped for, said once, with how many and where (one missing extra skips a
+    score of tests across several files, all for the same reason)."""
+    by_reason: dict[str, Counter[str]] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = str(longrepr[2]) if isinstance(longrepr, tuple) else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        by_reason.setdefault(reason, Counter())[report.nodeid.split("::")[0]] += 1
+    if not by_reason:
+        return
+    terminalreporter.section("skipped, by reason")
+    for reason, files in sorted(by_reason.items(), key=lambda item: -sum(item[1].values())):
+        terminalreporter.write_line(f"{sum(files.values())} skipped: {reason}")
+        terminalreporter.write_line(
+            "    " + ", ".join(f"{name} ({count})" for name, count in sorted(files.items()))
+        )
