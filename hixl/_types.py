@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 import operator
+from collections.abc import Callable
+from typing import Generic, TypeVar, overload
 
 from llm_datadist._hixl import codes as _codes
 from llm_datadist._hixl import config as _config
@@ -160,34 +162,58 @@ def instance(name: str, value: object, cls: type) -> None:
 
 # ====================================================================== value classes
 
+_T = TypeVar("_T")
+
+
+class _Field(Generic[_T]):
+    """An attribute converted as the binding converts it, at every assignment (kept in the slot
+    `_<name>`)."""
+
+    def __init__(self, convert: Callable[[str, object], _T]) -> None:
+        self._convert = convert
+        self._name = self._slot = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name, self._slot = name, f"_{name}"
+
+    @overload
+    def __get__(self, obj: None, objtype: type) -> _Field[_T]: ...
+
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> _T: ...
+
+    def __get__(self, obj: object, objtype: type | None = None) -> _T | _Field[_T]:
+        if obj is None:
+            return self
+        value: _T = getattr(obj, self._slot)
+        return value
+
+    def __set__(self, obj: object, value: object) -> None:
+        setattr(obj, self._slot, self._convert(self._name, value))
+
+
+def _u32(name: str, value: object) -> int:
+    return uint(name, value, U32_MAX)
+
+
+def _bool(name: str, value: object) -> bool:
+    instance(name, value, bool)
+    return bool(value)
+
 
 class MemDesc:
     """`MemDesc(addr, len)`: memory to register, `len` bytes at address `addr`."""
 
     __slots__ = ("_addr", "_len")
+    addr = _Field(uint)
+    len = _Field(uint)
 
     def __init__(self, addr: int, len: int) -> None:
         self.addr = addr
         self.len = len
 
-    @property
-    def addr(self) -> int:
-        return self._addr
-
-    @addr.setter
-    def addr(self, value: int) -> None:
-        self._addr = uint("addr", value)
-
-    @property
-    def len(self) -> int:
-        return self._len
-
-    @len.setter
-    def len(self, value: int) -> None:
-        self._len = uint("len", value)
-
     def __repr__(self) -> str:
-        return f"MemDesc(addr={self._addr:#x}, len={self._len})"
+        return f"MemDesc(addr={self.addr:#x}, len={self.len})"
 
 
 class TransferOpDesc:
@@ -195,40 +221,19 @@ class TransferOpDesc:
     `remote_addr` in the remote engine's process."""
 
     __slots__ = ("_len", "_local_addr", "_remote_addr")
+    local_addr = _Field(uint)
+    remote_addr = _Field(uint)
+    len = _Field(uint)
 
     def __init__(self, local_addr: int, remote_addr: int, len: int) -> None:
         self.local_addr = local_addr
         self.remote_addr = remote_addr
         self.len = len
 
-    @property
-    def local_addr(self) -> int:
-        return self._local_addr
-
-    @local_addr.setter
-    def local_addr(self, value: int) -> None:
-        self._local_addr = uint("local_addr", value)
-
-    @property
-    def remote_addr(self) -> int:
-        return self._remote_addr
-
-    @remote_addr.setter
-    def remote_addr(self, value: int) -> None:
-        self._remote_addr = uint("remote_addr", value)
-
-    @property
-    def len(self) -> int:
-        return self._len
-
-    @len.setter
-    def len(self, value: int) -> None:
-        self._len = uint("len", value)
-
     def __repr__(self) -> str:
         return (
-            f"TransferOpDesc(local_addr={self._local_addr:#x}, remote_addr={self._remote_addr:#x}, "
-            f"len={self._len})"
+            f"TransferOpDesc(local_addr={self.local_addr:#x}, remote_addr={self.remote_addr:#x}, "
+            f"len={self.len})"
         )
 
 
@@ -236,71 +241,35 @@ class TransferArgs:
     """`TransferArgs()`: `user_data` (an integer, 0 by default) comes back in `TransferResult`."""
 
     __slots__ = ("_user_data",)
+    user_data = _Field(uint)
 
     def __init__(self) -> None:
-        self._user_data = 0
-
-    @property
-    def user_data(self) -> int:
-        return self._user_data
-
-    @user_data.setter
-    def user_data(self, value: int) -> None:
-        self._user_data = uint("user_data", value)
+        self.user_data = 0
 
 
 class GetTransferStatusArgs:
     """`GetTransferStatusArgs(max_query_count=4294967295, skip_waiting=False)`."""
 
     __slots__ = ("_max_query_count", "_skip_waiting")
+    max_query_count = _Field(_u32)
+    skip_waiting = _Field(_bool)
 
     def __init__(self, max_query_count: int = U32_MAX, skip_waiting: bool = False) -> None:
         self.max_query_count = max_query_count
         self.skip_waiting = skip_waiting
-
-    @property
-    def max_query_count(self) -> int:
-        return self._max_query_count
-
-    @max_query_count.setter
-    def max_query_count(self, value: int) -> None:
-        self._max_query_count = uint("max_query_count", value, U32_MAX)
-
-    @property
-    def skip_waiting(self) -> bool:
-        return self._skip_waiting
-
-    @skip_waiting.setter
-    def skip_waiting(self, value: bool) -> None:
-        instance("skip_waiting", value, bool)
-        self._skip_waiting = value
 
 
 class TransferResult:
     """One request's status from `get_all_transfer_status`: `req`, `user_data`, `status` (read-only)."""
 
     __slots__ = ("_req", "_status", "_user_data")
+    req = _Field(uint)
+    user_data = _Field(uint)
 
     def __init__(self) -> None:
-        self._req = 0
-        self._user_data = 0
+        self.req = 0
+        self.user_data = 0
         self._status = TransferStatus.WAITING
-
-    @property
-    def req(self) -> int:
-        return self._req
-
-    @req.setter
-    def req(self, value: int) -> None:
-        self._req = uint("req", value)
-
-    @property
-    def user_data(self) -> int:
-        return self._user_data
-
-    @user_data.setter
-    def user_data(self, value: int) -> None:
-        self._user_data = uint("user_data", value)
 
     @property
     def status(self) -> TransferStatus:
@@ -311,29 +280,15 @@ class NotifyDesc:
     """`NotifyDesc(name, notify_msg)`: a notify for a remote engine's `get_notifies`."""
 
     __slots__ = ("_name", "_notify_msg")
+    name = _Field(text)
+    notify_msg = _Field(text)
 
     def __init__(self, name: str, notify_msg: str) -> None:
         self.name = name
         self.notify_msg = notify_msg
 
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @name.setter
-    def name(self, value: str) -> None:
-        self._name = text("name", value)
-
-    @property
-    def notify_msg(self) -> str:
-        return self._notify_msg
-
-    @notify_msg.setter
-    def notify_msg(self, value: str) -> None:
-        self._notify_msg = text("notify_msg", value)
-
     def __repr__(self) -> str:
-        return f"NotifyDesc(name={self._name!r}, notify_msg={self._notify_msg!r})"
+        return f"NotifyDesc(name={self.name!r}, notify_msg={self.notify_msg!r})"
 
 
 def transfer_result(req: int, user_data: int, status: TransferStatus) -> TransferResult:
