@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import threading
@@ -76,15 +77,44 @@ def timed(action: Callable[[], object], repeats: int) -> list[float]:
     return samples
 
 
-def copy_samples(nbytes: int, threads: int, repeats: int) -> list[float]:
-    """`timed` numpy.copyto of `nbytes` between two warm private buffers, split over `threads`: memcpy."""
+# The C copy kernel's entry point (`llm_datadist._shm._copykernel.copy_runs`).
+KernelCopy = Callable[[int, int, Any, Any, Any, bool], None]
+
+
+def copy_kernel() -> KernelCopy | None:
+    """The copy kernel's `copy_runs`, or None where it was not built (or LLM_DATADIST_NO_EXTENSION asks
+    for the pure-Python path)."""
+    if os.environ.get("LLM_DATADIST_NO_EXTENSION", "") not in ("", "0"):
+        return None
+    try:
+        from llm_datadist._shm._copykernel import copy_runs
+    except ImportError:
+        return None
+    return copy_runs
+
+
+def copy_samples(nbytes: int, threads: int, repeats: int, *, kernel: KernelCopy | None = None) -> list[float]:
+    """`timed` copies of `nbytes` between two warm private buffers, split over `threads`: numpy.copyto
+    (memcpy), or with `kernel` the copy kernel's streaming stores (one call per thread, GIL released)."""
     src = np.full(nbytes, 7, dtype=np.uint8)
     dst = np.zeros(nbytes, dtype=np.uint8)
     np.copyto(dst, src)  # warm: both buffers faulted in
     bounds = np.linspace(0, nbytes, threads + 1, dtype=np.int64)
+    src_base, dst_base = src.ctypes.data, dst.ctypes.data
+    columns = [
+        (
+            np.array([bounds[i]], dtype=np.uint64),
+            np.array([bounds[i + 1] - bounds[i]], dtype=np.uint64),
+        )
+        for i in range(threads)
+    ]
 
     def part(i: int) -> None:
-        np.copyto(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]])
+        if kernel is None:
+            np.copyto(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]])
+            return
+        offsets, lengths = columns[i]
+        kernel(src_base, dst_base, offsets, offsets, lengths, True)
 
     def once() -> None:
         workers = [threading.Thread(target=part, args=(i,)) for i in range(1, threads)]

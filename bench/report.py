@@ -21,11 +21,26 @@ from .proc import Results, fmt_nbytes
 __all__ = ["GROUPS", "OURS", "judge_targets", "plot", "print_report", "with_ratios", "write_json"]
 
 
+# The copy kernel's streaming copy, measured beside numpy.copyto: the best copy one process can make.
+KERNEL_COPY = "copy kernel, streaming stores"
+_TWO_THREAD_COPIES = ("numpy.copyto, 2 threads", f"{KERNEL_COPY}, 2 threads")
+
+
+def reference_row(results: Results) -> dict[str, Any] | None:
+    """The yardstick: the faster, at the largest size measured, of the two 2-thread copies of this run
+    (numpy.copyto stores through the cache, the kernel streams around it, and which one wins depends on
+    the machine). Smaller copies can stay in the L3 cache (300 MiB on the development machine) and would
+    overstate what memory can do."""
+    copies = [r for r in results.rows if r.get("name") in _TWO_THREAD_COPIES and r.get("gbps")]
+    if not copies:
+        return None
+    largest = max(r["nbytes"] for r in copies)
+    return max((r for r in copies if r["nbytes"] == largest), key=lambda r: float(r["gbps"]))
+
+
 def _reference_gbps(results: Results) -> float | None:
-    """The memory's limit: the largest 2-thread copy of this run. Smaller copies can stay in the L3 cache
-    (300 MiB on the development machine) and would overstate what memory can do."""
-    copies = [r for r in results.rows if r.get("name") == "numpy.copyto, 2 threads" and r.get("gbps")]
-    return float(max(copies, key=lambda r: r["nbytes"])["gbps"]) if copies else None
+    row = reference_row(results)
+    return float(row["gbps"]) if row is not None else None
 
 
 # The report's order: rows of one group together, in this order; a group's rows in the order measured,
@@ -59,7 +74,6 @@ def with_ratios(results: Results) -> None:
 
 def print_report(results: Results, targets: list[dict[str, Any]]) -> None:
     """The table of the rows, then the targets, on stdout."""
-    reference = _reference_gbps(results)
     columns = ("group", "benchmark", "size", "GB/s", "p50 us", "p99 us", "x memcpy")
     header = "{:<10} {:<56} {:>9} {:>7} {:>10} {:>10} {:>9}".format(*columns)
     print(header)
@@ -87,8 +101,13 @@ def print_report(results: Results, targets: list[dict[str, Any]]) -> None:
             print(
                 f"{'':<10}   x the whole pull of the same bytes (p50s, in alternation): {row['vs_whole']:.2f}"
             )
-    if reference:
-        print(f"x memcpy: ratio to the largest 2-thread numpy.copyto of this run ({reference:.2f} GB/s)")
+    best = reference_row(results)
+    if best is not None:
+        print(
+            f"x memcpy: ratio to the best copy of this run, {best['name']} of {fmt_nbytes(best['nbytes'])} "
+            f"({float(best['gbps']):.2f} GB/s; the faster of numpy.copyto and the copy kernel's streaming "
+            "copy, 2 threads each)"
+        )
     print()
     print("performance targets (SPEC.md), ratios from this run")
     header = f"{'target':<62} {'wanted':>8} {'measured':>9}  result"

@@ -38,8 +38,8 @@ from llm_datadist._tools.names import free_ports
 
 from . import peers
 from .ours import IP, OWNER, PREFIX, U64_MAX, Owner, link, measurer
-from .proc import BlockPattern, Results, block_patterns, copy_samples, fmt_nbytes, timed
-from .report import judge_targets, plot, print_report, write_json
+from .proc import BlockPattern, Results, block_patterns, copy_kernel, copy_samples, fmt_nbytes, timed
+from .report import KERNEL_COPY, judge_targets, plot, print_report, write_json
 from .report import with_ratios as _with_ratios
 
 # ====================================================================== helpers
@@ -89,6 +89,16 @@ def _one_sided_repeats(nbytes: int, quick: bool) -> int:
 
 def _memcpy_step(results: Results, name: str, nbytes: int, threads: int, quick: bool) -> None:
     results.add("memcpy", name, nbytes, copy_samples(nbytes, threads, _repeats(nbytes, quick)))
+
+
+def _kernel_copy_step(results: Results, name: str, nbytes: int, threads: int, quick: bool) -> None:
+    kernel = copy_kernel()
+    if kernel is None:
+        results.skip(
+            "memcpy", name, "the C copy kernel is not built here (or LLM_DATADIST_NO_EXTENSION is set)"
+        )
+        return
+    results.add("memcpy", name, nbytes, copy_samples(nbytes, threads, _repeats(nbytes, quick), kernel=kernel))
 
 
 def _socket_server(path: str, mode: str, nbytes: int) -> None:
@@ -428,8 +438,13 @@ def run(args: argparse.Namespace) -> int:
     steps: list[tuple[str, Callable[[], None]]] = []
     for nbytes in (64 << 10, 1 << 20, 16 << 20, 128 << 20) + (() if args.quick else (512 << 20,)):
         for threads in (1, 2):
-            name = f"numpy.copyto, {threads} thread{'s' if threads > 1 else ''}"
+            plural = "s" if threads > 1 else ""
+            name = f"numpy.copyto, {threads} thread{plural}"
             steps.append((name, functools.partial(_memcpy_step, results, name, nbytes, threads, args.quick)))
+            name = f"{KERNEL_COPY}, {threads} thread{plural}"
+            steps.append(
+                (name, functools.partial(_kernel_copy_step, results, name, nbytes, threads, args.quick))
+            )
     rtt_repeats = 300 if args.quick else 3000
     steps.append(
         (
