@@ -10,8 +10,15 @@ from __future__ import annotations
 import os as _os
 from typing import TYPE_CHECKING, Any
 
+from ._signals import held as _held
+
 # The real package sets this on import; keep the side effect so environment-sensitive code behaves alike.
 _os.environ.setdefault("AUTO_USE_UC_MEMORY", "0")
+
+# numpy's BLAS starts its threads when numpy is first imported: they too leave SIGTERM and SIGINT to the
+# program's main thread (`_signals`), when this package is what imports numpy first.
+with _held():
+    import numpy as _numpy  # noqa: F401
 
 from .configs import LLMClusterInfo, LLMConfig, LlmConfig, LLMRole
 from .data_type import DataType

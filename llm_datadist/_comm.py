@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from ._errors import StatusError
 from ._rank_table import RankTable
 from ._runtime import SHARED_NAMES_HINT, is_local_ip, socket_path_in_runtime
+from ._signals import held
 from ._wire.peer import PeerInfo
 from .status import LLMStatusCode
 from .utils.log import log
@@ -143,7 +144,8 @@ class Comms:
             name=f"llmdd-link-{comm.comm_id}",
             daemon=True,
         )
-        thread.start()
+        with held():  # SIGTERM and SIGINT are the program's main thread's (`_signals`)
+            thread.start()
         return comm.comm_id
 
     def peer_linked(self, peer: PeerInfo) -> None:

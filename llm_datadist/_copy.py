@@ -35,6 +35,7 @@ from llm_datadist._shm.copyplan import (
 )
 from llm_datadist._shm.errors import ShmError
 
+from ._signals import held
 from ._vm import VmError, VmNotPermitted, read_from_arrays, write_to_arrays
 
 ENV_COPY_THREADS = "LLM_DATADIST_COPY_THREADS"
@@ -174,7 +175,9 @@ def _started_pool(workers: int) -> ThreadPoolExecutor:
     def meet() -> None:
         barrier.wait(timeout=10.0)
 
-    for future in [executor.submit(meet) for _ in range(workers)]:
+    with held():  # its threads leave SIGTERM and SIGINT to the program's main thread (`_signals`)
+        futures = [executor.submit(meet) for _ in range(workers)]
+    for future in futures:
         future.result(timeout=15.0)
     return executor
 

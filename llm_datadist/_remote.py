@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ._errors import StatusError, TransferTimeout
+from ._signals import held, hold_here
 from .status import LLMStatusCode
 from .utils.log import log
 
@@ -102,13 +103,15 @@ class RemoteEngine:
 
     def __init__(self, local_ip: str) -> None:
         engine_class = _import_engine()
-        self._engine = engine_class()
         # TCP unless the user asks for RDMA (and names the NICs Mooncake may use, e.g. "mlx5_0,mlx5_1").
         protocol = os.environ.get(ENV_PROTOCOL, "tcp") or "tcp"
         devices = os.environ.get(ENV_DEVICES, "")
         if protocol not in ("tcp", "rdma"):
             raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"{ENV_PROTOCOL}={protocol!r}: tcp or rdma")
-        code = self._engine.initialize(local_ip, "P2PHANDSHAKE", protocol, devices)
+        # Its threads, made in here, leave SIGTERM and SIGINT to the program's main thread (`_signals`).
+        with held():
+            self._engine = engine_class()
+            code = self._engine.initialize(local_ip, "P2PHANDSHAKE", protocol, devices)
         if code != 0:
             raise StatusError(
                 LLMStatusCode.LLM_LINK_FAILED,
@@ -124,7 +127,9 @@ class RemoteEngine:
         self._idle = threading.Condition(self._lock)
         # Long-lived workers: Mooncake keeps per-thread state, and a small read from a thread that never
         # transferred before costs it about 200 us more than one from a thread that did.
-        self._pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="llmdd-remote")
+        self._pool = ThreadPoolExecutor(
+            max_workers=_WORKERS, thread_name_prefix="llmdd-remote", initializer=hold_here
+        )
         log.info("transfer engine at %s (%s)", self.address, protocol)
 
     def register(self, addr: int, nbytes: int) -> None:

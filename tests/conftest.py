@@ -15,6 +15,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+# Imported here, not in the watcher: an import on its first look can take longer than a short-lived
+# child lives (numpy on a busy machine), and the child would go unseen.
+from llm_datadist._shm.errors import ProcessGone
+from llm_datadist._shm.names import parse_segment_name, process_start_ticks
+
 SHM_DIR = Path("/dev/shm")
 
 
@@ -81,6 +86,7 @@ class _Descendants:
         self._thread = threading.Thread(target=self._watch, name="test-descendants", daemon=True)
 
     def __enter__(self) -> _Descendants:
+        self.look()
         self._thread.start()
         return self
 
@@ -94,9 +100,6 @@ class _Descendants:
             self.look()
 
     def look(self) -> None:
-        from llm_datadist._shm.errors import ProcessGone
-        from llm_datadist._shm.names import process_start_ticks
-
         pending = _children_of(os.getpid())
         while pending:
             pid = pending.pop()
@@ -108,8 +111,6 @@ class _Descendants:
 def _ours(name: str, descendants: _Descendants) -> bool:
     """Whether a new /dev/shm entry is this test's: made by us or by a process seen as our descendant.
     A segment of any other process, alive or dead, belongs to another session running at the same time."""
-    from llm_datadist._shm.names import parse_segment_name
-
     owner = parse_segment_name(name)
     if owner is None:
         # multiprocessing's semaphores (sem.mp-*) carry no owner: one may be another session's, alive,

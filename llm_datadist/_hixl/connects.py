@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .._signals import held
 from ..utils.log import log
 from .codes import (
     ALREADY_CONNECTED,
@@ -65,7 +66,8 @@ class ConnectPool:
             if len(self._workers) < self._threads:
                 worker = threading.Thread(target=self._work, name="hixl-connect", daemon=True)
                 self._workers.append(worker)
-                worker.start()
+                with held():  # SIGTERM and SIGINT are the program's main thread's (`_signals`)
+                    worker.start()
             self._lock.notify()
         return SUCCESS
 

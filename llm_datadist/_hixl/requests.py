@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from .._signals import hold_here
 from .codes import (
     COMPLETED,
     PARAM_INVALID,
@@ -55,7 +56,9 @@ class Requests:
             if self._closed:
                 return 0
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(_WORKERS, thread_name_prefix="hixl-transfer")
+                self._executor = ThreadPoolExecutor(
+                    _WORKERS, thread_name_prefix="hixl-transfer", initializer=hold_here
+                )
             request = Request(next(_IDS), user_data)
             self._requests[request.req] = request
             request.future = self._executor.submit(work)

@@ -22,6 +22,7 @@ from llm_datadist._protocol.connection import Closed
 from llm_datadist._protocol.errors import ProtocolError
 
 from .._errors import StatusError
+from .._signals import held
 from ..status import LLMStatusCode
 from ..utils.log import log
 from .admission import AdmissionLimits, Refusal
@@ -93,7 +94,8 @@ class Server:
         self._thread = threading.Thread(
             target=self._serve, name=f"llmdd-server-{self.cluster_id}", daemon=True
         )
-        self._thread.start()
+        with held():  # SIGTERM and SIGINT are the program's main thread's (`_signals`)
+            self._thread.start()
 
     # --------------------------------------------------------------- what other threads ask
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._errors import StatusError
+from .._signals import held
 from .._validate import check_uint32
 from ..status import LLMStatusCode
 from ..utils.log import log
@@ -49,7 +50,8 @@ class TransferJob:
         self._thread = threading.Thread(target=self._run, name="llmdd-transfer", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        with held():  # SIGTERM and SIGINT are the program's main thread's (`_signals`)
+            self._thread.start()
 
     def result(self, dst_cluster_id: int) -> LLMStatusCode | None:
         with self._lock:

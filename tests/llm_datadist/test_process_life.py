@@ -108,16 +108,19 @@ if __name__ == "__main__":
 """
 
 SIGTERM = """
+import faulthandler
+faulthandler.register(signal.SIGUSR1)  # the test asks for every thread's stack if the program hangs
 if __name__ == "__main__":
     if "own-handler" in sys.argv:
         def mine(signum, frame):
             print("OWN HANDLER", flush=True)
             sys.exit(3)
         signal.signal(signal.SIGTERM, mine)
+    before = sorted(os.listdir("/proc/self/task"))  # the program's own threads (numpy's among them)
     prompt = LLMDataDist(LLMRole.PROMPT, 1)
     prompt.init(options(f"127.0.0.1:{PORT}"))
     cache = prompt.kv_cache_manager.allocate_cache(DESC, [CacheKey(prompt_cluster_id=1, req_id=1)])
-    print("READY", flush=True)
+    print("READY", " ".join(before), flush=True)
     time.sleep(60)
 """
 
@@ -154,8 +157,21 @@ def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> sub
     )
     assert program.stdout is not None
     line = program.stdout.readline()  # blocks until READY (or the program's end)
-    assert line.strip() == "READY", line + program.stdout.read()
+    assert line.startswith("READY"), line + program.stdout.read()
+    program.threads_before = line.split()[1:]  # type: ignore[attr-defined]
     return program
+
+
+def _wait(program: subprocess.Popen[str]) -> int:
+    """The program's exit status; if it has not ended within 30 s, its threads' stacks in the failure."""
+    try:
+        return program.wait(30)
+    except subprocess.TimeoutExpired:
+        program.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        program.kill()
+        output = program.communicate(timeout=30)[0]
+        raise AssertionError(f"the program did not end within 30 s of SIGTERM:\n{output}") from None
 
 
 def _left_by(pid: int) -> list[str]:
@@ -166,11 +182,34 @@ def _sockets_in(runtime: Path) -> list[str]:
     return sorted(p.name for p in runtime.glob("*.sock")) if runtime.exists() else []
 
 
+def _threads_taking(pid: int, signum: int) -> list[str]:
+    """The threads of `pid` that do not block `signum` (any of them may be handed it by the kernel)."""
+    taking = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = dict(
+            line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line
+        )
+        if not int(status["SigBlk"], 16) >> (signum - 1) & 1:
+            taking.append(f"{task.name} ({status['Name'].strip()})")
+    return taking
+
+
 def test_sigterm_finalizes_and_ends_the_process_as_sigterm_would(tmp_path: Path, _runtime_dir: Path) -> None:
     program = _start(tmp_path)
-    assert _left_by(program.pid) and _sockets_in(_runtime_dir)
-    program.send_signal(signal.SIGTERM)
-    assert program.wait(30) == -signal.SIGTERM
+    try:
+        assert _left_by(program.pid) and _sockets_in(_runtime_dir)
+        # No thread of the library takes SIGTERM or SIGINT: one delivered there would wait for the main
+        # thread's sleep to end before its handler ran.
+        ours = [f"{tid}" for tid in program.threads_before]  # type: ignore[attr-defined]
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            taking = [name for name in _threads_taking(program.pid, signum) if name.split()[0] not in ours]
+            assert taking == [], (signum, taking)
+        program.send_signal(signal.SIGTERM)
+        assert _wait(program) == -signal.SIGTERM
+    finally:
+        if program.poll() is None:
+            program.kill()
+            program.wait(30)
     assert _left_by(program.pid) == []
     assert _sockets_in(_runtime_dir) == []
 
