@@ -99,19 +99,8 @@ __all__ = [
 ]
 
 # As the binding's classes: they belong to this module.
-for _cls in (
-    AsyncConnectStatus,
-    FeatureType,
-    GetTransferStatusArgs,
-    Hixl,
-    MemDesc,
-    MemType,
-    NotifyDesc,
-    TransferArgs,
-    TransferOp,
-    TransferOpDesc,
-    TransferResult,
-    TransferStatus,
-):
-    _cls.__module__ = __name__
-del _cls
+for _name in __all__:
+    _value = globals()[_name]
+    if isinstance(_value, type):
+        _value.__module__ = __name__
+del _name, _value

@@ -38,11 +38,10 @@ from .. import _unpins
 from .._errors import PeerGone, StatusError, TransferTimeout
 from ..status import LLMStatusCode, code_2_status
 from . import auth
-from .peer import PeerInfo, peer_credentials, tune_tcp
+from .peer import RECV_NBYTES, PeerInfo, peer_credentials, tune_tcp
 
 __all__ = ["ClientLink"]
 
-_RECV_NBYTES = 256 * 1024
 _HANGUP_EVENTS = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 
 
@@ -475,7 +474,7 @@ def _receive(sock: socket.socket, conn: Connection, deadline: float) -> Message:
             raise TransferTimeout(LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT, "no answer from the peer in time")
         sock.settimeout(remaining)
         try:
-            data = sock.recv(_RECV_NBYTES)
+            data = sock.recv(RECV_NBYTES)
         except TimeoutError as exc:
             raise TransferTimeout(
                 LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT, "no answer from the peer in time"

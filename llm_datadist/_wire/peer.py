@@ -18,12 +18,22 @@ from llm_datadist._protocol.messages import Message
 from .._errors import StatusError
 from ..status import LLMStatusCode
 
-__all__ = ["ClosedService", "ListenAddr", "PeerInfo", "Service", "peer_credentials", "tune_tcp"]
+__all__ = [
+    "RECV_NBYTES",
+    "ClosedService",
+    "ListenAddr",
+    "PeerInfo",
+    "Service",
+    "peer_credentials",
+    "tune_tcp",
+]
 
 # Where a server listens: a Unix socket's path, or a TCP (ip, port).
 ListenAddr = Path | tuple[str, int]
 
 _PEERCRED = struct.Struct("3i")
+# How much one recv takes off a socket, on either end of a link.
+RECV_NBYTES = 256 * 1024
 # TCP keepalive (idle s, interval s, probes): a vanished peer host is given up within `KEEPALIVE_S`.
 _KEEPALIVE = (5, 2, 3)
 KEEPALIVE_S = _KEEPALIVE[0] + _KEEPALIVE[1] * _KEEPALIVE[2]

@@ -29,12 +29,11 @@ from .admission import AdmissionLimits, Refusal
 from .conn import ServerConn
 from .door import Door, Refused
 from .listeners import Listeners, bind_tcp, bind_unix
-from .peer import ClosedService, ListenAddr, PeerInfo, Service, peer_credentials, tune_tcp
+from .peer import RECV_NBYTES, ClosedService, ListenAddr, PeerInfo, Service, peer_credentials, tune_tcp
 from .requests import Requests
 
 __all__ = ["MAX_CONNECTIONS", "Server"]
 
-_RECV_NBYTES = 256 * 1024
 MAX_CONNECTIONS = 512
 # A peer that reconnects as soon as it is closed keeps a listener's queue from ever emptying: without a
 # bound, accepting (and closing to make room) would be all the server thread ever did.
@@ -357,7 +356,7 @@ class Server:
 
     def _on_readable(self, sconn: ServerConn) -> None:
         try:
-            data = sconn.sock.recv(_RECV_NBYTES)
+            data = sconn.sock.recv(RECV_NBYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:

@@ -147,7 +147,10 @@ def test_a_fork_after_init_gives_the_child_its_own_instance(tmp_path: Path) -> N
     assert "CHILD OK" in result.stdout and "PARENT OK" in result.stdout
 
 
-def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def _start(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], list[str]]:
+    """The running program, once it said READY, and the ids of the threads it had before `init`."""
     program = subprocess.Popen(
         [sys.executable, str(_script(tmp_path, SIGTERM)), str(_port()), *args],
         stdout=subprocess.PIPE,
@@ -158,8 +161,7 @@ def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> sub
     assert program.stdout is not None
     line = program.stdout.readline()  # blocks until READY (or the program's end)
     assert line.startswith("READY"), line + program.stdout.read()
-    program.threads_before = line.split()[1:]  # type: ignore[attr-defined]
-    return program
+    return program, line.split()[1:]
 
 
 def _wait(program: subprocess.Popen[str]) -> int:
@@ -195,14 +197,13 @@ def _threads_taking(pid: int, signum: int) -> list[str]:
 
 
 def test_sigterm_finalizes_and_ends_the_process_as_sigterm_would(tmp_path: Path, _runtime_dir: Path) -> None:
-    program = _start(tmp_path)
+    program, before_init = _start(tmp_path)
     try:
         assert _left_by(program.pid) and _sockets_in(_runtime_dir)
         # No thread of the library takes SIGTERM or SIGINT: one delivered there would wait for the main
         # thread's sleep to end before its handler ran.
-        ours = [f"{tid}" for tid in program.threads_before]  # type: ignore[attr-defined]
         for signum in (signal.SIGTERM, signal.SIGINT):
-            taking = [name for name in _threads_taking(program.pid, signum) if name.split()[0] not in ours]
+            taking = [t for t in _threads_taking(program.pid, signum) if t.split()[0] not in before_init]
             assert taking == [], (signum, taking)
         program.send_signal(signal.SIGTERM)
         assert _wait(program) == -signal.SIGTERM
@@ -215,7 +216,7 @@ def test_sigterm_finalizes_and_ends_the_process_as_sigterm_would(tmp_path: Path,
 
 
 def test_sigterm_is_left_alone_when_turned_off(tmp_path: Path, _runtime_dir: Path) -> None:
-    program = _start(tmp_path, env={"LLM_DATADIST_SIGTERM": "0"})
+    program, _ = _start(tmp_path, env={"LLM_DATADIST_SIGTERM": "0"})
     program.send_signal(signal.SIGTERM)
     assert program.wait(30) == -signal.SIGTERM
     try:
@@ -225,7 +226,7 @@ def test_sigterm_is_left_alone_when_turned_off(tmp_path: Path, _runtime_dir: Pat
 
 
 def test_a_program_s_own_sigterm_handler_is_kept(tmp_path: Path) -> None:
-    program = _start(tmp_path, "own-handler")
+    program, _ = _start(tmp_path, "own-handler")
     program.send_signal(signal.SIGTERM)
     assert program.wait(30) == 3  # its handler ran (and exited 3); atexit finalized the instance
     assert program.stdout is not None
