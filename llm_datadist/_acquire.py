@@ -28,6 +28,7 @@ from llm_datadist._protocol.messages import (
 )
 from llm_datadist._protocol.messages import Location as LocationMessage
 from llm_datadist._shm.index import Index
+from llm_datadist._shm.repin import RepinPlan
 
 from . import _faults
 from ._dataplane import peer_index, pin, unpin
@@ -58,9 +59,10 @@ class Acquirer:
 
     def pinned_in_index(
         self, link: ClientLink, ref: SourceRef, deadline: float
-    ) -> tuple[Index, Location] | None:
-        """Pin `ref` through the link's row of the owner's index: the index and where the cache is, or None
-        when the owner must be asked. The link's socket says first whether the owner is alive."""
+    ) -> tuple[Index, Location, RepinPlan | None] | None:
+        """Pin `ref` through the link's row of the owner's index: the index, where the cache is and how to
+        pin it again (`_dataplane.Pin.again`), or None when the owner must be asked. The link's socket says
+        first whether the owner is alive."""
         link.check_usable()
         link.check_peer_alive()
         index = peer_index(link, self.incarnation, deadline, self.timeout_code)
@@ -71,7 +73,7 @@ class Acquirer:
         )
         if pinned is None:
             return None
-        return index, Location.from_pin(link.peer.pid, pinned.cache, pinned.batch_slot, ref)
+        return index, Location.from_pin(link.peer.pid, pinned.cache, pinned.batch_slot, ref), pinned.again
 
 
 class _Holding:
@@ -107,7 +109,7 @@ class _Holding:
 class Held(_Holding):
     """`Acquirer.acquire`: what a `SourceRef` names, pinned in the owner's index or leased."""
 
-    __slots__ = ("_acquirer", "_deadline", "_index", "_link", "_location", "_ref")
+    __slots__ = ("_acquirer", "_deadline", "_index", "_link", "_location", "_ref", "again")
 
     def __init__(self, acquirer: Acquirer, link: ClientLink, ref: SourceRef, deadline: float) -> None:
         self._acquirer = acquirer
@@ -116,12 +118,16 @@ class Held(_Holding):
         self._deadline = deadline
         self._index: Index | None = None
         self._location: Location | None = None
+        # A pin in the index that may be taken again the cheap way: the index and the plan.
+        self.again: tuple[Index, RepinPlan] | None = None
 
     def __enter__(self) -> Location:
         link, ref = self._link, self._ref
         pinned = self._acquirer.pinned_in_index(link, ref, self._deadline)
         if pinned is not None:
-            self._index, location = pinned
+            self._index, location, plan = pinned
+            if plan is not None:
+                self.again = (self._index, plan)
         else:
             seq = link.next_seq()
             reply = link.request(ref.to_message(seq), seq, self._deadline)

@@ -7,7 +7,9 @@ is checked before it is used (`IndexCorrupt` becomes LLM_FAILED for that transfe
 index, so the link stays). A lock not had by the deadline is the transfer's timeout. A name the index does
 not hold while the owner flags keys it could not publish makes `pin` return None: the caller asks the
 owner instead. A pin is ours until we clear it, whatever happens to the link: an unpin that cannot be done
-now is owed, and done later (`settle_owed`); one whose row the owner took back fails the transfer.
+now is owed, and done later (`settle_owed`); one whose row the owner took back fails the transfer. A pin
+that consumed nothing and never would carries the plan to take it again without a lookup (`repin`, see
+`llm_datadist._shm.repin`): anything changed since, and the caller pins the full way.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple, NoReturn, Protocol
 
+from llm_datadist._shm import repin as _repin
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.index import (
     CACHE_PENDING,
@@ -29,6 +32,7 @@ from llm_datadist._shm.index import (
     IndexCorrupt,
     IndexLockTimeout,
 )
+from llm_datadist._shm.repin import RepinPlan
 
 from . import _unpins
 from ._errors import StatusError
@@ -53,10 +57,12 @@ _UNPIN_TIMEOUT_S = 5.0
 
 
 class Pin(NamedTuple):
-    """A cache pinned through the link's row: where its tensors are in which segment of the owner."""
+    """A cache pinned through the link's row: where its tensors are in which segment of the owner, and,
+    for a pin that consumed nothing and never would, how to take the same pin again (`repin`)."""
 
     cache: CacheEntry
     batch_slot: int
+    again: RepinPlan | None = None
 
 
 def peer_index(
@@ -201,7 +207,32 @@ def _pin_locked(link: RowHolder, index: Index, cluster_id: int, ref: SourceRef) 
     # names a key keeps the owner from unbinding it.
     consumed_name = consume_name if taken else -1
     index.set_row(link.index_row, link.index_ticket, cache.slot, cache.generation, consumed_name, taken)
-    return Pin(cache, batch_slot)
+    if not ref.repeatable:
+        return Pin(cache, batch_slot)
+    again = RepinPlan.make(index, link.index_row, link.index_ticket, name, cache, check_busy=not v2)
+    return Pin(cache, batch_slot, again)
+
+
+def repin(link: RowHolder, index: Index, plan: RepinPlan) -> int:
+    """Take again the pin `plan` was made from, if nothing it found changed (the link held exclusively,
+    the owner's socket asked first): `shm.repin.DONE`; BUSY (the lock was held) or STALE when nothing was
+    done and the caller pins the full way (which waits for the lock and raises whatever a change calls
+    for)."""
+    try:
+        return _repin.repin(index, plan)
+    except (ShmError, OSError):
+        return _repin.STALE
+
+
+def unpin_again(link: RowHolder, index: Index, plan: RepinPlan) -> None:
+    """End a pin `repin` took after a copy that went well; a busy lock or a row the owner took back takes
+    `unpin`'s way (it waits, or fails the transfer)."""
+    try:
+        if _repin.unpin(index, plan) == _repin.DONE:
+            return
+    except (ShmError, OSError):
+        pass
+    unpin(link, index, ok=True)
 
 
 def unpin(link: RowHolder, index: Index, *, ok: bool) -> None:

@@ -24,7 +24,7 @@ from llm_datadist._protocol.messages import Location as LocationMessage
 from llm_datadist._shm.index import CacheEntry
 
 from ._errors import StatusError
-from ._keys import KEY_BLOCKS
+from ._keys import KEY_BLOCKS, KEY_CACHE_ID, KEY_REQ
 from .status import LLMStatusCode
 
 # Which rules name the source: v1 (`pull_cache`/`pull_blocks`: keys on pool memory, a blocks cache only
@@ -54,6 +54,13 @@ class SourceRef:
     consume: bool = False
     for_write: bool = False
     rules: int = V1
+
+    @property
+    def repeatable(self) -> bool:
+        """A pull of it never consumes: every pull of it pins the same cache while the owner keeps it
+        (a req key's pull, or a pull by cache id that a req key may name later, may consume; a push only
+        reaches a cache its user still holds)."""
+        return not self.for_write and not (self.consume and self.key_kind in (KEY_REQ, KEY_CACHE_ID))
 
     def to_message(self, seq: int) -> SourceRequest:
         """The request that asks the owner for it (when its index cannot serve it)."""

@@ -1,9 +1,10 @@
-/* The optional copy kernel: one call copies a list of (src, dst, nbytes) runs with the GIL released, with
- * plain memcpy or with non-temporal (streaming) stores on x86-64. No threads here: the caller splits the
- * runs over its own copy threads. Addresses are raw: the caller has bounds-checked every run against
- * memory it maps. A page that vanishes under a mapping mid-copy (a segment truncated by its owner) raises
- * OSError(EFAULT) instead of killing the process with SIGBUS. Built by setup.py when a compiler is
- * present (optional); llm_datadist._copy falls back to numpy without it. */
+/* The optional C kernel. `copy_runs`: one call copies a list of (src, dst, nbytes) runs with the GIL released,
+ * with plain memcpy or with non-temporal (streaming) stores on x86-64. No threads here: the caller splits the
+ * runs over its own copy threads. Addresses are raw: the caller has bounds-checked every run against memory
+ * it maps. A page that vanishes under a mapping mid-copy (a segment truncated by its owner) raises
+ * OSError(EFAULT) instead of killing the process with SIGBUS. `index_repin` and `index_unpin`: a puller's
+ * repeat pin in an owner's published index, the twins of shm/repin.py (which has the rules). Built by
+ * setup.py when a compiler is present (optional); the package falls back to numpy and Python without it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -141,48 +142,64 @@ PyDoc_STRVAR(copy_runs_doc,
 "memmove does. TypeError/ValueError on bad arguments or a run past 2**64 (nothing copied then);\n"
 "OSError(EFAULT) when memory vanished under a mapping mid-copy (earlier runs are copied).");
 
-static PyObject *copy_runs(PyObject *module, PyObject *args)
-{
-    (void)module;
-    PyObject *src_object, *dst_object, *columns[3];
-    int nontemporal;
-    if (!PyArg_ParseTuple(args, "OOOOOp:copy_runs", &src_object, &dst_object, &columns[0], &columns[1],
-                          &columns[2], &nontemporal))
-        return NULL;
+/* Runs as the caller gave them: both bases, the three columns (held until release_runs), checked. */
+struct runs {
     uint64_t src_base, dst_base;
-    if (get_address(src_object, &src_base, "src_base") < 0 || get_address(dst_object, &dst_base, "dst_base") < 0)
-        return NULL;
-    static const char *names[3] = {"src_offsets", "dst_offsets", "lengths"};
+    const uint64_t *src_offsets, *dst_offsets, *lengths;
+    Py_ssize_t count;
     Py_buffer views[3];
-    int got = 0;
-    PyObject *result = NULL;
-    for (; got < 3; got++)
-        if (get_column(columns[got], &views[got], names[got]) < 0)
-            goto done;
-    Py_ssize_t count = views[0].shape[0];
-    if (views[1].shape[0] != count || views[2].shape[0] != count) {
+    int got;
+};
+
+static int get_runs(struct runs *runs, PyObject *src_object, PyObject *dst_object, PyObject *const columns[3])
+{
+    static const char *names[3] = {"src_offsets", "dst_offsets", "lengths"};
+    runs->got = 0;
+    if (get_address(src_object, &runs->src_base, "src_base") < 0 ||
+        get_address(dst_object, &runs->dst_base, "dst_base") < 0)
+        return -1;
+    for (; runs->got < 3; runs->got++)
+        if (get_column(columns[runs->got], &runs->views[runs->got], names[runs->got]) < 0)
+            return -1;
+    Py_ssize_t count = runs->views[0].shape[0];
+    if (runs->views[1].shape[0] != count || runs->views[2].shape[0] != count) {
         PyErr_SetString(PyExc_ValueError, "src_offsets, dst_offsets and lengths must have equal lengths");
-        goto done;
+        return -1;
     }
-    const uint64_t *src_offsets = views[0].buf, *dst_offsets = views[1].buf, *lengths = views[2].buf;
+    const uint64_t *src_offsets = runs->views[0].buf, *dst_offsets = runs->views[1].buf;
+    const uint64_t *lengths = runs->views[2].buf;
+    uint64_t src_base = runs->src_base, dst_base = runs->dst_base;
     for (Py_ssize_t i = 0; i < count; i++) {
         if (src_offsets[i] > UINT64_MAX - src_base || lengths[i] > UINT64_MAX - (src_base + src_offsets[i]) ||
             dst_offsets[i] > UINT64_MAX - dst_base || lengths[i] > UINT64_MAX - (dst_base + dst_offsets[i])) {
             PyErr_Format(PyExc_ValueError, "run %zd passes the end of the address space", i);
-            goto done;
+            return -1;
         }
     }
+    runs->src_offsets = src_offsets, runs->dst_offsets = dst_offsets, runs->lengths = lengths;
+    runs->count = count;
+    return 0;
+}
+
+static void release_runs(struct runs *runs)
+{
+    while (runs->got > 0)
+        PyBuffer_Release(&runs->views[--runs->got]);
+}
+
+/* Copy every run in order, without the GIL: -1, or the run that met a vanished page. */
+static Py_ssize_t copy_all(const struct runs *runs, int nontemporal)
+{
     volatile Py_ssize_t faulted = -1;
-    Py_BEGIN_ALLOW_THREADS
     sigjmp_buf jump;
     guard_enter();
     if (sigsetjmp(jump, 1) == 0) {
         guard_jump = &jump;
-        for (Py_ssize_t i = 0; i < count; i++) {
+        for (Py_ssize_t i = 0; i < runs->count; i++) {
             faulted = i;
-            char *dst = (char *)(uintptr_t)(dst_base + dst_offsets[i]);
-            const char *src = (const char *)(uintptr_t)(src_base + src_offsets[i]);
-            size_t nbytes = (size_t)lengths[i];
+            char *dst = (char *)(uintptr_t)(runs->dst_base + runs->dst_offsets[i]);
+            const char *src = (const char *)(uintptr_t)(runs->src_base + runs->src_offsets[i]);
+            size_t nbytes = (size_t)runs->lengths[i];
             if (dst < src + nbytes && src < dst + nbytes)
                 memmove(dst, src, nbytes);
 #if HAVE_STREAMING
@@ -200,6 +217,24 @@ static PyObject *copy_runs(PyObject *module, PyObject *args)
     if (nontemporal)
         _mm_sfence(); /* streaming stores are weakly ordered: make them visible before we return */
 #endif
+    return faulted;
+}
+
+static PyObject *copy_runs(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *src_object, *dst_object, *columns[3];
+    int nontemporal;
+    if (!PyArg_ParseTuple(args, "OOOOOp:copy_runs", &src_object, &dst_object, &columns[0], &columns[1],
+                          &columns[2], &nontemporal))
+        return NULL;
+    struct runs runs;
+    PyObject *result = NULL;
+    if (get_runs(&runs, src_object, dst_object, columns) < 0)
+        goto done;
+    Py_ssize_t faulted;
+    Py_BEGIN_ALLOW_THREADS
+    faulted = copy_all(&runs, nontemporal);
     Py_END_ALLOW_THREADS
     if (faulted >= 0) {
         errno = EFAULT;
@@ -208,20 +243,252 @@ static PyObject *copy_runs(PyObject *module, PyObject *args)
     }
     result = Py_NewRef(Py_None);
 done:
-    while (got-- > 0)
-        PyBuffer_Release(&views[got]);
+    release_runs(&runs);
     return result;
 }
 
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+/* The index is little-endian; a big-endian build leaves these out and the Python twins run. */
+#define HAVE_INDEX 1
+#include <fcntl.h>
+#include <unistd.h>
+
+enum { REPIN_DONE = 0, REPIN_BUSY = 1, REPIN_STALE = 2 };
+enum { STATE_OFFSET = 12, EPOCH_OFFSET = 48, BUSY_COUNT_OFFSET = 60, ENTRY_NBYTES = 128 };
+enum { STATE_OPEN = 1, NAME_LIVE = 1, CACHE_PENDING = 2, ROW_MASK_OFFSET = 64, MASK_NBYTES = 64 };
+
+/* shm/repin.py's _PLAN, "<QQQQQQQIIII128s": the cache entry as the first pin read it, flags zeroed. */
+struct repin_plan {
+    uint64_t row_offset, ticket, name_offset, key_id, model_id, cache_offset, generation;
+    uint32_t kind, cache_slot, batch_slot, check_busy;
+    unsigned char cache_entry[ENTRY_NBYTES];
+};
+_Static_assert(sizeof(struct repin_plan) == 200, "the plan is 200 packed bytes");
+enum { CACHE_FLAGS_OFFSET = 16, CACHE_FLAGS_END = 20 };
+
+static uint32_t get_u32(const char *at) { uint32_t v; memcpy(&v, at, 4); return v; }
+static uint64_t get_u64(const char *at) { uint64_t v; memcpy(&v, at, 8); return v; }
+static void put_u32(char *at, uint32_t v) { memcpy(at, &v, 4); }
+static void put_u64(char *at, uint64_t v) { memcpy(at, &v, 8); }
+
+/* The whole-file OFD lock shm.index takes, without waiting: 0, REPIN_BUSY, or -1 with errno set. */
+static int lock_index(int fd, short type)
+{
+    struct flock lock;
+    memset(&lock, 0, sizeof lock);
+    lock.l_type = type;
+    lock.l_whence = SEEK_SET;
+    if (fcntl(fd, F_OFD_SETLK, &lock) == 0)
+        return 0;
+    return (type == F_WRLCK && (errno == EAGAIN || errno == EACCES)) ? REPIN_BUSY : -1;
+}
+
+/* The index's writable mapping, at least `end` bytes long. */
+static int get_index(PyObject *mapping, Py_buffer *view, uint64_t end)
+{
+    if (PyObject_GetBuffer(mapping, view, PyBUF_WRITABLE) < 0)
+        return -1;
+    if ((uint64_t)view->len < end) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "an entry lies past the end of the index");
+        return -1;
+    }
+    return 0;
+}
+
+static uint64_t max3(uint64_t a, uint64_t b, uint64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+/* The plan from its 200 bytes, its entries' offsets checked against overflow. */
+static int get_plan(struct repin_plan *plan, const Py_buffer *view)
+{
+    if (view->len != (Py_ssize_t)sizeof *plan) {
+        PyErr_SetString(PyExc_ValueError, "a repin plan is 200 bytes");
+        return -1;
+    }
+    memcpy(plan, view->buf, sizeof *plan);
+    if (max3(plan->row_offset, plan->name_offset, plan->cache_offset) > UINT64_MAX - ENTRY_NBYTES) {
+        PyErr_SetString(PyExc_ValueError, "an entry lies past the end of the index");
+        return -1;
+    }
+    return 0;
+}
+
+/* Where the plan's last entry ends: the index must be at least this long. */
+static uint64_t plan_end(const struct repin_plan *plan)
+{
+    return max3(plan->row_offset, plan->name_offset, plan->cache_offset) + ENTRY_NBYTES;
+}
+
+/* `step` under the index lock (taken without waiting): its result, REPIN_BUSY, or -1 with errno set. No
+ * Python object is touched: callable without the GIL. */
+static int locked(int fd, char *index, int (*step)(char *, const struct repin_plan *), const struct repin_plan *plan)
+{
+    int result = lock_index(fd, F_WRLCK);
+    if (result != 0)
+        return result;
+    result = step(index, plan);
+    if (lock_index(fd, F_UNLCK) < 0)
+        return -1;
+    return result;
+}
+
+static int unpin_locked(char *index, const struct repin_plan *plan)
+{
+    char *row = index + plan->row_offset;
+    if (get_u64(row) != plan->ticket || get_u32(row + 8) == 0)
+        return REPIN_STALE;
+    if (get_u32(index + plan->cache_offset + CACHE_FLAGS_OFFSET) & CACHE_PENDING)
+        put_u64(index + EPOCH_OFFSET, get_u64(index + EPOCH_OFFSET) + 1);
+    memset(row + 8, 0, 20); /* state, cache slot, generation, name + 1 */
+    return REPIN_DONE;
+}
+
+static int repin_locked(char *index, const struct repin_plan *plan)
+{
+    char *row = index + plan->row_offset, *name = index + plan->name_offset, *cache = index + plan->cache_offset;
+    if (get_u32(index + STATE_OFFSET) != STATE_OPEN)
+        return REPIN_STALE;
+    if (plan->check_busy && get_u32(index + BUSY_COUNT_OFFSET) != 0)
+        return REPIN_STALE;
+    if (get_u64(row) != plan->ticket || get_u32(row + 8) != 0)
+        return REPIN_STALE;
+    if (get_u32(name) != NAME_LIVE || get_u32(name + 4) != plan->kind || get_u64(name + 8) != plan->key_id ||
+        get_u64(name + 16) != plan->model_id || get_u32(name + 24) != plan->cache_slot ||
+        get_u32(name + 28) != plan->batch_slot || get_u64(name + 32) != plan->generation)
+        return REPIN_STALE;
+    if (get_u64(cache) != plan->generation)
+        return REPIN_STALE;
+    if (memcmp(cache, plan->cache_entry, CACHE_FLAGS_OFFSET) != 0 ||
+        memcmp(cache + CACHE_FLAGS_END, plan->cache_entry + CACHE_FLAGS_END, ENTRY_NBYTES - CACHE_FLAGS_END) != 0)
+        return REPIN_STALE; /* a stray write into the entry: the full way refuses it */
+    put_u32(row + 8, 1); /* state, cache slot, generation, name + 1 (none), then an empty mask */
+    put_u32(row + 12, plan->cache_slot);
+    put_u64(row + 16, plan->generation);
+    put_u32(row + 24, 0);
+    memset(row + ROW_MASK_OFFSET, 0, MASK_NBYTES);
+    return REPIN_DONE;
+}
+
+PyDoc_STRVAR(index_repin_doc,
+"index_repin(mapping, fd, plan)\n--\n\n"
+"shm.repin.repin in one call: 0 pinned, 1 the lock is busy, 2 stale (nothing done either way).");
+
+static PyObject *index_repin(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *mapping;
+    int fd;
+    Py_buffer plan_view;
+    if (!PyArg_ParseTuple(args, "Oiy*:index_repin", &mapping, &fd, &plan_view))
+        return NULL;
+    struct repin_plan plan;
+    int ok = get_plan(&plan, &plan_view);
+    PyBuffer_Release(&plan_view);
+    if (ok < 0)
+        return NULL;
+    Py_buffer view;
+    if (get_index(mapping, &view, plan_end(&plan)) < 0)
+        return NULL;
+    int result = locked(fd, view.buf, repin_locked, &plan);
+    PyBuffer_Release(&view);
+    if (result < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromLong(result);
+}
+
+PyDoc_STRVAR(index_unpin_doc,
+"index_unpin(mapping, fd, row_offset, ticket, cache_offset)\n--\n\n"
+"shm.repin.unpin in one call: 0 unpinned, 1 the lock is busy, 2 the row is no longer ours.");
+
+static PyObject *index_unpin(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *mapping;
+    int fd;
+    unsigned long long row_offset, ticket, cache_offset;
+    if (!PyArg_ParseTuple(args, "OiKKK:index_unpin", &mapping, &fd, &row_offset, &ticket, &cache_offset))
+        return NULL;
+    if (row_offset > UINT64_MAX - ENTRY_NBYTES || cache_offset > UINT64_MAX - ENTRY_NBYTES) {
+        PyErr_SetString(PyExc_ValueError, "an entry lies past the end of the index");
+        return NULL;
+    }
+    Py_buffer view;
+    if (get_index(mapping, &view, max3(row_offset, cache_offset, 0) + ENTRY_NBYTES) < 0)
+        return NULL;
+    int result = locked(fd, view.buf, unpin_locked, &(struct repin_plan){
+        .row_offset = row_offset, .ticket = ticket, .cache_offset = cache_offset});
+    PyBuffer_Release(&view);
+    if (result < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromLong(result);
+}
+
+PyDoc_STRVAR(index_pull_doc,
+"index_pull(mapping, fd, plan, src_base, dst_base, src_offsets, dst_offsets, lengths, nontemporal)\n--\n\n"
+"index_repin, copy_runs and index_unpin in one call, all with the GIL released: (pinned, faulted, unpinned)\n"
+"with pinned and unpinned as those functions return them (an unpin that failed is 1, busy). Nothing is\n"
+"copied unless pinned is 0; faulted: memory vanished under a mapping mid-copy (the unpin is still done).");
+
+static PyObject *index_pull(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *mapping, *src_object, *dst_object, *columns[3];
+    int fd, nontemporal;
+    Py_buffer plan_view;
+    if (!PyArg_ParseTuple(args, "Oiy*OOOOOp:index_pull", &mapping, &fd, &plan_view, &src_object, &dst_object,
+                          &columns[0], &columns[1], &columns[2], &nontemporal))
+        return NULL;
+    struct repin_plan plan;
+    int ok = get_plan(&plan, &plan_view);
+    PyBuffer_Release(&plan_view);
+    if (ok < 0)
+        return NULL;
+    struct runs runs;
+    if (get_runs(&runs, src_object, dst_object, columns) < 0) {
+        release_runs(&runs);
+        return NULL;
+    }
+    Py_buffer view;
+    if (get_index(mapping, &view, plan_end(&plan)) < 0) {
+        release_runs(&runs);
+        return NULL;
+    }
+    int pinned, unpinned = 0, error = 0;
+    Py_ssize_t faulted = -1;
+    Py_BEGIN_ALLOW_THREADS
+    pinned = locked(fd, view.buf, repin_locked, &plan);
+    if (pinned == REPIN_DONE) {
+        faulted = copy_all(&runs, nontemporal);
+        unpinned = locked(fd, view.buf, unpin_locked, &plan);
+        if (unpinned < 0)
+            unpinned = REPIN_BUSY; /* still pinned: the caller's unpin waits, or owes it, and says why */
+    }
+    error = errno;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    release_runs(&runs);
+    if (pinned < 0) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("(iOi)", pinned, faulted >= 0 ? Py_True : Py_False, unpinned);
+}
+#endif
+
 static PyMethodDef methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS, copy_runs_doc},
+#ifdef HAVE_INDEX
+    {"index_repin", index_repin, METH_VARARGS, index_repin_doc},
+    {"index_unpin", index_unpin, METH_VARARGS, index_unpin_doc},
+    {"index_pull", index_pull, METH_VARARGS, index_pull_doc},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_copykernel",
-    .m_doc = "Copies lists of byte runs with the GIL released.",
+    .m_doc = "Copies lists of byte runs with the GIL released; repeats pins in a published index.",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -286,6 +286,11 @@ class Index:
         return self._mm is None
 
     @property
+    def handle(self) -> tuple[int, mmap.mmap]:
+        """The file descriptor the lock is taken on and the mapping (for `shm.repin`, which locks itself)."""
+        return self._fd, self._map
+
+    @property
     def _map(self) -> mmap.mmap:
         if self._mm is None:
             raise ShmError(f"index {self.name} is closed")
@@ -383,12 +388,12 @@ class Index:
     # ------------------------------------------------------------------------------------ caches
 
     def cache_flags(self, slot: int) -> int:
-        return int(_U32.unpack_from(self._check_locked(), self._cache_offset(slot) + 16)[0])
+        return int(_U32.unpack_from(self._check_locked(), self.cache_offset(slot) + 16)[0])
 
     def cache(self, slot: int) -> CacheEntry:
         """The live cache in `slot`, checked; IndexCorrupt if the slot is free or its fields are absurd."""
         mm = self._check_locked()
-        offset = self._cache_offset(slot)
+        offset = self.cache_offset(slot)
         (gen, cache_id, flags, batch, base, pitch, tensor_nbytes, count, seg_nbytes) = _CACHE.unpack_from(
             mm, offset
         )
@@ -447,7 +452,7 @@ class Index:
         del words
         return [self.name_entry(index) for index in found]
 
-    def _cache_offset(self, slot: int) -> int:
+    def cache_offset(self, slot: int) -> int:
         if not 0 <= slot < self.caches:
             raise IndexCorrupt(f"cache slot {slot} outside an index of {self.caches}")
         return self._caches_offset + slot * _CACHE_NBYTES
@@ -462,7 +467,7 @@ class Index:
             (stored,) = _U32.unpack_from(mm, self._buckets_offset + 4 * bucket)
             if not stored:
                 return None
-            fields = _NAME_KEY.unpack_from(mm, self._name_offset(stored - 1))
+            fields = _NAME_KEY.unpack_from(mm, self.name_offset(stored - 1))
             if fields == (NAME_LIVE, kind, key_id, model_id):
                 return self.name_entry(stored - 1)
             bucket = (bucket + 1) % self.buckets
@@ -470,7 +475,7 @@ class Index:
 
     def name_entry(self, index: int) -> NameEntry:
         mm = self._check_locked()
-        offset = self._name_offset(index)
+        offset = self.name_offset(index)
         state, kind, key_id, model_id, cache_slot, batch_slot, gen, target, _ = _NAME.unpack_from(mm, offset)
         mask = int.from_bytes(
             mm[offset + _NAME_MASK_OFFSET : offset + _NAME_MASK_OFFSET + _MASK_NBYTES], "little"
@@ -479,7 +484,7 @@ class Index:
 
     def set_name_state(self, index: int, state: int, mask: int) -> None:
         mm = self._check_locked()
-        offset = self._name_offset(index)
+        offset = self.name_offset(index)
         struct.pack_into("<I", mm, offset, state)
         self._write_mask(offset, mask)
 
@@ -488,7 +493,7 @@ class Index:
             _MASK_NBYTES, "little"
         )
 
-    def _name_offset(self, index: int) -> int:
+    def name_offset(self, index: int) -> int:
         if not 0 <= index < self.names:
             raise IndexCorrupt(f"name {index} outside an index of {self.names}")
         return self._names_offset + index * _NAME_NBYTES
@@ -520,18 +525,18 @@ class Index:
 
     def row_state(self, row: int) -> tuple[int, int]:
         """(holder, state) of a row."""
-        holder, state, _, _, _ = _ROW.unpack_from(self._check_locked(), self._row_offset(row))
+        holder, state, _, _, _ = _ROW.unpack_from(self._check_locked(), self.row_offset(row))
         return holder, state
 
     def row_incarnation(self, row: int) -> int:
         """The incarnation of the puller a row was handed to."""
-        offset = self._row_offset(row) + _ROW_INCARNATION_OFFSET
+        offset = self.row_offset(row) + _ROW_INCARNATION_OFFSET
         return int(struct.unpack_from("<Q", self._check_locked(), offset)[0])
 
     def row(self, row: int) -> tuple[int, int, int, int, int, int]:
         """(holder, state, cache slot, generation, name index or -1, consumed mask)."""
         mm = self._check_locked()
-        offset = self._row_offset(row)
+        offset = self.row_offset(row)
         incarnation, state, cache_slot, generation, name = _ROW.unpack_from(mm, offset)
         mask = int.from_bytes(
             mm[offset + _ROW_MASK_OFFSET : offset + _ROW_MASK_OFFSET + _MASK_NBYTES], "little"
@@ -541,7 +546,7 @@ class Index:
     def set_row(self, row: int, holder: int, cache_slot: int, generation: int, name: int, mask: int) -> None:
         """A puller pins (cache_slot, generation) through its row, noting what it consumed of `name`."""
         mm = self._check_locked()
-        offset = self._row_offset(row)
+        offset = self.row_offset(row)
         _ROW.pack_into(mm, offset, holder, 1, cache_slot, generation, name + 1)
         mm[offset + _ROW_MASK_OFFSET : offset + _ROW_MASK_OFFSET + _MASK_NBYTES] = mask.to_bytes(
             _MASK_NBYTES, "little"
@@ -549,9 +554,9 @@ class Index:
 
     def clear_row(self, row: int, holder: int) -> None:
         """End the row's pin (its other fields mean nothing while its state is 0)."""
-        _ROW.pack_into(self._check_locked(), self._row_offset(row), holder, 0, 0, 0, 0)
+        _ROW.pack_into(self._check_locked(), self.row_offset(row), holder, 0, 0, 0, 0)
 
-    def _row_offset(self, row: int) -> int:
+    def row_offset(self, row: int) -> int:
         if not 0 <= row < self.rows:
             raise IndexCorrupt(f"row {row} outside an index of {self.rows}")
         return _ROWS_OFFSET + row * _ROW_NBYTES

@@ -229,7 +229,7 @@ class OwnerIndex(Index):
         self._pack(_U32, _BUSY_COUNT_OFFSET, sum(1 for count in words[1::2] if count))
 
     def put_cache(self, entry: CacheEntry) -> None:
-        offset = self._cache_offset(entry.slot)
+        offset = self.cache_offset(entry.slot)
         raw = entry.segment.encode()
         if len(raw) >= _SEGMENT_NAME_NBYTES:
             raise ShmError(f"segment name {entry.segment!r} is too long for the index")
@@ -249,14 +249,14 @@ class OwnerIndex(Index):
         self._put(offset + _CACHE_NAME_OFFSET, raw.ljust(_SEGMENT_NAME_NBYTES, b"\0"))
 
     def set_cache_flags(self, slot: int, flags: int) -> None:
-        self._pack(_U32, self._cache_offset(slot) + 16, flags)
+        self._pack(_U32, self.cache_offset(slot) + 16, flags)
 
     def cache_flags(self, slot: int) -> int:
         self._check_locked()
-        return int(_U32.unpack_from(self._own, self._cache_offset(slot) + 16)[0])
+        return int(_U32.unpack_from(self._own, self.cache_offset(slot) + 16)[0])
 
     def clear_cache(self, slot: int) -> None:
-        self._put(self._cache_offset(slot), bytes(128))
+        self._put(self.cache_offset(slot), bytes(128))
 
     def put_addresses(self, first_word: int, addrs: tuple[int, ...]) -> None:
         """A registered cache's tensor addresses, at words [first_word, + len(addrs))."""
@@ -282,7 +282,7 @@ class OwnerIndex(Index):
         num_tensors: int = 0,
     ) -> None:
         """Write name entry `index` (free) and hash it in."""
-        offset = self._name_offset(index)
+        offset = self.name_offset(index)
         count = num_tensors if kind == KIND_REQ else 0
         self._pack(
             _NAME,
@@ -310,7 +310,7 @@ class OwnerIndex(Index):
 
     def retarget_name(self, index: int, cache_slot: int, generation: int) -> None:
         """Point a blocks name at another cache."""
-        offset = self._name_offset(index)
+        offset = self.name_offset(index)
         self._pack(_U32, offset + 24, cache_slot)
         self._pack(struct.Struct("<Q"), offset + 32, generation)
 
@@ -327,10 +327,10 @@ class OwnerIndex(Index):
                 self._delete_bucket(bucket)
                 break
             bucket = (bucket + 1) % self.buckets
-        self._put(self._name_offset(index), bytes(_NAME_NBYTES))
+        self._put(self.name_offset(index), bytes(_NAME_NBYTES))
 
     def _key_of(self, index: int) -> tuple[int, int, int]:
-        _, kind, key_id, model_id, *_ = _NAME.unpack_from(self._own, self._name_offset(index))
+        _, kind, key_id, model_id, *_ = _NAME.unpack_from(self._own, self.name_offset(index))
         return kind, key_id, model_id
 
     def _delete_bucket(self, hole: int) -> None:
@@ -353,7 +353,7 @@ class OwnerIndex(Index):
         """Name `index` as the owner wrote it, with the state and mask pullers left (clamped: a state no
         puller writes reads as live, mask bits past the key's tensors are not there)."""
         self._check_locked()
-        offset = self._name_offset(index)
+        offset = self.name_offset(index)
         owned_state, kind, key_id, model_id, cache_slot, batch_slot, gen, target, count = _NAME.unpack_from(
             self._own, offset
         )
@@ -363,7 +363,7 @@ class OwnerIndex(Index):
         return NameEntry(index, state, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, mask)
 
     def restore(self, index: int, tensors: int, cache_slot: int, generation: int) -> None:
-        count = _NAME.unpack_from(self._own, self._name_offset(index))[8]
+        count = _NAME.unpack_from(self._own, self.name_offset(index))[8]
         super().restore(index, tensors & ((1 << count) - 1), cache_slot, generation)
 
     def consumed_names(self) -> list[int]:
@@ -385,7 +385,7 @@ class OwnerIndex(Index):
     def assign_row(self, row: int, holder: int, incarnation: int) -> None:
         """Hand row `row` to the connection that got ticket `holder` in its handshake, from a puller of
         that incarnation; (0, 0) takes it back: nobody's, and every field cleared."""
-        offset = self._row_offset(row)
+        offset = self.row_offset(row)
         self._put(offset, bytes(_ROW_NBYTES))
         self._pack(_ROW, offset, holder, 0, 0, 0, 0)
         self._pack(struct.Struct("<Q"), offset + _ROW_INCARNATION_OFFSET, incarnation)
@@ -395,7 +395,7 @@ class OwnerIndex(Index):
         them, clamped: a row the owner handed to nobody pins nothing, nor does a state no holder writes, and
         a name outside the index is none."""
         self._check_locked()
-        offset = self._row_offset(row)
+        offset = self.row_offset(row)
         holder = struct.unpack_from("<Q", self._own, offset)[0]
         _, state, cache_slot, generation, name = _ROW.unpack_from(self._map, offset)
         if not holder or state != 1:
