@@ -133,8 +133,8 @@ class Transfers:
         self._links = links
         self._acquirer = acquirer
         self._timeout_s = timeout_s
-        # Where the last pull's time went (bench reads it): resolve and pin, planning, copy, unpin.
-        self.last_pull_breakdown: dict[str, float] = {}
+        # The times the last pull passed its phases (`last_pull_breakdown`).
+        self._last_marks: list[float] = []
         # Pulls that may repeat, by the identity of what was asked (the face keeps its checked specs: a
         # repeat passes the same object; an entry holds its spec, so an id is never reused meanwhile).
         # At most _MAX_REPEATS: a connector repeats a few.
@@ -162,7 +162,7 @@ class Transfers:
                     outcome = repeat.run(marks)
             if outcome == _repin.DONE:
                 self.repeated += 1
-                self._note_breakdown(marks)
+                self._last_marks = marks
                 return
             del marks[1:]
         ref = spec.ref
@@ -181,17 +181,22 @@ class Transfers:
             if len(self._repeats) >= _MAX_REPEATS:
                 self._repeats.clear()
             self._repeats[id(spec)] = Repeat(spec, link, again[0], again[1], copy, dst)
-        self._note_breakdown(marks)
+        self._last_marks = marks
 
-    def _note_breakdown(self, marks: list[float]) -> None:
-        if len(marks) == 5:
-            start, pinned_at, planned, copied, done = marks
-            self.last_pull_breakdown = {
-                "resolve": pinned_at - start,
-                "plan": planned - pinned_at,
-                "copy": copied - planned,
-                "release": done - copied,
-            }
+    @property
+    def last_pull_breakdown(self) -> dict[str, float]:
+        """Where the last pull's time went, in seconds (the bench reads it): resolve and pin, planning,
+        copy, unpin; empty before the first pull."""
+        marks = self._last_marks
+        if len(marks) != 5:
+            return {}
+        start, pinned_at, planned, copied, done = marks
+        return {
+            "resolve": pinned_at - start,
+            "plan": planned - pinned_at,
+            "copy": copied - planned,
+            "release": done - copied,
+        }
 
     def pull_blocks(self, spec: BlocksSpec, dst: CacheRecord) -> None:
         """Pin the owner's paged cache, copy block src_blocks[k] to dst_blocks[k] of every tensor, unpin."""

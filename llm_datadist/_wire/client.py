@@ -371,10 +371,8 @@ class _Exclusive:
 
     def __enter__(self) -> None:
         lock = self._link._lock
-        acquired = (
-            lock.acquire(blocking=False)
-            if self._busy_fails
-            else lock.acquire(timeout=max(self._deadline - time.monotonic(), 0.0))
+        acquired = lock.acquire(blocking=False) or (
+            not self._busy_fails and lock.acquire(timeout=max(self._deadline - time.monotonic(), 0.0))
         )
         if not acquired:
             if self._busy_fails:

@@ -266,21 +266,28 @@ def test_unpinning_a_cache_its_owner_wants_to_free_moves_the_epoch(pinned_once: 
 
 
 @pytest.mark.skipif(kernel is None, reason="the optional C kernel was not built")
-def test_index_pull_pins_copies_and_unpins_in_one_call(pinned_once: Any) -> None:
+@pytest.mark.parametrize("unit", [8, 48 << 10])  # 24 B: copied under the lock; 144 KiB: through the pin
+def test_index_pull_pins_copies_and_unpins_in_one_call(pinned_once: Any, unit: int) -> None:
     owner, puller, plan = pinned_once
     fd, mm = puller.handle
-    src = np.arange(64, dtype=np.uint8)
-    dst = np.zeros(64, dtype=np.uint8)
-    columns = [np.array(values, dtype=np.uint64) for values in ([8, 40], [0, 16], [16, 8])]
+    src = (np.arange(8 * unit) % 251).astype(np.uint8)
+    dst = np.zeros(8 * unit, dtype=np.uint8)
+    runs = [(unit, 0, 2 * unit), (5 * unit, 2 * unit, unit)]
+    columns = [np.array(column, dtype=np.uint64) for column in zip(*runs, strict=True)]
     args = (src.ctypes.data, dst.ctypes.data, *columns, False)
     assert kernel.index_pull(mm, fd, plan.plan, *args) == (DONE, False, DONE)
-    assert dst[:16].tolist() == list(range(8, 24)) and dst[16:24].tolist() == list(range(40, 48))
+    np.testing.assert_array_equal(dst[: 2 * unit], src[unit : 3 * unit])
+    np.testing.assert_array_equal(dst[2 * unit : 3 * unit], src[5 * unit : 6 * unit])
+    assert not dst[3 * unit :].any()
     with puller.locked(1.0):
         assert puller.row_state(_ROW) == (_TICKET, 0)
     dst[:] = 0
     with owner.locked(1.0):
         assert kernel.index_pull(mm, fd, plan.plan, *args) == (BUSY, False, 0)
-    assert not dst.any()  # nothing copied without the pin
+    with owner.locked(1.0):
+        owner.remove_name(0)
+    assert kernel.index_pull(mm, fd, plan.plan, *args) == (STALE, False, 0)
+    assert not dst.any()  # nothing copied without the checks
     with pytest.raises(ValueError, match="200 bytes"):
         kernel.index_pull(mm, fd, plan.plan[:-1], *args)
     with pytest.raises(ValueError, match="past the end"):
