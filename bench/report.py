@@ -236,6 +236,7 @@ def plot(results: Results, path: Path) -> str:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Rectangle
     except ImportError:
         return "no plot: matplotlib is not installed (pip install -e '.[plot]')"
     rows = [
@@ -252,8 +253,8 @@ def plot(results: Results, path: Path) -> str:
     reference = _reference_gbps(results)
     if reference:
         ax.axvline(reference, color="black", linestyle="--", linewidth=1)
-        ax.text(reference, -0.8, " largest 2-thread memcpy", fontsize=8, va="bottom")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors(i % 10)) for i in range(len(groups))]
+        ax.text(reference, -0.8, " best copy (the faster 2-thread copy)", fontsize=8, va="bottom")
+    handles = [Rectangle((0, 0), 1, 1, color=colors(i % 10)) for i in range(len(groups))]
     ax.legend(handles, groups, loc="lower right", fontsize=8)
     ax.set_xlabel("GB/s (median of the run; one synchronous transfer at a time)")
     ax.tick_params(axis="y", labelsize=7)

@@ -46,9 +46,10 @@ class Acquirer:
         self.incarnation = incarnation
         self.timeout_code = timeout_code
 
-    def acquire(self, link: ClientLink, ref: SourceRef, deadline: float) -> Held:
-        """`with acquirer.acquire(link, ref, deadline) as location:` copy; ended on the way out."""
-        return Held(self, link, ref, deadline)
+    def acquire(self, link: ClientLink, ref: SourceRef, deadline: float, *, again: bool = False) -> Held:
+        """`with acquirer.acquire(link, ref, deadline) as location:` copy; ended on the way out. `again`:
+        a pin in the index also says how to take it again (`Held.again`), when `ref` allows."""
+        return Held(self, link, ref, deadline, again)
 
     def write_lease(
         self, link: ClientLink, addrs: tuple[int, ...], nbytes: tuple[int, ...], deadline: float
@@ -58,7 +59,7 @@ class Acquirer:
         return WriteLease(link, addrs, nbytes, deadline)
 
     def pinned_in_index(
-        self, link: ClientLink, ref: SourceRef, deadline: float
+        self, link: ClientLink, ref: SourceRef, deadline: float, again: bool = False
     ) -> tuple[Index, Location, RepinPlan | None] | None:
         """Pin `ref` through the link's row of the owner's index: the index, where the cache is and how to
         pin it again (`_dataplane.Pin.again`), or None when the owner must be asked. The link's socket says
@@ -69,7 +70,13 @@ class Acquirer:
         if index is None:
             return None
         pinned = pin(
-            link, index, ref, cluster_id=self.cluster_id, deadline=deadline, timeout_code=self.timeout_code
+            link,
+            index,
+            ref,
+            cluster_id=self.cluster_id,
+            deadline=deadline,
+            timeout_code=self.timeout_code,
+            again=again,
         )
         if pinned is None:
             return None
@@ -109,10 +116,13 @@ class _Holding:
 class Held(_Holding):
     """`Acquirer.acquire`: what a `SourceRef` names, pinned in the owner's index or leased."""
 
-    __slots__ = ("_acquirer", "_deadline", "_index", "_link", "_location", "_ref", "again")
+    __slots__ = ("_acquirer", "_again", "_deadline", "_index", "_link", "_location", "_ref", "again")
 
-    def __init__(self, acquirer: Acquirer, link: ClientLink, ref: SourceRef, deadline: float) -> None:
+    def __init__(
+        self, acquirer: Acquirer, link: ClientLink, ref: SourceRef, deadline: float, again: bool = False
+    ) -> None:
         self._acquirer = acquirer
+        self._again = again
         self._link = link
         self._ref = ref
         self._deadline = deadline
@@ -123,7 +133,7 @@ class Held(_Holding):
 
     def __enter__(self) -> Location:
         link, ref = self._link, self._ref
-        pinned = self._acquirer.pinned_in_index(link, ref, self._deadline)
+        pinned = self._acquirer.pinned_in_index(link, ref, self._deadline, self._again)
         if pinned is not None:
             self._index, location, plan = pinned
             if plan is not None:

@@ -86,7 +86,7 @@ def peer_index(
     if (holder, row_incarnation) != (link.index_ticket, incarnation):
         link.index.close()
         link.index = None
-        raise _row_taken_back(link)
+        raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {_row_taken_back(link)}")
     return link.index
 
 
@@ -103,11 +103,13 @@ class RowHolder(Protocol):
     def check_peer_alive(self) -> None: ...
 
 
-def _row_taken_back(link: RowHolder) -> StatusError:
-    """The owner cleared our row: it ended our connection (it is finalizing, or it dropped us) between
-    our look at the socket and the lock. The link is over, as if its socket had said so first."""
-    link.fail("the peer ended the link (it took back our row of its index)")
-    return StatusError(LLMStatusCode.LLM_LINK_FAILED, f"cluster {link.peer.cluster_id} ended the link")
+def _row_taken_back(link: RowHolder) -> IndexCorrupt:
+    """Our row is no longer ours. The owner takes a row back only as it ends the connection (it is
+    finalizing, or it dropped us): once the socket says so, the link is over. While the socket is open,
+    a stray write into the index changed the row: this transfer fails (LLM_FAILED) and the link stays (the
+    owner puts its fields back at its next audit)."""
+    link.check_peer_alive()  # PeerGone (LLM_LINK_FAILED) and the link broken, if the connection ended
+    return IndexCorrupt(f"row {link.index_row} of the peer's index names another holder")
 
 
 def pin(
@@ -118,16 +120,17 @@ def pin(
     cluster_id: int,
     deadline: float,
     timeout_code: LLMStatusCode,
+    again: bool = False,
 ) -> Pin | None:
     """Find what `ref` names in the owner's index, check it as the owner would and pin it through the
     link's row, consuming the pulled tensors of a req key when it asks to; None: ask the owner. The
     cache-manager rules (`ref.rules` V2): a blocks cache may be named by id, a push into our cluster does
     not stop pulls; `ref.for_write`: pin for a push, which only reaches a cache its user still holds (and
-    consumes nothing)."""
+    consumes nothing). `again`: the caller may take the same pin again (`Pin.again`, when `ref` allows)."""
     try:
         index.lock(max(deadline - time.monotonic(), 0.0))
         try:
-            pinned = _pin_locked(link, index, cluster_id, ref)
+            pinned = _pin_locked(link, index, cluster_id, ref, again)
             if pinned is not None and ref.for_write and pinned.cache.flags & CACHE_WITHDRAWN:
                 index.clear_row(link.index_row, link.index_ticket)
                 raise StatusError(
@@ -140,6 +143,14 @@ def pin(
         raise_index_error(link, exc, timeout_code)
 
 
+def index_not_open(link: RowHolder, state: int) -> IndexCorrupt:
+    """The index says it is not open. An owner closes it as it ends its connections: once the socket says
+    so, the link is over (PeerGone, LLM_LINK_FAILED). While the socket is open, the owner is between the
+    two, or a stray write changed the word: this transfer fails (LLM_FAILED) and the link stays."""
+    link.check_peer_alive()
+    return IndexCorrupt(f"the peer's index is not open (state {state})")
+
+
 def raise_index_error(link: RowHolder, exc: ShmError, timeout_code: LLMStatusCode) -> NoReturn:
     if isinstance(exc, IndexLockTimeout):
         raise StatusError(timeout_code, str(exc)) from exc
@@ -150,21 +161,21 @@ def raise_index_error(link: RowHolder, exc: ShmError, timeout_code: LLMStatusCod
     raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
 
 
-def _pin_locked(link: RowHolder, index: Index, cluster_id: int, ref: SourceRef) -> Pin | None:
+def _pin_locked(link: RowHolder, index: Index, cluster_id: int, ref: SourceRef, again: bool) -> Pin | None:
     key_kind, key_id, model_id, batch_index = ref.key_kind, ref.key_id, ref.model_id, ref.batch_index
     tensor_start, tensor_count = ref.tensor_start, ref.tensor_count
     v2 = ref.rules == V2
     consume = ref.consume and not ref.for_write
     state, flags = index.header()
     if state != STATE_OPEN:
-        raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "the peer closed its cache table")
+        raise index_not_open(link, state)
     if not v2 and index.busy(cluster_id):
         raise StatusError(LLMStatusCode.LLM_LINK_BUSY, "a layer-wise transfer into this cluster is running")
-    holder, row_state = index.row_state(link.index_row)
+    holder = index.row_state(link.index_row)[0]
     if holder != link.index_ticket:
         raise _row_taken_back(link)
-    if row_state:
-        raise IndexCorrupt(f"row {link.index_row} still pins a cache")
+    # A pin we did not leave (we hold the link and owe no unpin through it) is a stray write into our own
+    # row, which the owner's repair keeps as pullers left it: the pin below writes the row whole again.
     consume_name = -1
     if key_kind == KEY_BLOCKS:
         name = index.lookup(KIND_BLOCKS, 0, model_id)
@@ -207,10 +218,10 @@ def _pin_locked(link: RowHolder, index: Index, cluster_id: int, ref: SourceRef) 
     # names a key keeps the owner from unbinding it.
     consumed_name = consume_name if taken else -1
     index.set_row(link.index_row, link.index_ticket, cache.slot, cache.generation, consumed_name, taken)
-    if not ref.repeatable:
+    if not again or not ref.repeatable:
         return Pin(cache, batch_slot)
-    again = RepinPlan.make(index, link.index_row, link.index_ticket, name, cache, check_busy=not v2)
-    return Pin(cache, batch_slot, again)
+    plan = RepinPlan.make(index, link.index_row, link.index_ticket, name, cache, check_busy=not v2)
+    return Pin(cache, batch_slot, plan)
 
 
 def repin(link: RowHolder, index: Index, plan: RepinPlan) -> int:
@@ -252,11 +263,20 @@ def unpin(link: RowHolder, index: Index, *, ok: bool) -> None:
     finally:
         index.unlock()
     if revoked and ok:
-        link.fail("the peer took back our pin")
+        # Taken back with the connection (the owner finalized, or dropped us): the link is over. With the
+        # connection open, a stray write changed our row: the pin may not have held, so the transfer fails.
+        try:
+            link.check_peer_alive()
+        except StatusError:
+            link.fail("the peer took back our pin")
+            raise StatusError(
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"cluster {link.peer.cluster_id} took back the pin before the transfer ended (it finalized)",
+            ) from None
         raise StatusError(
-            LLMStatusCode.LLM_LINK_FAILED,
-            f"cluster {link.peer.cluster_id} took back the pin before the transfer ended (it finalized, or "
-            "its index was damaged and repaired)",
+            LLMStatusCode.LLM_FAILED,
+            f"our row of cluster {link.peer.cluster_id}'s index changed during the transfer (a stray write; "
+            "the peer repairs it): the bytes cannot be trusted",
         )
 
 

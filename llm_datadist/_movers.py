@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 
 from llm_datadist._protocol.messages import WriteGrant
-from llm_datadist._shm.copyplan import BlockPlan, Run, block_runs, plan_tensor_copy
+from llm_datadist._shm.copyplan import BlockPlan, Run, StridedCopy, block_runs, plan_tensor_copy
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.names import parse_segment_name
 from llm_datadist._shm.segment import Segment
@@ -77,10 +77,13 @@ class Mover(Protocol):
         nbytes: int,
         deadline: float,
         marks: list[float] | None = None,
+        *,
+        repeat: bool = False,
     ) -> PreparedCopy | None:
         """`nbytes` from each `loc.tensor_bases[i]` to `dst`'s segment at `dst_offsets[i]` (a v1 pull).
-        `marks`: the time planning ended is appended to it (the bench's breakdown of a pull). Returns the
-        copy ready to run again, when this mover can repeat it on its own (or None)."""
+        `marks`: the time planning ended is appended to it (the bench's breakdown of a pull). `repeat`:
+        the pull may run again; returns the copy ready to run again, when this mover can repeat it on its
+        own (or None)."""
         ...
 
     def read_blocks(
@@ -176,15 +179,30 @@ class HostMover:
         nbytes: int,
         deadline: float,
         marks: list[float] | None = None,
+        *,
+        repeat: bool = False,
     ) -> PreparedCopy | None:
         src = peer_segment(link, loc.segment, loc.segment_nbytes, writable=False)
-        copy = self._copier.prepare_tensor_copy(
-            loc.tensor_bases, dst_offsets, nbytes, src, dst.pool_block.segment
-        )
-        if marks is not None:
-            marks.append(time.perf_counter())
-        copy.run((src.array, dst.pool_block.segment.array))
-        return copy
+        if repeat:  # planned for the kernel once, to be run again
+            copy = self._copier.prepare_tensor_copy(
+                loc.tensor_bases, dst_offsets, nbytes, src, dst.pool_block.segment
+            )
+            if marks is not None:
+                marks.append(time.perf_counter())
+            copy.run((src.array, dst.pool_block.segment.array))
+            return copy
+        # Tensors are a constant pitch apart on each side: one strided copy, else a list of runs.
+        strided = StridedCopy.from_offsets(loc.tensor_bases, dst_offsets, nbytes)
+        if strided is not None:
+            if marks is not None:
+                marks.append(time.perf_counter())
+            self._copier.run_strided(strided, src.array, dst.pool_block.segment.array)
+        else:
+            runs = plan_tensor_copy(loc.tensor_bases, dst_offsets, nbytes)
+            if marks is not None:
+                marks.append(time.perf_counter())
+            self._copier.run(runs, src.array, dst.pool_block.segment.array)
+        return None
 
     def read_blocks(
         self, link: ClientLink, loc: Location, plan: BlockPlan, dst: CacheRecord, deadline: float
@@ -322,6 +340,8 @@ class EngineMover:
         nbytes: int,
         deadline: float,
         marks: list[float] | None = None,
+        *,
+        repeat: bool = False,
     ) -> PreparedCopy | None:
         runs = plan_tensor_copy(loc.tensor_bases, dst_offsets, nbytes)
         if marks is not None:

@@ -27,7 +27,7 @@ from llm_datadist._shm.index import CACHE_REMOTE, CACHE_WITHDRAWN, FLAG_CACHES_U
 from llm_datadist._shm.segment import Segment
 
 from ._acquire import Acquirer
-from ._dataplane import peer_index, raise_index_error
+from ._dataplane import index_not_open, peer_index, raise_index_error
 from ._errors import PeerGone, StatusError
 from ._links import Links, mover_of
 from ._movers import RangeUnmapped, UnitRun, peer_segment
@@ -202,7 +202,7 @@ class OneSided:
             try:
                 state, flags = index.header()
                 if state != STATE_OPEN:
-                    raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "the peer closed its cache table")
+                    raise index_not_open(link, state)
                 if flags & FLAG_CACHES_UNPUBLISHED:
                     return None
                 entries = index.live_caches()

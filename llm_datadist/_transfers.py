@@ -166,16 +166,19 @@ class Transfers:
                 return
             del marks[1:]
         ref = spec.ref
-        held = self._acquirer.acquire(link, ref, deadline)
+        held = self._acquirer.acquire(link, ref, deadline, again=True)
         with link.exclusive(deadline), held as location:
             marks.append(time.perf_counter())
             dst_offsets = [
                 dst.tensor_offset(spec.dst_tensor_start + i) + spec.dst_base_offset
                 for i in range(ref.tensor_count)
             ]
-            copy = mover_of(link).read_tensors(link, location, dst, dst_offsets, ref.nbytes, deadline, marks)
-            marks.append(time.perf_counter())
             again = held.again
+            mover = mover_of(link)
+            copy = mover.read_tensors(
+                link, location, dst, dst_offsets, ref.nbytes, deadline, marks, repeat=again is not None
+            )
+            marks.append(time.perf_counter())
         marks.append(time.perf_counter())
         if copy is not None and again is not None:
             if len(self._repeats) >= _MAX_REPEATS:

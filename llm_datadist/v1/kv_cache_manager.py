@@ -38,6 +38,7 @@ from ..configs import LLMRole
 from ..status import LLMStatusCode, make_error
 from ..v2.cache import KvCache
 from ..v2.llm_types import (
+    U64_MAX,
     BlocksCacheKey,
     CacheDesc,
     CacheKey,
@@ -60,9 +61,17 @@ _MAX_PREPARED = 1024
 def _pull_memo_key(
     cache_key: object, kv_cache: object, batch_index: object, size: object, kwargs: dict[str, Any]
 ) -> tuple[object, ...] | None:
-    """What makes two `pull_cache` calls the same pull, when every argument is of an exact type whose
-    equality is its value (ints, ranges, None; the key types read field by field); None otherwise."""
+    """What makes two `pull_cache` calls the same pull that never consumes, when every argument is of an
+    exact type whose equality is its value (ints, ranges, None; the key types read field by field); None
+    otherwise."""
     if type(kv_cache) is not KvCache or type(batch_index) is not int or type(size) is not int:
+        return None
+    # Without offsets a pull of a req key, or by cache id, may consume: it is checked every time.
+    consumes = kwargs.get("src_cache_offset") is None and kwargs.get("dst_cache_offset") is None
+    if consumes and (
+        type(cache_key) is CacheKeyByIdAndIndex
+        or (type(cache_key) is CacheKey and cache_key.prefix_id == U64_MAX)
+    ):
         return None
     for value in kwargs.values():
         if value is not None and type(value) is not int and type(value) is not range:

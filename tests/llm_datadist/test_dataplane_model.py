@@ -281,6 +281,7 @@ class IndexMachine(RuleBasedStateMachine):
                 cluster_id=9,
                 deadline=1e18,
                 timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
+                again=True,
             )
         except StatusError as exc:
             if self.pushing:
