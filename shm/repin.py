@@ -3,11 +3,12 @@
 Rules: a `RepinPlan` is made from a pin that consumed nothing, just after it, and names the row, the name
 entry and the cache entry that pin used. `repin` takes the index lock without waiting, checks under it that
 each of them still says what it said then (the index open, no push into the puller's cluster when asked,
-the row ours and idle, the name live with the same key, cache, batch slot and generation, the cache of
-that generation still in its slot), pins through the row as `_pin_locked` would and unlocks: one short
-hold, no lookup, no decoding. Anything else is `STALE` (or `BUSY` when the lock is held) and the caller
-pins the full way, which raises whatever the change calls for. `unpin` ends such a pin the same way. The
-C kernel (shm/_copykernel.c) does both in one call each; the functions here are its pure-Python twins.
+the row ours and idle, the name live with the same key, cache, batch slot and generation, the cache entry
+byte for byte as that pin read it, flags aside), pins through the row as `_pin_locked` would and unlocks:
+one short hold, no lookup, no decoding. Anything else is `STALE` (or `BUSY` when the lock is held) and the
+caller pins the full way, which raises whatever the change calls for. `unpin` ends such a pin the same
+way. The C kernel (shm/_copykernel.c) does each in one call, and `index_pull` both with the copy between
+(a small copy under the lock itself, with the same checks); the functions here are the pure-Python twins.
 """
 
 from __future__ import annotations
