@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from llm_datadist._shm import repin as _repin
 from llm_datadist._shm.copyplan import BlockPlan
 from llm_datadist._shm.errors import ShmError
-from llm_datadist._shm.index import Index
+from llm_datadist._shm.index import _LOCK_RETRY_MAX_S, _LOCK_RETRY_MIN_S, Index
 from llm_datadist._shm.repin import RepinPlan
 
 from . import _faults
@@ -37,10 +37,6 @@ from .status import LLMStatusCode
 
 # Repeatable pulls kept per instance; past this many the memo starts over.
 _MAX_REPEATS = 1024
-# A repeat that finds the index lock held tries again after a pause growing between these (as
-# `shm.index.Index.lock` waits), until the transfer's deadline.
-_LOCK_RETRY_MIN_S = 20e-6
-_LOCK_RETRY_MAX_S = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +152,8 @@ class Transfers:
                 pause = _LOCK_RETRY_MIN_S
                 while outcome == _repin.BUSY and time.monotonic() < deadline:
                     # The lock is held for microseconds (the owner, another puller): wait as a full pin
-                    # would, so that whether a pull repeats depends on what changed, not on timing.
+                    # would (the pauses of `Index.lock`, until the deadline), so that whether a pull
+                    # repeats depends on what changed, not on timing.
                     time.sleep(pause)
                     pause = min(pause * 2, _LOCK_RETRY_MAX_S)
                     outcome = repeat.run(marks)

@@ -381,6 +381,21 @@ static int repin_locked(char *index, const struct repin_plan *plan)
     return REPIN_DONE;
 }
 
+/* `step` under the lock of the index `mapping` holds (at least as long as the plan's entries need): its
+ * result as an int, or OSError. */
+static PyObject *call_locked(PyObject *mapping, int fd, int (*step)(char *, const struct repin_plan *),
+                             const struct repin_plan *plan)
+{
+    Py_buffer view;
+    if (get_index(mapping, &view, plan_end(plan)) < 0)
+        return NULL;
+    int result = locked(fd, view.buf, step, plan);
+    PyBuffer_Release(&view);
+    if (result < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromLong(result);
+}
+
 PyDoc_STRVAR(index_repin_doc,
 "index_repin(mapping, fd, plan)\n--\n\n"
 "shm.repin.repin in one call: 0 pinned, 1 the lock is busy, 2 stale (nothing done either way).");
@@ -398,14 +413,7 @@ static PyObject *index_repin(PyObject *module, PyObject *args)
     PyBuffer_Release(&plan_view);
     if (ok < 0)
         return NULL;
-    Py_buffer view;
-    if (get_index(mapping, &view, plan_end(&plan)) < 0)
-        return NULL;
-    int result = locked(fd, view.buf, repin_locked, &plan);
-    PyBuffer_Release(&view);
-    if (result < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    return PyLong_FromLong(result);
+    return call_locked(mapping, fd, repin_locked, &plan);
 }
 
 PyDoc_STRVAR(index_unpin_doc,
@@ -424,15 +432,8 @@ static PyObject *index_unpin(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "an entry lies past the end of the index");
         return NULL;
     }
-    Py_buffer view;
-    if (get_index(mapping, &view, max3(row_offset, cache_offset, 0) + ENTRY_NBYTES) < 0)
-        return NULL;
-    int result = locked(fd, view.buf, unpin_locked, &(struct repin_plan){
-        .row_offset = row_offset, .ticket = ticket, .cache_offset = cache_offset});
-    PyBuffer_Release(&view);
-    if (result < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    return PyLong_FromLong(result);
+    struct repin_plan plan = {.row_offset = row_offset, .ticket = ticket, .cache_offset = cache_offset};
+    return call_locked(mapping, fd, unpin_locked, &plan);
 }
 
 PyDoc_STRVAR(index_pull_doc,

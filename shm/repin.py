@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from .index import (
+    _BUSY_COUNT_OFFSET,
     _CACHE_NBYTES,
     _MASK_NBYTES,
     _ROW,
@@ -59,14 +60,13 @@ STALE = 2  # repin: something changed, nothing was done; unpin: the row is no lo
 # its flags zeroed (they change while the cache lives; every other field is fixed for its generation). The
 # C kernel reads the same 200 bytes.
 _PLAN = struct.Struct("<QQQQQQQIIII128s")
-_FLAGS = slice(16, 20)  # of a cache entry
 _NAME_HEAD = struct.Struct("<IIQQIIQ")  # state, kind, key id, model id, cache slot, batch slot, generation
 _ROW_HEAD = struct.Struct("<QI")  # holder, state
 _U64 = struct.Struct("<Q")
 _STATE_OFFSET = 12  # header: the index's state
 _EPOCH_OFFSET = 48  # header: the epoch
-_BUSY_COUNT_OFFSET = 60  # header: how many clusters the owner pushes into
-_CACHE_FLAGS_OFFSET = 16
+_CACHE_FLAGS_OFFSET = 16  # of a cache entry: its u32 flags
+_FLAGS = slice(_CACHE_FLAGS_OFFSET, _CACHE_FLAGS_OFFSET + 4)
 _NO_MASK = bytes(_MASK_NBYTES)
 
 

@@ -27,6 +27,7 @@ from llm_datadist import (
     LLMConfig,
     LLMDataDist,
     LLMRole,
+    LLMStatusCode,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
@@ -387,6 +388,15 @@ def decoder(
         yield datadist
     finally:
         datadist.finalize()
+
+
+@contextlib.contextmanager
+def linked_decoder(cluster_id: int, port: int, seed: int) -> Iterator[tuple[PromptPeer, LLMDataDist]]:
+    """A Prompt at `port` and a Decoder (sync_kv_timeout 400 ms) linked to it."""
+    with PromptPeer(cluster_id, port, seed) as peer, decoder(sync_kv_timeout_ms=400) as dd:
+        ret, codes = dd.link_clusters([peer.cluster_info()], timeout=5000)
+        assert ret == LLMStatusCode.LLM_SUCCESS and codes == [LLMStatusCode.LLM_SUCCESS]
+        yield peer, dd
 
 
 def _lease_holder_main(pipe: Connection, socket_file: str, remote_cluster_id: int, req_id: int) -> None:

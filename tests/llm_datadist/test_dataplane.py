@@ -23,7 +23,7 @@ from llm_datadist import (
     LLMStatusCode,
 )
 from llm_datadist.ext import tensor_views
-from tests._peer import PROMPT_IP, PromptPeer, decoder, start_index_holder
+from tests._peer import PROMPT_IP, PromptPeer, linked_decoder, start_index_holder
 
 P = 1  # the Prompt's cluster id
 REQ = 1  # key kinds as the protocol numbers them
@@ -50,10 +50,8 @@ def _status(exc_info: pytest.ExceptionInfo[LLMException]) -> LLMStatusCode:
 
 @pytest.fixture
 def linked(seed: int) -> Iterator[tuple[PromptPeer, object]]:
-    with PromptPeer(P, _port(), seed) as peer, decoder(sync_kv_timeout_ms=400) as dd:
-        ret, codes = dd.link_clusters([peer.cluster_info()], timeout=5000)
-        assert ret == LLMStatusCode.LLM_SUCCESS and codes == [LLMStatusCode.LLM_SUCCESS]
-        yield peer, dd
+    with linked_decoder(P, _port(), seed) as pair:
+        yield pair
 
 
 def _socket_file(runtime: Path, peer: PromptPeer) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from llm_datadist import CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMException, LLMStatusCode
 from llm_datadist.ext import tensor_views
-from tests._peer import PROMPT_IP, PromptPeer, decoder, start_index_holder
+from tests._peer import PROMPT_IP, PromptPeer, linked_decoder, start_index_holder
 
 P = 1  # the Prompt's cluster id
 U64 = 2**64 - 1
@@ -27,10 +27,8 @@ def _port() -> int:
 
 @pytest.fixture
 def linked(seed: int) -> Iterator[tuple[PromptPeer, object]]:
-    with PromptPeer(P, _port(), seed) as peer, decoder(sync_kv_timeout_ms=400) as dd:
-        ret, codes = dd.link_clusters([peer.cluster_info()], timeout=5000)
-        assert ret == LLMStatusCode.LLM_SUCCESS and codes == [LLMStatusCode.LLM_SUCCESS]
-        yield peer, dd
+    with linked_decoder(P, _port(), seed) as pair:
+        yield pair
 
 
 def _raw(cache) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
