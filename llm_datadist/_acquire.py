@@ -109,6 +109,10 @@ class _Holding:
         if ok and _faults.hook is not None:
             _faults.at("released")
 
+    def fail(self) -> None:
+        """End what was begun, outside a with-block, as a failed transfer ends it."""
+        self._end(ok=False)
+
     def _end(self, *, ok: bool) -> None:
         raise NotImplementedError
 

@@ -109,9 +109,16 @@ class Mover(Protocol):
         ...
 
     def write_ranges(
-        self, link: ClientLink, grant: WriteGrant, src: CacheRecord, spans: list[PushSpan], deadline: float
+        self,
+        link: ClientLink,
+        grant: WriteGrant,
+        src: CacheRecord,
+        spans: list[PushSpan],
+        deadline: float,
+        first: int = 0,
     ) -> None:
-        """Push `spans` of `src`'s segment into the ranges the peer granted (v1 `transfer_cache_async`)."""
+        """Push `spans` of `src`'s segment into the ranges the peer granted (`transfer_cache_async`): span
+        i into the grant's range `first + i`."""
         ...
 
 
@@ -120,6 +127,14 @@ def _local_addrs(local: CacheRecord, start: int, count: int, runs: list[UnitRun]
         if run.local_offset + run.nbytes > local.tensor_nbytes:
             raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, "the transfer does not fit the local tensors")
     return local.tensor_addrs()[start : start + count]
+
+
+def _granted(grant: WriteGrant, first: int, count: int) -> list[tuple[int, int]]:
+    """(segment index, offset) of the grant's ranges `first` to `first + count`."""
+    stop = first + count
+    if stop > len(grant.range_offsets):
+        raise StatusError(LLMStatusCode.LLM_FAILED, "the peer granted fewer ranges than the push has")
+    return list(zip(grant.range_segments[first:stop], grant.range_offsets[first:stop], strict=True))
 
 
 def _outside_segment() -> StatusError:
@@ -303,14 +318,21 @@ class HostMover:
             ) from exc
 
     def write_ranges(
-        self, link: ClientLink, grant: WriteGrant, src: CacheRecord, spans: list[PushSpan], deadline: float
+        self,
+        link: ClientLink,
+        grant: WriteGrant,
+        src: CacheRecord,
+        spans: list[PushSpan],
+        deadline: float,
+        first: int = 0,
     ) -> None:
+        granted = _granted(grant, first, len(spans))
         targets = [
             peer_segment(link, name, nbytes, writable=True)
             for name, nbytes in zip(grant.segments, grant.segment_nbytes, strict=True)
         ]
         by_target: dict[int, list[Run]] = {}
-        for span, index, offset in zip(spans, grant.range_segments, grant.range_offsets, strict=True):
+        for span, (index, offset) in zip(spans, granted, strict=True):
             if offset + span.nbytes > targets[index].nbytes:
                 raise _outside_segment()
             by_target.setdefault(index, []).extend(
@@ -412,14 +434,21 @@ class EngineMover:
         return None
 
     def write_ranges(
-        self, link: ClientLink, grant: WriteGrant, src: CacheRecord, spans: list[PushSpan], deadline: float
+        self,
+        link: ClientLink,
+        grant: WriteGrant,
+        src: CacheRecord,
+        spans: list[PushSpan],
+        deadline: float,
+        first: int = 0,
     ) -> None:
+        granted = _granted(grant, first, len(spans))
         bases = self._cross.segment_bases(link, list(grant.segments), deadline)
         src_base = src.pool_block.segment.address
         local: list[int] = []
         remote: list[int] = []
         lengths: list[int] = []
-        for span, index, offset in zip(spans, grant.range_segments, grant.range_offsets, strict=True):
+        for span, (index, offset) in zip(spans, granted, strict=True):
             if offset + span.nbytes > grant.segment_nbytes[index]:
                 raise _outside_segment()
             for run in span.runs:

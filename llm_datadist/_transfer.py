@@ -233,10 +233,20 @@ class _TransferPlan:
     dst_addrs: tuple[int, ...]
     tensor: TensorPush
 
-    def push(self, core: Core, record: CacheRecord, layer: int) -> None:
-        first = 2 * (layer - self.layers.start)
-        spans = self.tensor.spans(record, (2 * layer, 2 * layer + 1), self.dst_addrs[first : first + 2])
-        core.transfers.push(self.dst_cluster_id, record, spans)
+    def layer_push(self, core: Core, record: CacheRecord) -> LayerPush:
+        """The job's part for this config: layer l pushes spans 2(l - first layer) and the next, of one
+        lease of every layer's destination (`Transfers.leased_push`)."""
+        spans = []
+        for i, layer in enumerate(self.layers):
+            addrs = self.dst_addrs[2 * i : 2 * i + 2]
+            spans.extend(self.tensor.spans(record, (2 * layer, 2 * layer + 1), addrs))
+        pushes = core.transfers.leased_push(self.dst_cluster_id, record, spans)
+        start = self.layers.start
+
+        def push_layer(layer: int) -> None:
+            pushes.push(2 * (layer - start), 2)
+
+        return LayerPush(self.dst_cluster_id, self.layers, push_layer, pushes.end)
 
 
 def plan_transfer(

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llm_datadist._protocol.messages import WriteGrant
 from llm_datadist._shm import repin as _repin
 from llm_datadist._shm.copyplan import BlockPlan
 from llm_datadist._shm.errors import ShmError
@@ -23,7 +24,7 @@ from llm_datadist._shm.index import _LOCK_RETRY_MAX_S, _LOCK_RETRY_MIN_S, Index
 from llm_datadist._shm.repin import RepinPlan
 
 from . import _faults
-from ._acquire import Acquirer
+from ._acquire import Acquirer, WriteLease
 from ._copy import PreparedCopy
 from ._dataplane import repin, unpin, unpin_again
 from ._errors import StatusError
@@ -34,6 +35,7 @@ from ._owner.records import CacheRecord
 from ._source import V2, Location, RemoteCache, SourceRef
 from ._wire.client import ClientLink
 from .status import LLMStatusCode
+from .utils.log import log
 
 # Repeatable pulls kept per instance; past this many the memo starts over.
 _MAX_REPEATS = 1024
@@ -227,17 +229,10 @@ class Transfers:
             )
             mover_of(link).read_blocks(link, location, plan, dst, deadline)
 
-    def push(self, remote_cluster_id: int, src: CacheRecord, spans: list[PushSpan]) -> None:
-        """Pin the peer's memory at the spans' addresses, copy into it from `src`'s segment, release.
-
-        Goes over the link back to a peer that linked to us (its callback socket).
-        """
-        deadline = time.monotonic() + self._timeout_s
-        link = self._links.link_to(remote_cluster_id, deadline)
-        addrs = tuple(span.dst_addr for span in spans)
-        nbytes = tuple(span.nbytes for span in spans)
-        with link.exclusive(deadline), self._acquirer.write_lease(link, addrs, nbytes, deadline) as grant:
-            mover_of(link).write_ranges(link, grant, src, spans, deadline)
+    def leased_push(self, remote_cluster_id: int, src: CacheRecord, spans: list[PushSpan]) -> LeasedPush:
+        """The pushes of `spans` from `src` into a peer that linked to us (over its callback socket), under
+        one lease of every span's destination (`LeasedPush`)."""
+        return LeasedPush(self._links, self._acquirer, self._timeout_s, remote_cluster_id, src, spans)
 
     def transfer_pinned(
         self,
@@ -300,3 +295,87 @@ class Transfers:
                 write=ref.for_write,
                 deadline=deadline,
             )
+
+
+class LeasedPush:
+    """One `transfer_cache_async` config's pushes into a peer's memory. The destination of every span is
+    leased at the first push (one WriteRequest: one round trip for the whole transfer, however many
+    layers) and stays leased until `end`, so that each later push is its copy alone, and memory the peer's
+    user frees meanwhile is not reused before the transfer ends. The lease lives on the link it was taken
+    on: a push that finds another link (the peer was linked again) fails, as the peer's memory may be
+    another process's now. Every push holds the link exclusively for its copy only."""
+
+    __slots__ = (
+        "_acquirer",
+        "_cluster_id",
+        "_grant",
+        "_lease",
+        "_link",
+        "_links",
+        "_spans",
+        "_src",
+        "_timeout_s",
+    )
+
+    def __init__(
+        self,
+        links: Links,
+        acquirer: Acquirer,
+        timeout_s: float,
+        remote_cluster_id: int,
+        src: CacheRecord,
+        spans: list[PushSpan],
+    ) -> None:
+        self._links = links
+        self._acquirer = acquirer
+        self._timeout_s = timeout_s
+        self._cluster_id = remote_cluster_id
+        self._src = src
+        self._spans = spans
+        self._lease: WriteLease | None = None
+        self._grant: WriteGrant | None = None
+        self._link: ClientLink | None = None
+
+    def push(self, first: int, count: int) -> None:
+        """Copy spans `first` to `first + count` into the leased ranges (leasing every span first)."""
+        deadline = time.monotonic() + self._timeout_s
+        link = self._links.link_to(self._cluster_id, deadline)
+        with link.exclusive(deadline):
+            grant = self._grant
+            if self._lease is None:
+                spans = self._spans
+                lease = self._acquirer.write_lease(
+                    link, tuple(s.dst_addr for s in spans), tuple(s.nbytes for s in spans), deadline
+                )
+                grant = lease.__enter__()
+                self._lease, self._grant, self._link = lease, grant, link
+            elif link is not self._link:
+                raise StatusError(
+                    LLMStatusCode.LLM_LINK_FAILED,
+                    f"the link to cluster {self._cluster_id} was made again during the transfer",
+                )
+            else:
+                # Nothing was asked of the peer for this push: its socket says whether it is still there to
+                # receive it (a dead peer's memory stays mapped here, and the copy would succeed).
+                link.check_peer_alive()
+            assert grant is not None
+            mover_of(link).write_ranges(
+                link, grant, self._src, self._spans[first : first + count], deadline, first
+            )
+            link.check_peer_alive()  # and whether it was there to receive it
+
+    def end(self, ok: bool) -> None:
+        """Release the lease (`ok`: every push of it landed; else the peer is told the transfer failed).
+        Never raises: a link that cannot carry the release has ended, and the lease with it."""
+        lease, self._lease, link = self._lease, None, self._link
+        if lease is None or link is None:
+            return
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            with link.exclusive(deadline):
+                if ok:
+                    lease.__exit__(None, None, None)
+                else:
+                    lease.fail()
+        except StatusError as exc:
+            log.warning("transfer_cache_async: releasing the pushes to cluster %d: %s", self._cluster_id, exc)

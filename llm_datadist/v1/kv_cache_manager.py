@@ -8,7 +8,6 @@ delegates to `Core`. Internal errors become `LLMException` in `api_errors`, nowh
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._errors import FORK_HINT, api_errors
@@ -47,7 +46,7 @@ from ..v2.llm_types import (
     Placement,
     TransferConfig,
 )
-from ..v2.llm_utils import CacheTask, LayerPush
+from ..v2.llm_utils import CacheTask
 from . import _local_ops
 
 if TYPE_CHECKING:
@@ -477,10 +476,7 @@ class KvCacheManager:
             plan_transfer(api, record, config, src_block_indices, dst_block_indices, dst_block_memory_size)
             for config in transfer_configs
         ]
-        pushes = [
-            LayerPush(plan.dst_cluster_id, plan.layers, functools.partial(plan.push, core, record))
-            for plan in plans
-        ]
+        pushes = [plan.layer_push(core, record) for plan in plans]
         return start_transfer(
             api,
             core,

@@ -8,7 +8,6 @@ through `Core.transfers.transfer_pinned`, or, without remote cache access, the v
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 from .._core import PLACEMENT_HOST
@@ -195,10 +194,7 @@ class Pushes(ManagerBase):
                 for config in transfer_configs
                 if isinstance(config, TransferConfig)  # checked above; narrows the type
             ]
-            pushes = [
-                LayerPush(plan.dst_cluster_id, plan.layers, functools.partial(plan.push, core, record))
-                for plan in plans
-            ]
+            pushes = [plan.layer_push(core, record) for plan in plans]
         else:
             pushes = [
                 self._key_push(api, core, record, config, src_block_indices, dst_block_indices)

@@ -22,11 +22,14 @@ from .llm_types import LayerSynchronizer
 
 @dataclass(frozen=True)
 class LayerPush:
-    """One config's part of the job: which source layers it wants and how to push one of them."""
+    """One config's part of the job: which source layers it wants, how to push one of them, and what ends
+    its pushes (`end(ok)`, called once, when its last layer landed or it stopped: it lets go of what they
+    hold)."""
 
     dst_cluster_id: int
     layers: range
     push_layer: Callable[[int], None]
+    end: Callable[[bool], None] | None = None
 
 
 class TransferJob:
@@ -62,8 +65,8 @@ class TransferJob:
             self._results[dst_cluster_id] = code
 
     def _run(self) -> None:
+        active = list(self._pushes)
         try:
-            active = list(self._pushes)
             for layer in range(self._num_layers):
                 wanting = [push for push in active if layer in push.layers]
                 if not wanting:
@@ -82,21 +85,38 @@ class TransferJob:
                         push.push_layer(layer)
                     except StatusError as exc:
                         log.error("transfer_cache_async: layer %d to %d: %s", layer, push.dst_cluster_id, exc)
-                        self._record(push.dst_cluster_id, exc.code)
-                        active.remove(push)
+                        self._stop(active, push, exc.code)
                         continue
                     except Exception as exc:
                         log.error("transfer_cache_async: layer %d to %d: %r", layer, push.dst_cluster_id, exc)
-                        self._record(push.dst_cluster_id, LLMStatusCode.LLM_FAILED)
-                        active.remove(push)
+                        self._stop(active, push, LLMStatusCode.LLM_FAILED)
                         continue
                     if layer == push.layers[-1]:
-                        self._record(push.dst_cluster_id, LLMStatusCode.LLM_SUCCESS)
+                        self._stop(active, push, LLMStatusCode.LLM_SUCCESS)
         finally:
             try:
-                self._on_exit()
+                for push in active:  # stopped early: the synchronizer said no, or raised
+                    _end(push, ok=False)
             finally:
-                self.done.set()
+                try:
+                    self._on_exit()
+                finally:
+                    self.done.set()
+
+    def _stop(self, active: list[LayerPush], push: LayerPush, code: LLMStatusCode) -> None:
+        """`push` is over: what it holds is let go before its result says so."""
+        active.remove(push)
+        _end(push, ok=code == LLMStatusCode.LLM_SUCCESS)
+        self._record(push.dst_cluster_id, code)
+
+
+def _end(push: LayerPush, *, ok: bool) -> None:
+    if push.end is None:
+        return
+    try:
+        push.end(ok)
+    except Exception:
+        log.exception("transfer_cache_async: ending the pushes to %d failed", push.dst_cluster_id)
 
 
 class CacheTask:

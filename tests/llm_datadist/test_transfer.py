@@ -324,3 +324,62 @@ def test_a_transfer_waits_for_a_destinations_pull_to_end_and_is_busy_past_the_ti
             assert peer.call("task_sync", (task, 20000)) == SUCCESS
         finally:
             holder.close(say_bye=True)
+
+
+def _wait_for(condition, what: str, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("layers", [1, 16])
+def test_a_transfer_asks_the_decoder_once_whatever_its_layer_count(linked, layers: int) -> None:  # type: ignore[no-untyped-def]
+    """The destinations of every layer are leased at the first layer and released after the last: the
+    Decoder's server handles one WriteRequest and one Release for the whole transfer."""
+    peer, dd = linked
+    core = dd._require_core()
+    cache_id = peer.alloc(2 * layers, [1, 1000], [])
+    dst = dd.kv_cache_manager.allocate_cache(CacheDesc(2 * layers, [1, 1000], DataType.DT_FLOAT16))
+    push = (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], None, None, None, "go")
+    for _ in range(2):  # the first also connects the Prompt back to us
+        before = core.server.handled
+        task = peer.call("transfer", push)
+        assert peer.call("task_sync", (task, 20000)) == SUCCESS
+        # The release is one way: the task may end a moment before the server handled it.
+        _wait_for(lambda: core.leases.stats()["leases"] == 0, "the transfer's lease never ended")
+    assert core.server.handled == before + 2
+    for t, raw in enumerate(_raw(dst)):
+        np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 2000))
+
+
+def test_a_destination_freed_mid_transfer_is_not_reused_before_it_ends(linked) -> None:  # type: ignore[no-untyped-def]
+    """The Decoder's user deallocates the destination between two layers and allocates caches of the same
+    size: the transfer still lands in the memory it leased, never in a cache allocated after, and that
+    memory comes back to the pool when the transfer ends."""
+    peer, dd = linked
+    manager, core = dd.kv_cache_manager, dd._require_core()
+    desc = CacheDesc(4, [1, 4096], DataType.DT_FLOAT16)
+    cache_id = peer.alloc(4, [1, 4096], [])
+    dst = manager.allocate_cache(desc)
+    views = _raw(dst)
+    views[0][:] = 0
+    push = (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], None, None, None, "queue")
+    task = peer.call("transfer", push)
+    peer.release_layer(0)
+    expected = peer.expected(cache_id, 0, 8192)
+    _wait_for(lambda: np.array_equal(views[0], expected), "layer 0 never arrived")
+    views.clear()  # no view of the memory outlives the cache
+    manager.deallocate_cache(dst)
+    used = core.leases.stats()["pool_used_nbytes"]
+    later = [manager.allocate_cache(desc) for _ in range(3)]
+    for cache in later:
+        for raw in _raw(cache):
+            raw[:] = 0x5A
+    peer.release_layer(1)
+    assert peer.call("task_sync", (task, 20000)) == SUCCESS
+    for cache in later:
+        assert all((raw == 0x5A).all() for raw in _raw(cache)), "a push landed in a cache allocated after"
+        manager.deallocate_cache(cache)
+    _wait_for(lambda: core.leases.stats()["leases"] == 0, "the transfer's lease never ended")
+    assert core.leases.stats()["pool_used_nbytes"] < used  # the freed destination went back
