@@ -77,20 +77,27 @@ _Column = npt.NDArray[np.uint64]
 _CopyRuns = Callable[[int, int, _Column, _Column, _Column, bool], None]
 
 
-def _load_kernel() -> _CopyRuns | None:
+def load_copy_kernel() -> _CopyRuns | None:
     """The C kernel's copy_runs, or None when it was not built or LLM_DATADIST_NO_EXTENSION=1 (any value
     but empty or 0) asks for the pure-Python path."""
-    if os.environ.get(ENV_NO_EXTENSION, "") not in ("", "0"):
-        return None
-    try:
-        from llm_datadist._shm._copykernel import copy_runs
-    except ImportError:
-        return None
+    copy_runs: _CopyRuns | None = kernel_function("copy_runs")
     return copy_runs
 
 
+def kernel_function(name: str) -> Any:
+    """The C kernel's function `name`, or None: not built, not in this build (the index functions of a
+    big-endian one), or LLM_DATADIST_NO_EXTENSION set."""
+    if os.environ.get(ENV_NO_EXTENSION, "") not in ("", "0"):
+        return None
+    try:
+        import llm_datadist._shm._copykernel as kernel
+    except ImportError:
+        return None
+    return getattr(kernel, name, None)
+
+
 # Module-level so that tests can swap it (None: the pure-Python path).
-_copy_runs = _load_kernel()
+_copy_runs = load_copy_kernel()
 
 
 def address_view(address: int, nbytes: int) -> np.ndarray[Any, Any]:

@@ -29,6 +29,7 @@ from llm_datadist import (
     LLMStatusCode,
     TransferConfig,
 )
+from llm_datadist._copy import load_copy_kernel
 from llm_datadist._shm.segment import Segment
 from llm_datadist._shm.space import format_nbytes
 from llm_datadist.ext import tensor_views
@@ -37,6 +38,8 @@ from ..output import library_log_to_stderr
 from .common import (
     BLOCK_TOKENS,
     DECODER_CLUSTER,
+    KERNEL_COPY,
+    NUMPY_COPY,
     PAGED_MODEL_ID,
     PAGED_SLOT,
     PROMPT_CLUSTER,
@@ -122,8 +125,11 @@ def prompt(pipe: Connection, peer: Connection, shape: Shape, setup: Setup) -> No
         datadist.finalize()
 
 
-def copy_bandwidth(nbytes: int, threads: int, repeats: int = 3, *, shared: bool = False) -> float:
-    """Best-of-N GB/s of numpy.copyto between two already-faulted buffers, split over `threads`.
+def copy_bandwidth(
+    nbytes: int, threads: int, repeats: int = 3, *, shared: bool = False, kernel: bool = False
+) -> float:
+    """Best-of-N GB/s of numpy.copyto between two already-faulted buffers, split over `threads`; with
+    `kernel`, of the C copy kernel's streaming copy instead (the caller checked that it was built).
 
     Private numpy buffers get transparent huge pages where the kernel allows them; `shared=True` measures
     between two prefaulted shared-memory segments instead (4 KiB pages on tmpfs), which bounds a pull.
@@ -136,10 +142,16 @@ def copy_bandwidth(nbytes: int, threads: int, repeats: int = 3, *, shared: bool 
     else:
         src = np.full(nbytes, 7, dtype=np.uint8)
         dst = np.zeros(nbytes, dtype=np.uint8)
-    bounds = np.linspace(0, nbytes, threads + 1, dtype=np.int64)
+    bounds = np.linspace(0, nbytes, threads + 1, dtype=np.uint64)
+    copy_runs = load_copy_kernel() if kernel else None
+    src_base, dst_base = src.ctypes.data, dst.ctypes.data
 
     def part(i: int, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
-        np.copyto(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]])
+        if copy_runs is None:
+            np.copyto(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]])
+            return
+        offsets = bounds[i : i + 1]
+        copy_runs(src_base, dst_base, offsets, offsets, bounds[i + 1 : i + 2] - offsets, True)
 
     best = float("inf")
     for _ in range(repeats):
@@ -172,7 +184,10 @@ def decoder(pipe: Connection, peer: Connection, shape: Shape, setup: Setup) -> N
         rows.step(f"measuring numpy.copyto of {format_nbytes(total)}, 1 thread (best of 3)")
         rows.append({"name": "numpy.copyto, 1 thread", "nbytes": total, "gbps": copy_bandwidth(total, 1)})
         rows.step(f"measuring numpy.copyto of {format_nbytes(total)}, 2 threads (best of 3)")
-        rows.append({"name": "numpy.copyto, 2 threads", "nbytes": total, "gbps": copy_bandwidth(total, 2)})
+        rows.append({"name": NUMPY_COPY, "nbytes": total, "gbps": copy_bandwidth(total, 2)})
+        if load_copy_kernel() is not None:
+            rows.step(f"measuring the copy kernel's streaming copy of {format_nbytes(total)}, 2 threads")
+            rows.append({"name": KERNEL_COPY, "nbytes": total, "gbps": copy_bandwidth(total, 2, kernel=True)})
         rows.step(f"measuring numpy.copyto of {format_nbytes(total)} between two shared-memory segments")
         rows.append(
             {
