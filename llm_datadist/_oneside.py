@@ -26,7 +26,9 @@ from llm_datadist._shm.generations import read_generation
 from llm_datadist._shm.index import CACHE_REMOTE, CACHE_WITHDRAWN, FLAG_CACHES_UNPUBLISHED, STATE_OPEN
 from llm_datadist._shm.segment import Segment
 
+from . import _faults
 from ._acquire import Acquirer
+from ._copy import kernel_function
 from ._dataplane import index_not_open, peer_index, raise_index_error
 from ._errors import PeerGone, StatusError
 from ._links import Links, mover_of
@@ -41,6 +43,10 @@ from .status import LLMStatusCode
 
 # A peer's one-sided table comes in pages; more pages than this is a peer describing more than it can own.
 _MAX_TABLE_PAGES = 1024
+
+# The C kernel's checked read of registered memory (`OneSided._read_again`), None without it; its results.
+_vm_read_checked = kernel_function("vm_read_checked")
+_VM_DONE, _VM_GONE, _VM_STALE, _VM_CHANGED, _VM_SHORT = range(5)
 
 # (remote slot, remote unit bytes, remote unit count) -> the byte runs to copy in every tensor.
 RunsFor = Callable[[int, int, int], list[UnitRun]]
@@ -101,8 +107,10 @@ class OneSided:
             if not pinned.remote_accessible:
                 # The real one-sided path needs the local side registered for remote access too.
                 raise _invalid("with remote cache access, the local cache must be remote_accessible too")
-            link = self.check_peer(read.cluster_id)
             found = read.found
+            if found is not None and pinned is read.record and self._read_again(read, found):
+                return
+            link = self.check_peer(read.cluster_id)
             if (
                 found is not None
                 and found.link is link
@@ -135,6 +143,56 @@ class OneSided:
             )
             if pinned is read.record:
                 read.found = _Found(link, table, remote, runs, prepared, words)
+
+    def _read_again(self, read: PreparedRead, found: _Found) -> bool:
+        """The last run's read of registered memory once more, in one call of the C kernel
+        (`vm_read_checked`): the link's socket polled for a hang-up, the entry's generation word (and for a
+        model id its table's version) checked, the copy, then the socket and the word again, as `run`'s
+        full way does them. True when done; LLM_LINK_FAILED for a peer that ended, LLM_KV_CACHE_NOT_EXIST
+        for a cache freed or reused during the copy; False when the full way must look (no kernel, another
+        link or table, a stale entry: nothing copied; a copy the kernel did not complete: redone there)."""
+        kernel = _vm_read_checked
+        if kernel is None or found.words is None or found.prepared is None or _faults.hook is not None:
+            return False
+        iovecs = found.prepared.read_iovecs
+        if iovecs is None:
+            return False
+        deadline = time.monotonic() + self._timeout_s
+        link, table, remote = self._links.link_to(read.cluster_id, deadline), found.table, found.remote
+        if link is not found.link or table is not link.remote_table:
+            return False
+        version = 0
+        if read.model_id is not None:
+            if not table.version or table.generations != remote.generations:
+                return False
+            version = table.version
+        local, remote_iovecs, wanted = iovecs
+        with link.exclusive(deadline):
+            words = found.words
+            if words.closed:
+                return False
+            outcome = kernel(
+                link.socket_fd,
+                link.peer.pid,
+                local,
+                remote_iovecs,
+                wanted,
+                words.array,
+                remote.gen_slot,
+                remote.generation,
+                version,
+            )
+        if outcome == _VM_DONE:
+            return True
+        if outcome == _VM_GONE:
+            link.check_peer_alive()  # breaks the link and raises
+            raise PeerGone(f"link to cluster {read.cluster_id}: the peer hung up")
+        if outcome == _VM_CHANGED:
+            raise StatusError(
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"remote cache {remote.cache_id} was freed or reused during the transfer",
+            )
+        return False
 
     def remote(self, cluster_id: int, cache_id: int | None, model_id: int | None) -> RemoteCache:
         """A cache from the peer's table, by id or by blocks model id, refetching the table once on a miss.

@@ -370,6 +370,14 @@ class PreparedRuns:
         if not self._args or self._unchecked(*self._args) != self._wanted:
             _transfer(self._call, self._function, self._pid, *_columns(self._runs))
 
+    @property
+    def read_iovecs(self) -> tuple[Any, Any, int] | None:
+        """A read's (local, remote) struct iovec arrays and the bytes they move, for a caller that makes the
+        system call itself (`_oneside`'s checked read); None for a write or where they were not built."""
+        if self._call != "process_vm_readv" or not self._args or self._iovecs is None:
+            return None
+        return self._iovecs
+
 
 def read_from(pid: int, runs: Sequence[VmRun]) -> None:
     """Copies each run's `nbytes` from `remote_addr` in process `pid` to `local_addr` here: one memory

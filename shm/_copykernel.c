@@ -3,8 +3,10 @@
  * runs over its own copy threads. Addresses are raw: the caller has bounds-checked every run against memory
  * it maps. A page that vanishes under a mapping mid-copy (a segment truncated by its owner) raises
  * OSError(EFAULT) instead of killing the process with SIGBUS. `index_repin` and `index_unpin`: a puller's
- * repeat pin in an owner's published index, the twins of shm/repin.py (which has the rules). Built by
- * setup.py when a compiler is present (optional); the package falls back to numpy and Python without it. */
+ * repeat pin in an owner's published index, the twins of shm/repin.py (which has the rules).
+ * `vm_read_checked`: a repeated one-sided read of a peer's registered memory with its liveness and
+ * generation checks (llm_datadist/_oneside.py has the rules). Built by setup.py when a compiler is present
+ * (optional); the package falls back to numpy and Python without it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -251,6 +253,8 @@ done:
 /* The index is little-endian; a big-endian build leaves these out and the Python twins run. */
 #define HAVE_INDEX 1
 #include <fcntl.h>
+#include <poll.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 enum { REPIN_DONE = 0, REPIN_BUSY = 1, REPIN_STALE = 2 };
@@ -503,6 +507,75 @@ static PyObject *index_pull(PyObject *module, PyObject *args)
     }
     return Py_BuildValue("(iOi)", pinned, faulted >= 0 ? Py_True : Py_False, unpinned);
 }
+
+/* vm_read_checked's results (llm_datadist/_oneside.py has the rules). */
+enum { VM_DONE = 0, VM_GONE = 1, VM_STALE = 2, VM_CHANGED = 3, VM_SHORT = 4 };
+
+/* Whether the peer's end of the link's socket closed: one poll for a hang-up, as ClientLink's. */
+static int hung_up(int fd)
+{
+    struct pollfd peer = {.fd = fd, .events = POLLRDHUP};
+    int ready = poll(&peer, 1, 0);
+    return ready != 0 && (ready < 0 || (peer.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)));
+}
+
+PyDoc_STRVAR(vm_read_checked_doc,
+"vm_read_checked(fd, pid, local_iovecs, remote_iovecs, wanted, words, slot, generation, version)\n--\n\n"
+"A one-sided read of a peer's registered memory, with its checks, in one call with the GIL released: the\n"
+"socket `fd` not hung up, the generation word `slot` of the mapped `words` equal to `generation` (and word\n"
+"0 to `version` unless it is 0); one process_vm_readv of the struct iovec arrays into this process; then\n"
+"the socket and the word again. 0 done, 1 the peer hung up, 2 stale (nothing copied), 3 the word changed\n"
+"during the copy, 4 the copy moved other than `wanted` bytes (the caller redoes it the general way).");
+
+static PyObject *vm_read_checked(PyObject *module, PyObject *args)
+{
+    (void)module;
+    int fd, pid;
+    Py_buffer local, remote, words;
+    unsigned long long wanted, generation, version;
+    Py_ssize_t slot;
+    if (!PyArg_ParseTuple(args, "iiy*y*Ky*nKK:vm_read_checked", &fd, &pid, &local, &remote, &wanted, &words,
+                          &slot, &generation, &version))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t count = local.len / (Py_ssize_t)sizeof(struct iovec);
+    if (local.len != remote.len || local.len % (Py_ssize_t)sizeof(struct iovec) || count < 1 || count > 1024) {
+        PyErr_SetString(PyExc_ValueError, "the iovec arrays differ, or hold no run or more than 1024");
+        goto done;
+    }
+    if (slot < 0 || slot >= words.len / 8 || (uintptr_t)words.buf % 8) {
+        PyErr_SetString(PyExc_ValueError, "the generation word lies outside the mapped words");
+        goto done;
+    }
+    const uint64_t *word = (const uint64_t *)words.buf;
+    int outcome;
+    Py_BEGIN_ALLOW_THREADS
+    if (hung_up(fd))
+        outcome = VM_GONE;
+    else if ((version != 0 && __atomic_load_n(&word[0], __ATOMIC_ACQUIRE) != version) ||
+             __atomic_load_n(&word[slot], __ATOMIC_ACQUIRE) != generation)
+        outcome = VM_STALE;
+    else if (process_vm_readv(pid, (const struct iovec *)local.buf, (unsigned long)count,
+                              (const struct iovec *)remote.buf, (unsigned long)count, 0) != (ssize_t)wanted)
+        outcome = VM_SHORT;
+    else {
+        /* The copy's loads were the kernel's, done before the call returned: the word is read after them. */
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        if (hung_up(fd))
+            outcome = VM_GONE;
+        else if (__atomic_load_n(&word[slot], __ATOMIC_ACQUIRE) != generation)
+            outcome = VM_CHANGED;
+        else
+            outcome = VM_DONE;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLong(outcome);
+done:
+    PyBuffer_Release(&local);
+    PyBuffer_Release(&remote);
+    PyBuffer_Release(&words);
+    return result;
+}
 #endif
 
 static PyMethodDef methods[] = {
@@ -511,6 +584,7 @@ static PyMethodDef methods[] = {
     {"index_repin", index_repin, METH_VARARGS, index_repin_doc},
     {"index_unpin", index_unpin, METH_VARARGS, index_unpin_doc},
     {"index_pull", index_pull, METH_VARARGS, index_pull_doc},
+    {"vm_read_checked", vm_read_checked, METH_VARARGS, vm_read_checked_doc},
 #endif
     {NULL, NULL, 0, NULL},
 };

@@ -1,9 +1,15 @@
 """Stub for the optional C copy kernel (shm/_copykernel.c)."""
 
 import mmap
+import sys
 
 import numpy as np
 import numpy.typing as npt
+
+if sys.version_info >= (3, 12):
+    from collections.abc import Buffer
+else:
+    from typing_extensions import Buffer
 
 STREAMING: int
 
@@ -14,10 +20,8 @@ def copy_runs(
     dst_offsets: npt.NDArray[np.uint64],
     lengths: npt.NDArray[np.uint64],
     nontemporal: bool,
-    parts: int = 1,
     /,
 ) -> None: ...
-def start_threads(count: int, /) -> int: ...
 
 # Absent from a big-endian build (shm.repin then runs its Python twins).
 def index_repin(mapping: mmap.mmap, fd: int, plan: bytes, /) -> int: ...
@@ -32,6 +36,17 @@ def index_pull(
     dst_offsets: npt.NDArray[np.uint64],
     lengths: npt.NDArray[np.uint64],
     nontemporal: bool,
-    parts: int = 1,
     /,
 ) -> tuple[int, bool, int]: ...
+def vm_read_checked(
+    fd: int,
+    pid: int,
+    local_iovecs: Buffer,
+    remote_iovecs: Buffer,
+    wanted: int,
+    words: Buffer,
+    slot: int,
+    generation: int,
+    version: int,
+    /,
+) -> int: ...

@@ -297,6 +297,11 @@ class ClientLink:
         if index is not None:
             index.close()
 
+    @property
+    def socket_fd(self) -> int:
+        """The socket's descriptor, for a poll for a hang-up made outside Python (-1 once closed)."""
+        return self._sock.fileno()
+
     def check_peer_alive(self) -> None:
         """PeerGone if the peer's end of the socket is closed (it exited or died), without waiting or
         reading: one poll for a hang-up. A transfer that never talks to the peer (a one-sided read) asks

@@ -127,3 +127,80 @@ def test_a_repeated_pull_into_a_deallocated_cache_is_refused(linked) -> None:  #
     _pull_and_check(dd, peer, key, dst, first)
     dd.kv_cache_manager.deallocate_cache(dst)
     assert _status(lambda: dd.kv_cache_manager.pull_cache(key, dst)) == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_a_repeated_one_sided_read_follows_the_owners_registered_memory(seed: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """v2 with remote cache access: a `pull_blocks` of memory the owner registered, repeated, is one call
+    of the C kernel's checked read (`vm_read_checked`), which still sees new bytes, a newer cache under the
+    model id, the cache unregistered, and the owner killed."""
+    import json
+
+    from llm_datadist import BlocksCacheKey, LLMClusterInfo, _oneside
+    from llm_datadist._shm.reaper import reap
+    from tests._peer import decoder, tensor_views_v2
+
+    kernel = _oneside._vm_read_checked
+    if kernel is None:
+        pytest.skip("the C kernel's checked read is not built here (or LLM_DATADIST_NO_EXTENSION is set)")
+    outcomes: list[int] = []
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        outcome = int(kernel(*args))
+        outcomes.append(outcome)
+        return outcome
+
+    monkeypatch.setattr(_oneside, "_vm_read_checked", counted)
+    done, stale, gone = _oneside._VM_DONE, _oneside._VM_STALE, _oneside._VM_GONE
+    extra = {
+        "llm.EnableCacheManager": "1",
+        "llm.EnableRemoteCacheAccessible": "1",
+        "llm.MemPoolConfig": json.dumps({"memory_size": 16 << 20, "page_shift": 16}),
+    }
+    port = _port() + 1
+    with PromptPeer(P, port, seed, extra=extra) as peer, decoder(2, extra=extra) as dd:
+        first = peer.call("v2_register_blocks", (2, [8, 96], 0, True))
+        manager = dd.cache_manager
+        desc = CacheDesc(2, [8, 96], DataType.DT_FLOAT16)
+        local = manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))
+        views = [view.view(np.uint8).reshape(8, 192) for view in tensor_views_v2(local)]
+        info = LLMClusterInfo()
+        info.remote_cluster_id = P
+        info.append_local_ip_info(PROMPT_IP, 0)
+        info.append_remote_ip_info(PROMPT_IP, port)
+        assert dd.link_clusters([info], 5000)[0] == LLMStatusCode.LLM_SUCCESS
+        key = BlocksCacheKey(P, 0)
+
+        def pull_and_check(cache_index: int) -> None:
+            for view in views:
+                view[:] = 0
+            manager.pull_blocks(key, local, [2], [5])
+            for t, view in enumerate(views):
+                expected = peer.expected(cache_index, t, 8 * 192).reshape(8, 192)
+                np.testing.assert_array_equal(view[5], expected[2])
+
+        for _ in range(3):
+            pull_and_check(first)
+        assert outcomes == [done, done]  # the first read looked everything up; the next two were one call
+        peer.call("v2_rewrite", first)  # new bytes in the same memory
+        pull_and_check(first + 1000)
+        assert outcomes[-1] == done
+        # A newer cache takes the model id over: the table's version word changed, the read looks again.
+        newer = peer.call("v2_register_blocks", (2, [8, 96], 0, True))
+        pull_and_check(newer)
+        assert outcomes[-1] == stale
+        pull_and_check(newer)
+        assert outcomes[-1] == done
+        peer.call("v2_unregister", first)
+        peer.call("v2_unregister", newer)
+        with pytest.raises(LLMException) as exc_info:
+            manager.pull_blocks(key, local, [2], [5])
+        assert exc_info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        assert outcomes[-1] == stale
+        third = peer.call("v2_register_blocks", (2, [8, 96], 0, True))
+        pull_and_check(third)
+        peer.kill()
+        with pytest.raises(LLMException) as exc_info:
+            manager.pull_blocks(key, local, [2], [5])
+        assert exc_info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+        assert outcomes[-1] == gone
+    reap()
