@@ -101,6 +101,11 @@ def print_report(results: Results, targets: list[dict[str, Any]]) -> None:
             print(
                 f"{'':<10}   x the whole pull of the same bytes (p50s, in alternation): {row['vs_whole']:.2f}"
             )
+        if "vs_counted" in row:
+            print(
+                f"{'':<10}   p50 / the same pull's p50 with the stats counting (in alternation): "
+                f"{row['vs_counted']:.2f}"
+            )
     best = reference_row(results)
     if best is not None:
         print(

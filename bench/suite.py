@@ -297,6 +297,7 @@ def _bench_v1(results: Results, port: int, args: argparse.Namespace) -> None:
             lambda: manager.pull_cache(key, small), 300 if args.quick else 2000, owner.process.pid
         )
         results.add("latency", "pull_cache 1 tensor x 4 KiB", 4096, samples, cpu_us=cpu, id="latency.small")
+        _counting_cost(results, datadist, key, small, args.quick)
         manager.deallocate_cache(small)
         owner.call("free")
         for pattern in block_patterns(args.quick):
@@ -304,6 +305,28 @@ def _bench_v1(results: Results, port: int, args: argparse.Namespace) -> None:
     finally:
         datadist.finalize()
         owner.close()
+
+
+def _counting_cost(results: Results, datadist: Any, key: Any, small: Any, quick: bool) -> None:
+    """What counting costs a small pull: the same pull with the instance's counting paused, in alternation
+    with counted rounds (`LLM_DATADIST_STATS=0` switches it off for a whole process)."""
+    manager = datadist.kv_cache_manager
+    stats = datadist._require_core().stats
+    counted: list[float] = []
+    uncounted: list[float] = []
+    per_round = 100 if quick else 500
+    for _ in range(4 if quick else 10):
+        counted.extend(timed(lambda: manager.pull_cache(key, small), per_round))
+        with stats.paused():
+            uncounted.extend(timed(lambda: manager.pull_cache(key, small), per_round))
+    results.add(
+        "latency",
+        "pull_cache 1 tensor x 4 KiB, stats off",
+        4096,
+        uncounted,
+        id="latency.small.uncounted",
+        vs_counted=statistics.median(uncounted) / statistics.median(counted),
+    )
 
 
 LAYERS = 32

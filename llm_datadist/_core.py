@@ -45,6 +45,7 @@ from ._runtime import (
     socket_path_in_runtime,
 )
 from ._settings import Settings
+from ._stats import LINKS_BROKEN, Stats
 from ._transfers import Transfers
 from ._wire.client import ClientLink
 from ._wire.peer import PeerInfo
@@ -79,6 +80,9 @@ class Core(NodeHooks):
         if reaped:
             log.info("removed %d shared-memory segments left by dead processes", len(reaped))
         pools, oom_code = _pools(settings)
+        # What this instance moves, for `llm-datadist stats` and `ext.stats()` (docs/metrics.md).
+        self.stats = Stats.create(role=int(settings.role), cluster_id=settings.cluster_id)
+        self.stats.gauge_source = self._gauges
         # Drawn once per instance: peers tell a restarted process at the same address from the old one.
         self.incarnation = secrets.randbits(64) or 1
         timeout_s = self.sync_kv_timeout_s
@@ -92,6 +96,7 @@ class Core(NodeHooks):
         for pool in pools.values():
             pool.on_release = self.cross.segment_released
         self.table.on_unregistered = self.cross.registered_released
+        self.table.on_keys = self.stats.keys
         self.copier = Copier()
         self.copier.start()
         self.comms = Comms(self)
@@ -108,6 +113,7 @@ class Core(NodeHooks):
             secret=self.cross.secret,
         )
         self.cross.listen_tcp = self.server.listen_tcp
+        self.server.on_refused(self.stats.refused)
         self.callback_name = f"llmdd-{settings.cluster_id}-{os.getpid()}.sock"
         self.links = Links(
             cluster_id=settings.cluster_id,
@@ -119,10 +125,11 @@ class Core(NodeHooks):
             engine_mover=EngineMover(self.cross),
             on_broken=self._link_broken,
             timeout_s=timeout_s,
+            on_linked=self.stats.linked,
         )
         self.acquirer = Acquirer(settings.cluster_id, self.incarnation, settings.timeout_code)
-        self.transfers = Transfers(self.links, self.acquirer, timeout_s)
-        self.oneside = OneSided(self.links, self.acquirer, self.transfers, self.pins, timeout_s)
+        self.transfers = Transfers(self.links, self.acquirer, timeout_s, self.stats)
+        self.oneside = OneSided(self.links, self.acquirer, self.transfers, self.pins, timeout_s, self.stats)
         self.public_path: Path | None = None
         try:
             ensure_runtime_dir()
@@ -136,6 +143,7 @@ class Core(NodeHooks):
         except BaseException:
             self.server.close()
             self.table.close()
+            self.stats.close()
             raise
 
     @property
@@ -213,6 +221,7 @@ class Core(NodeHooks):
     def housekeeping(self) -> None:
         """Server thread, about twice a second."""
         self.links.unmap_retired()
+        self.stats.publish_gauges()
         # What pullers did in our index meanwhile (caches they let go of are freed now, not at our next call).
         self.table.sync()
         # Our unpins in peers' indexes that could not get their lock in time.
@@ -245,7 +254,19 @@ class Core(NodeHooks):
     def expose_ranges(self, addrs: tuple[int, ...], nbytes: int) -> None:
         self.cross.expose_ranges(addrs, nbytes)
 
+    def _gauges(self) -> dict[str, int]:
+        """The stats segment's gauges, from what this instance holds (no index lock: nothing here waits)."""
+        table = self.table
+        return {
+            "caches": len(table.caches),
+            "pool_used_bytes": sum(pool.used_nbytes for pool in table.pools()),
+            "leases": self.leases.count,
+            "pins": sum(record.pins for record in list(table.caches.values())),
+            "links": len(self.links.all()),
+        }
+
     def _link_broken(self, link: ClientLink) -> None:
+        self.stats.event(LINKS_BROKEN)
         if not link.peer.remote:  # a pid on another host says nothing about this one
             self._clean_up_after(link.peer.pid)
 
@@ -325,8 +346,11 @@ class Core(NodeHooks):
         # The hooks are bound methods of our parts: without them no cycle keeps a finalized Core (and what
         # it held) alive until the next full garbage collection.
         self.table.on_unregistered = None
+        self.table.on_keys = None
         for pool in self.table.pools():
             pool.on_release = None
+        self.stats.gauge_source = None
+        self.stats.close()
 
 
 def _pools(settings: Settings) -> tuple[dict[int, Pool], LLMStatusCode]:

@@ -45,6 +45,7 @@ class Links:
         engine_mover: EngineMover,
         on_broken: Callable[[ClientLink], None],
         timeout_s: float,
+        on_linked: Callable[[ClientLink], None] | None = None,
     ) -> None:
         self._cluster_id = cluster_id
         self._incarnation = incarnation
@@ -54,6 +55,7 @@ class Links:
         self._host_mover = host_mover
         self._engine_mover = engine_mover
         self._on_broken = on_broken
+        self._on_linked = on_linked
         self._timeout_s = timeout_s
         self.lock = threading.Lock()
         self.closed = False
@@ -185,6 +187,8 @@ class Links:
     def _adopt(self, remote_cluster_id: int, link: ClientLink) -> None:
         self._links[remote_cluster_id] = link
         link.on_broken = self._on_broken
+        if self._on_linked is not None:
+            self._on_linked(link)
 
     # ----------------------------------------------------------------- looking links up
 

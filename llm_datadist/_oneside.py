@@ -36,6 +36,7 @@ from ._movers import RangeUnmapped, UnitRun, peer_segment
 from ._owner.pins import LocalPins
 from ._owner.records import CacheRecord
 from ._source import RemoteCache, RemoteTable
+from ._stats import CMA, GEN_V2, MOONCAKE, READ, SHM, Stats
 from ._transfers import Transfers
 from ._vm import PreparedRuns
 from ._wire.client import ClientLink
@@ -63,6 +64,8 @@ class _Found:
     runs: list[UnitRun]
     prepared: PreparedRuns | None
     words: Segment | None  # None for a peer on another host (nothing of it is mapped here)
+    transport: int  # how the read moves its bytes, for the stats (`_stats.TRANSPORTS`)
+    nbytes: int  # what it moves, in all
 
 
 @dataclass(slots=True, eq=False)
@@ -90,8 +93,15 @@ class OneSided:
     """The one-sided reads of one initialised instance."""
 
     def __init__(
-        self, links: Links, acquirer: Acquirer, transfers: Transfers, pins: LocalPins, timeout_s: float
+        self,
+        links: Links,
+        acquirer: Acquirer,
+        transfers: Transfers,
+        pins: LocalPins,
+        timeout_s: float,
+        stats: Stats | None = None,
     ) -> None:
+        self._stats = stats if stats is not None else Stats.off()
         self._links = links
         self._pins = pins
         self._acquirer = acquirer
@@ -103,12 +113,21 @@ class OneSided:
         stale), read. When the link and the peer's table are those of the last run, and that run's entry
         is still current (by model id: in a table whose version is current), the lookup would find that
         entry again: the read reuses what was derived."""
+        started = time.perf_counter()
         with self._pins.pinned(read.record.cache_id) as pinned:
             if not pinned.remote_accessible:
                 # The real one-sided path needs the local side registered for remote access too.
                 raise _invalid("with remote cache access, the local cache must be remote_accessible too")
             found = read.found
             if found is not None and pinned is read.record and self._read_again(read, found):
+                self._stats.transfer(
+                    GEN_V2,
+                    READ,
+                    CMA,
+                    found.nbytes,
+                    len(found.runs) * read.count,
+                    time.perf_counter() - started,
+                )
                 return
             link = self.check_peer(read.cluster_id)
             if (
@@ -132,6 +151,14 @@ class OneSided:
                     prepared=found.prepared,
                     words=found.words,
                 )
+                self._stats.transfer(
+                    GEN_V2,
+                    READ,
+                    found.transport,
+                    found.nbytes,
+                    len(found.runs) * read.count,
+                    time.perf_counter() - started,
+                )
                 return
             table, remote = self.find(read.cluster_id, read.cache_id, read.model_id)
             if read.continuous_source and remote.is_blocks:
@@ -141,8 +168,14 @@ class OneSided:
             prepared, words = self.read(
                 read.cluster_id, remote, read.src_start, pinned, read.dst_start, read.count, runs, link=link
             )
+            nbytes = read.count * sum(run.nbytes for run in runs)
+            moved = SHM if remote.segment else CMA
+            how = moved if mover_of(link).sees_peer_memory else MOONCAKE
+            self._stats.transfer(
+                GEN_V2, READ, how, nbytes, len(runs) * read.count, time.perf_counter() - started
+            )
             if pinned is read.record:
-                read.found = _Found(link, table, remote, runs, prepared, words)
+                read.found = _Found(link, table, remote, runs, prepared, words, how, nbytes)
 
     def _read_again(self, read: PreparedRead, found: _Found) -> bool:
         """The last run's read of registered memory once more, in one call of the C kernel

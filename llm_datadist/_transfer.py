@@ -17,6 +17,7 @@ from ._errors import api_errors
 from ._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, KeyId
 from ._owner.records import CacheRecord
 from ._pushplan import TensorPush, blocks_push, slot_push, slot_to_blocks_push
+from ._stats import PUSH
 from ._validate import check_index_lists, check_isinstance, check_range_step1, check_uint32, check_uint64
 from .status import LLMStatusCode, make_error, raise_if_true
 from .v2.llm_types import U64_MAX, CacheKey, CacheKeyByIdAndIndex, LayerSynchronizer, TransferConfig
@@ -186,6 +187,8 @@ def start_transfer(
     pushes: list[LayerPush],
     dst_cluster_ids: list[int],
     timeout_code: LLMStatusCode,
+    generation: int,
+    operation: int = PUSH,
 ) -> CacheTask:
     """Start a transfer_cache_async job (both modes): every destination must be linked (either way) and
     not pulling from us; the source stays pinned and pulls from the destinations are busy until it ends."""
@@ -218,7 +221,10 @@ def start_transfer(
         core.stop_pushing(clusters)
         core.pins.unpin(pinned)
 
-    job = TransferJob(synchronizer, pushes, record.num_tensors // 2, on_exit=finish)
+    def failed(code: LLMStatusCode) -> None:
+        core.stats.failed(generation, operation, code)
+
+    job = TransferJob(synchronizer, pushes, record.num_tensors // 2, on_exit=finish, on_failed=failed)
     job.start()
     return CacheTask(job, dst_cluster_ids, timeout_code=timeout_code)
 
@@ -233,14 +239,14 @@ class _TransferPlan:
     dst_addrs: tuple[int, ...]
     tensor: TensorPush
 
-    def layer_push(self, core: Core, record: CacheRecord) -> LayerPush:
+    def layer_push(self, core: Core, record: CacheRecord, generation: int) -> LayerPush:
         """The job's part for this config: layer l pushes spans 2(l - first layer) and the next, of one
         lease of every layer's destination (`Transfers.leased_push`)."""
         spans = []
         for i, layer in enumerate(self.layers):
             addrs = self.dst_addrs[2 * i : 2 * i + 2]
             spans.extend(self.tensor.spans(record, (2 * layer, 2 * layer + 1), addrs))
-        pushes = core.transfers.leased_push(self.dst_cluster_id, record, spans)
+        pushes = core.transfers.leased_push(self.dst_cluster_id, record, spans, generation)
         start = self.layers.start
 
         def push_layer(layer: int) -> None:

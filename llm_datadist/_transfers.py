@@ -33,6 +33,7 @@ from ._links import Links, mover_of
 from ._movers import PushSpan, UnitRun
 from ._owner.records import CacheRecord
 from ._source import V2, Location, RemoteCache, SourceRef
+from ._stats import GEN_V1, MOONCAKE, PULL, PUSH, SHM, Stats, transport
 from ._wire.client import ClientLink
 from .status import LLMStatusCode
 from .utils.log import log
@@ -127,10 +128,13 @@ class BlocksSpec:
 class Transfers:
     """The pinning transfers of one initialised instance."""
 
-    def __init__(self, links: Links, acquirer: Acquirer, timeout_s: float) -> None:
+    def __init__(
+        self, links: Links, acquirer: Acquirer, timeout_s: float, stats: Stats | None = None
+    ) -> None:
         self._links = links
         self._acquirer = acquirer
         self._timeout_s = timeout_s
+        self._stats = stats if stats is not None else Stats.off()
         # The times the last pull passed its phases (`last_pull_breakdown`).
         self._last_marks: list[float] = []
         # Pulls that may repeat, by the identity of what was asked (the face keeps its checked specs: a
@@ -162,6 +166,10 @@ class Transfers:
             if outcome == _repin.DONE:
                 self.repeated += 1
                 self._last_marks = marks
+                ref = spec.ref
+                self._stats.transfer(
+                    GEN_V1, PULL, SHM, ref.nbytes * ref.tensor_count, ref.tensor_count, marks[-1] - marks[0]
+                )
                 return
             del marks[1:]
         ref = spec.ref
@@ -179,6 +187,14 @@ class Transfers:
             )
             marks.append(time.perf_counter())
         marks.append(time.perf_counter())
+        self._stats.transfer(
+            GEN_V1,
+            PULL,
+            transport(mover, location),
+            ref.nbytes * ref.tensor_count,
+            ref.tensor_count,
+            marks[-1] - marks[0],
+        )
         if copy is not None and again is not None:
             if len(self._repeats) >= _MAX_REPEATS:
                 self._repeats.clear()
@@ -202,6 +218,7 @@ class Transfers:
 
     def pull_blocks(self, spec: BlocksSpec, dst: CacheRecord) -> None:
         """Pin the owner's paged cache, copy block src_blocks[k] to dst_blocks[k] of every tensor, unpin."""
+        started = time.perf_counter()
         deadline = time.monotonic() + self._timeout_s
         link = self._links.get(spec.remote_cluster_id)
         ref = SourceRef(KEY_BLOCKS, 0, spec.model_id, 0, spec.src_tensor_start, spec.tensor_count, spec.whole)
@@ -227,12 +244,28 @@ class Transfers:
                 dst.slot_nbytes,
                 dst.slot_nbytes,
             )
-            mover_of(link).read_blocks(link, location, plan, dst, deadline)
+            mover = mover_of(link)
+            mover.read_blocks(link, location, plan, dst, deadline)
+        runs = len(spec.src_blocks) * spec.tensor_count
+        self._stats.transfer(
+            GEN_V1, PULL, transport(mover, location), runs * block_nbytes, runs, time.perf_counter() - started
+        )
 
-    def leased_push(self, remote_cluster_id: int, src: CacheRecord, spans: list[PushSpan]) -> LeasedPush:
+    def leased_push(
+        self, remote_cluster_id: int, src: CacheRecord, spans: list[PushSpan], generation: int
+    ) -> LeasedPush:
         """The pushes of `spans` from `src` into a peer that linked to us (over its callback socket), under
-        one lease of every span's destination (`LeasedPush`)."""
-        return LeasedPush(self._links, self._acquirer, self._timeout_s, remote_cluster_id, src, spans)
+        one lease of every span's destination (`LeasedPush`); counted as pushes of API `generation`."""
+        return LeasedPush(
+            self._links,
+            self._acquirer,
+            self._timeout_s,
+            remote_cluster_id,
+            src,
+            spans,
+            self._stats,
+            generation,
+        )
 
     def transfer_pinned(
         self,
@@ -246,11 +279,13 @@ class Transfers:
         *,
         write: bool = False,
         deadline: float | None = None,
+        count_as: tuple[int, int] | None = None,
     ) -> None:
         """Read (or `write`) `runs` between our tensors and a peer's cache found in its table, pinned by its
         cache id for the duration (in the peer's index, or by asking the peer): memory its owner frees or
         unregisters is never written, and LLM_KV_CACHE_NOT_EXIST comes once it freed the cache. `deadline`:
-        the caller's (a HIXL transfer's own timeout), else `sync_kv_timeout` from now."""
+        the caller's (a HIXL transfer's own timeout), else `sync_kv_timeout` from now. `count_as`: the
+        (API generation, operation) the stats count it as, if the caller does not count it itself."""
         ref = SourceRef(
             KEY_CACHE_ID,
             remote.cache_id,
@@ -268,7 +303,9 @@ class Transfers:
                 raise StatusError(LLMStatusCode.LLM_FAILED, "peer resolved a cache of another shape")
             return runs
 
-        self.transfer_resolved(remote_cluster_id, ref, local, local_tensor_start, plan, deadline=deadline)
+        self.transfer_resolved(
+            remote_cluster_id, ref, local, local_tensor_start, plan, deadline=deadline, count_as=count_as
+        )
 
     def transfer_resolved(
         self,
@@ -279,22 +316,26 @@ class Transfers:
         plan: Callable[[Location], list[UnitRun]],
         *,
         deadline: float | None = None,
+        count_as: tuple[int, int] | None = None,
     ) -> None:
         """Pin the cache `ref` names at the peer (in its index when it holds the cache, else by asking it),
-        copy the runs `plan` gives for where it is (a push when `ref.for_write`), release."""
+        copy the runs `plan` gives for where it is (a push when `ref.for_write`), release. `count_as`: the
+        (API generation, operation) the stats count it as, if the caller does not count it itself."""
+        started = time.perf_counter()
         if deadline is None:
             deadline = time.monotonic() + self._timeout_s
         link = self._links.link_to(remote_cluster_id, deadline)
         with link.exclusive(deadline), self._acquirer.acquire(link, ref, deadline) as location:
-            mover_of(link).copy_units(
-                link,
-                location,
-                local,
-                local_tensor_start,
-                plan(location),
-                write=ref.for_write,
-                deadline=deadline,
+            mover = mover_of(link)
+            runs = plan(location)
+            mover.copy_units(
+                link, location, local, local_tensor_start, runs, write=ref.for_write, deadline=deadline
             )
+        if count_as is not None:
+            count = len(location.tensor_bases)
+            nbytes = count * sum(run.nbytes for run in runs)
+            seconds = time.perf_counter() - started
+            self._stats.transfer(*count_as, transport(mover, location), nbytes, count * len(runs), seconds)
 
 
 class LeasedPush:
@@ -308,12 +349,14 @@ class LeasedPush:
     __slots__ = (
         "_acquirer",
         "_cluster_id",
+        "_generation",
         "_grant",
         "_lease",
         "_link",
         "_links",
         "_spans",
         "_src",
+        "_stats",
         "_timeout_s",
     )
 
@@ -325,8 +368,12 @@ class LeasedPush:
         remote_cluster_id: int,
         src: CacheRecord,
         spans: list[PushSpan],
+        stats: Stats,
+        generation: int,
     ) -> None:
         self._links = links
+        self._stats = stats
+        self._generation = generation
         self._acquirer = acquirer
         self._timeout_s = timeout_s
         self._cluster_id = remote_cluster_id
@@ -338,6 +385,7 @@ class LeasedPush:
 
     def push(self, first: int, count: int) -> None:
         """Copy spans `first` to `first + count` into the leased ranges (leasing every span first)."""
+        started = time.perf_counter()
         deadline = time.monotonic() + self._timeout_s
         link = self._links.link_to(self._cluster_id, deadline)
         with link.exclusive(deadline):
@@ -359,10 +407,20 @@ class LeasedPush:
                 # receive it (a dead peer's memory stays mapped here, and the copy would succeed).
                 link.check_peer_alive()
             assert grant is not None
-            mover_of(link).write_ranges(
-                link, grant, self._src, self._spans[first : first + count], deadline, first
-            )
+            spans = self._spans[first : first + count]
+            mover = mover_of(link)
+            mover.write_ranges(link, grant, self._src, spans, deadline, first)
             link.check_peer_alive()  # and whether it was there to receive it
+        runs = sum(len(span.runs) for span in spans)
+        nbytes = sum(run.nbytes for span in spans for run in span.runs)
+        self._stats.transfer(
+            self._generation,
+            PUSH,
+            SHM if mover.sees_peer_memory else MOONCAKE,
+            nbytes,
+            runs,
+            time.perf_counter() - started,
+        )
 
     def end(self, ok: bool) -> None:
         """Release the lease (`ok`: every push of it landed; else the peer is told the transfer failed).

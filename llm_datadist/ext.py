@@ -1,5 +1,5 @@
-"""Extensions outside the real API (not in `__all__`): numpy views of a cache's tensors and a rank table for
-links on one host.
+"""Extensions outside the real API (not in `__all__`): numpy views of a cache's tensors, a rank table for
+links on one host, and this process's transfer statistics (as plain data, and for Prometheus).
 
 Rules: a view aliases the cache's shared memory; it is valid until the cache is freed (after that the
 memory may be handed to another cache). bf16 tensors come back as `ml_dtypes.bfloat16` when ml_dtypes is
@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from ._prometheus import Collector
 from ._rank_table import default_rank_table
+from ._stats import Snapshot, own_readings, snapshot
 from .data_type import numpy_dtype
 from .status import LLMStatusCode, make_error
 from .v2.cache import KvCache
@@ -56,3 +58,23 @@ def local_rank_table(cluster_rank_info: dict[int, int]) -> str:
     empty, or has a rank of 4096 or more.
     """
     return default_rank_table(cluster_rank_info)
+
+
+def stats() -> Snapshot:
+    """What this process's instances moved so far, how fast, what failed, and what they hold now, summed
+    over its live instances (docs/metrics.md): `Snapshot.counters`, `Snapshot.gauges`; `later.since(earlier)`
+    for what happened in between, `totals()` per operation. Empty figures with counting switched off
+    (`LLM_DATADIST_STATS=0`)."""
+    return snapshot()
+
+
+def register_prometheus(registry: Any = None) -> Any:
+    """Serve this process's figures through the application's own Prometheus endpoint: registers a
+    collector (returned, for `registry.unregister`) that reads this process's live instances at every
+    scrape, into `registry` (default: `prometheus_client.REGISTRY`). The metrics are those of
+    `llm-datadist exporter` (docs/metrics.md). Needs the `prometheus` extra (`prometheus_client`)."""
+    from prometheus_client import REGISTRY
+
+    collector = Collector(own_readings)
+    (REGISTRY if registry is None else registry).register(collector)
+    return collector

@@ -578,8 +578,50 @@ done:
 }
 #endif
 
+PyDoc_STRVAR(count_transfer_doc,
+"count_transfer(address, kind, timing, buckets, nbytes, runs, ns)\n--\n\n"
+"shm.stats: one transfer into a thread's own row of 8-byte words at `address` (a mapping the caller keeps\n"
+"open): words kind, kind+1, kind+2 += 1, nbytes, runs; word timing += ns; word timing+2+b += 1, b the\n"
+"histogram bucket of ns (the bit length of its microseconds, at most buckets-1). Plain adds: the row is\n"
+"this thread's alone.");
+
+static PyObject *count_transfer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "count_transfer takes 7 arguments");
+        return NULL;
+    }
+    uint64_t values[7];
+    for (Py_ssize_t i = 0; i < 7; i++) {
+        values[i] = PyLong_AsUnsignedLongLong(args[i]);
+        if (values[i] == (uint64_t)-1 && PyErr_Occurred())
+            return NULL;
+    }
+    uint64_t *words = (uint64_t *)(uintptr_t)values[0];
+    uint64_t kind = values[1], timing = values[2], buckets = values[3], ns = values[6];
+    if (words == NULL || buckets == 0) {
+        PyErr_SetString(PyExc_ValueError, "count_transfer: no row, or no bucket");
+        return NULL;
+    }
+    uint64_t us = ns / 1000, bucket = 0;
+    while (us) {
+        bucket++;
+        us >>= 1;
+    }
+    if (bucket >= buckets)
+        bucket = buckets - 1;
+    words[kind] += 1;
+    words[kind + 1] += values[4];
+    words[kind + 2] += values[5];
+    words[timing] += ns;
+    words[timing + 2 + bucket] += 1;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS, copy_runs_doc},
+    {"count_transfer", (PyCFunction)(void (*)(void))count_transfer, METH_FASTCALL, count_transfer_doc},
 #ifdef HAVE_INDEX
     {"index_repin", index_repin, METH_VARARGS, index_repin_doc},
     {"index_unpin", index_unpin, METH_VARARGS, index_unpin_doc},

@@ -22,6 +22,9 @@ def copy_runs(
     nontemporal: bool,
     /,
 ) -> None: ...
+def count_transfer(
+    address: int, kind: int, timing: int, buckets: int, nbytes: int, runs: int, ns: int, /
+) -> None: ...
 
 # Absent from a big-endian build (shm.repin then runs its Python twins).
 def index_repin(mapping: mmap.mmap, fd: int, plan: bytes, /) -> int: ...

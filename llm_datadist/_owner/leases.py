@@ -258,6 +258,11 @@ class Leases:
         with self.table.lock:
             self.table.changed.wait(timeout_s)
 
+    @property
+    def count(self) -> int:
+        """Leases held now (peers' transfers in flight), read without a lock."""
+        return len(self._leases)
+
     def stats(self) -> dict[str, int]:
         """Caches, keys, leases, pins (rows that pin a cache) and pool bytes in use."""
         table = self.table

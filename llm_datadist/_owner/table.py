@@ -46,6 +46,9 @@ class CacheTable:
         # Called (under the table's lock) with a registered cache once it is forgotten, before `unregister`
         # returns and the user may reuse its memory: whoever exposed that memory elsewhere withdraws it.
         self.on_unregistered: Callable[[CacheRecord], None] | None = None
+        # Told how many keys were published ("published"), removed by the user ("removed") or consumed by
+        # pulls ("consumed"): the instance's stats.
+        self.on_keys: Callable[[str, int], None] | None = None
         self._generations = GenerationTable()
         self._oom_code = oom_code
         # Re-entrant: a KvCache finaliser run by the garbage collector may deallocate from inside a call.
@@ -90,6 +93,8 @@ class CacheTable:
             return
         for key in consumed:
             self.unbind(key)
+        if consumed and self.on_keys is not None:
+            self.on_keys("consumed", len(consumed))
         for record in list(self._pending.values()):
             self.maybe_free(record)
 
@@ -229,6 +234,8 @@ class CacheTable:
         if key[0] == KEY_REQ:
             self._slot_req_key[(record.cache_id, slot)] = key
         self.mirror.publish_key(key_record, record)
+        if self.on_keys is not None:
+            self.on_keys("published", 1)
 
     def slot_bound(self, cache_id: int, slot: int) -> bool:
         """A req key is bound to this slot."""
@@ -328,6 +335,8 @@ class CacheTable:
     def remove_key(self, key: KeyId) -> None:
         with self.lock, self.mirror.locked():
             self.catch_up()
+            if key in self.keys and self.on_keys is not None:
+                self.on_keys("removed", 1)
             self.unbind(key)
 
     def unbind(self, key: KeyId) -> None:

@@ -1,4 +1,5 @@
-"""The `llm-datadist` command: `demo`, `bench`, `soak`, `gc` (remove what dead processes left), `ls`.
+"""The `llm-datadist` command: `demo`, `bench`, `soak`, `stats` (what live instances moved), `exporter`
+(the same for Prometheus), `gc` (remove what dead processes left), `ls`.
 
 Rules: every subcommand exits 0 on success and non-zero with a message on stderr otherwise; every option has
 a help text; stdout is line-buffered, so each line the tools print goes out whole (`output`).
@@ -14,6 +15,8 @@ from llm_datadist import _bench
 from llm_datadist._runtime import list_sockets, remove_stale_sockets, runtime_dir
 from llm_datadist._shm.reaper import list_segments, reap
 
+from . import exporter
+from . import stats as stats_command
 from .demo import run as demo
 from .netns import remove_stale_namespaces
 from .output import LOG_NOTE, whole_lines
@@ -97,6 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     soak.add_arguments(soak_parser)
     soak_parser.set_defaults(func=soak.run)
+    stats_parser = sub.add_parser(
+        "stats",
+        help="what every live instance of this user moved, how fast, what failed",
+        description=stats_command.DESCRIPTION,
+    )
+    stats_command.add_arguments(stats_parser)
+    stats_parser.set_defaults(func=stats_command.run)
+    exporter_parser = sub.add_parser(
+        "exporter",
+        help="serve every live instance's figures as Prometheus metrics",
+        description=exporter.DESCRIPTION,
+    )
+    exporter.add_arguments(exporter_parser)
+    exporter_parser.set_defaults(func=exporter.run)
     sub.add_parser(
         "gc",
         help="unlink shared memory and sockets left by dead processes",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from llm_datadist._protocol.errors import ProtocolError
 from llm_datadist._protocol.frames import DEFAULT_MAX_FRAME_NBYTES
@@ -33,14 +33,19 @@ __all__ = ["HANDSHAKE_TIMEOUT_S", "Door", "Refused"]
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
+# Why a link was refused, as the instance's stats count it (`Door.on_refused`).
+REFUSAL_CAUSES = ("secret", "version", "uid", "cluster", "closing", "admission", "other")
+
+
 class Refused(Exception):
     """A handshake this side turns down: the peer gets LLM_LINK_FAILED with `reason`, then the socket
     closes."""
 
-    def __init__(self, reason: str, kind: Refusal = Refusal.HANDSHAKE) -> None:
+    def __init__(self, reason: str, kind: Refusal = Refusal.HANDSHAKE, cause: str = "other") -> None:
         super().__init__(reason)
         self.reason = reason
         self.kind = kind
+        self.cause = cause  # what the stats count it as: one of REFUSAL_CAUSES
 
 
 class Door:
@@ -64,6 +69,8 @@ class Door:
         # Anyone who reaches a TCP port can be refused as often as it likes: one line per address and 10 s.
         self._refusals = RefusalLog(functools.partial(log.warning, "server %d: %s", cluster_id))
         self.closing = False  # finalizing: no new handshakes
+        # Told the cause (`REFUSAL_CAUSES`) of every refusal: the instance's stats.
+        self.on_refused: Callable[[str], None] | None = None
 
     def challenge(self, sconn: ServerConn) -> Challenge:
         """The first frame a TCP peer gets: a fresh nonce its proof must cover."""
@@ -74,21 +81,22 @@ class Door:
         """Admit the peer that sent `hello` (sets `sconn.peer`) and return its Welcome; Refused if not."""
         if sconn.host:
             return self._welcome_tcp(sconn, hello, service)
-        reason = ""
+        reason, cause = "", "other"
         if hello.version != PROTOCOL_VERSION:
-            reason = f"protocol version {hello.version} is not {PROTOCOL_VERSION}"
+            reason, cause = f"protocol version {hello.version} is not {PROTOCOL_VERSION}", "version"
         elif sconn.uid != os.getuid():
-            reason = f"peer uid {sconn.uid} is not ours"
+            reason, cause = f"peer uid {sconn.uid} is not ours", "uid"
         elif hello.remote_cluster_id != self.cluster_id:
             reason = f"this side is cluster {self.cluster_id}, not {hello.remote_cluster_id}"
+            cause = "cluster"
         elif hello.pid != sconn.pid:
             reason = f"hello claims pid {hello.pid}, socket says {sconn.pid}"
         elif hello.nonce or hello.proof or hello.engine:
             reason = "a peer on this host sends no proof and no engine"
         elif self.closing:
-            reason = "this side is finalizing"
+            reason, cause = "this side is finalizing", "closing"
         if reason:
-            raise Refused(reason)
+            raise Refused(reason, cause=cause)
         sconn.peer = PeerInfo(hello.cluster_id, hello.role, hello.pid, hello.incarnation)
         # A row of the published index to pin through; with none free the peer asks us instead.
         index, row, ticket = service.admit(sconn, sconn.peer)
@@ -101,18 +109,20 @@ class Door:
         secret = self.secret
         client = (hello.cluster_id, hello.incarnation, hello.engine)
         if secret is None or not hello.nonce or not hello.proof:
-            raise Refused("no proof of the shared secret")
+            raise Refused("no proof of the shared secret", cause="secret")
         expected = auth.client_proof(secret, sconn.nonce, hello.nonce, client, hello.remote_cluster_id)
         if not auth.proofs_match(expected, hello.proof):
-            raise Refused("wrong shared secret")
+            raise Refused("wrong shared secret", cause="secret")
         if hello.version != PROTOCOL_VERSION:
-            raise Refused(f"protocol version {hello.version} is not {PROTOCOL_VERSION}")
+            raise Refused(f"protocol version {hello.version} is not {PROTOCOL_VERSION}", cause="version")
         if hello.remote_cluster_id != self.cluster_id:
-            raise Refused(f"this side is cluster {self.cluster_id}, not {hello.remote_cluster_id}")
+            raise Refused(
+                f"this side is cluster {self.cluster_id}, not {hello.remote_cluster_id}", cause="cluster"
+            )
         if not hello.engine:
             raise Refused("the peer runs no transfer engine")
         if self.closing:
-            raise Refused("this side is finalizing")
+            raise Refused("this side is finalizing", cause="closing")
         try:
             engine = service.serve_remote(str(sconn.sock.getsockname()[0]))
         except StatusError as exc:
@@ -165,12 +175,13 @@ class Door:
             f"closed to make room for a newer connection ({limits.per_source} per address and "
             f"{limits.total} in all may be proving the shared secret at once)"
         )
-        return victim, Refused(reason, Refusal.MADE_ROOM)
+        return victim, Refused(reason, Refusal.MADE_ROOM, cause="admission")
 
     def refuse(self, sconn: ServerConn, refused: Refused) -> None:
         """LLM_LINK_FAILED with the reason, then the connection ends. Logged at once for a peer on this
         host; through the refusal log (a line per address and interval) for one on TCP, since anyone who
         reaches the port can be refused as often as it likes."""
+        self._count(refused.cause)
         if sconn.host:
             self._refusals.refused(sconn.host, refused.reason, refused.kind, time.monotonic())
         else:
@@ -181,7 +192,15 @@ class Door:
 
     def refused_full(self, host: str, reason: str) -> None:
         """A TCP connection closed at accept: the server holds all it may."""
+        self._count("admission")
         self._refusals.refused(host, reason, Refusal.FULL, time.monotonic())
+
+    def _count(self, cause: str) -> None:
+        if self.on_refused is not None:
+            try:
+                self.on_refused(cause)
+            except Exception:  # counting never stops a refusal
+                log.exception("server %d: counting a refusal failed", self.cluster_id)
 
     def log_protocol_error(self, sconn: ServerConn, exc: ProtocolError) -> None:
         if sconn.host and sconn.peer is None:  # anyone who reaches the port: through the refusal log

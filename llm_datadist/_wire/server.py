@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from llm_datadist._protocol.connection import Closed
@@ -82,6 +83,10 @@ class Server:
     @role.setter
     def role(self, role: int) -> None:
         self._door.role = role
+
+    def on_refused(self, count: Callable[[str], None] | None) -> None:
+        """Tell `count` the cause of every link this server refuses (`door.REFUSAL_CAUSES`)."""
+        self._door.on_refused = count
 
     @property
     def handled(self) -> int:
@@ -286,7 +291,7 @@ class Server:
         for sconn in list(self._conns.values()):
             reason = "" if sconn.peer is not None else self._door.overdue(sconn, selected_at)
             if reason and sconn.host:
-                self._door.refuse(sconn, Refused(reason, Refusal.OUT_OF_TIME))
+                self._door.refuse(sconn, Refused(reason, Refusal.OUT_OF_TIME, cause="admission"))
                 self._end(sconn)
             elif reason:
                 self._drop(sconn, reason)

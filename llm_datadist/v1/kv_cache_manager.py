@@ -14,6 +14,7 @@ from .._errors import FORK_HINT, api_errors
 from .._keys import KeyId
 from .._owner.records import CacheRecord
 from .._source import SourceRef
+from .._stats import GEN_V1, PULL
 from .._transfer import (
     LayerArgs,
     TensorSelection,
@@ -34,7 +35,7 @@ from .._validate import (
     check_uint32,
 )
 from ..configs import LLMRole
-from ..status import LLMStatusCode, make_error
+from ..status import LLMException, LLMStatusCode, make_error
 from ..v2.cache import KvCache
 from ..v2.llm_types import (
     U64_MAX,
@@ -342,8 +343,12 @@ class KvCacheManager:
         return layers.select(api, record.num_tensors)
 
     def _run_pull(self, api: str, core: Core, spec: PullSpec, record: CacheRecord) -> None:
-        with api_errors(api), core.pins.pinned(record.cache_id) as pinned:
-            core.transfers.pull(spec, pinned)
+        try:
+            with api_errors(api), core.pins.pinned(record.cache_id) as pinned:
+                core.transfers.pull(spec, pinned)
+        except LLMException as exc:
+            core.stats.failed(GEN_V1, PULL, exc.status_code)
+            raise
 
     def _not_yet(self, api: str) -> NoReturn:
         self._require_core(api)
@@ -397,8 +402,12 @@ class KvCacheManager:
             src_blocks=tuple(prompt_blocks),
             dst_blocks=tuple(decoder_blocks),
         )
-        with api_errors(api), core.pins.pinned(record.cache_id) as pinned:
-            core.transfers.pull_blocks(spec, pinned)
+        try:
+            with api_errors(api), core.pins.pinned(record.cache_id) as pinned:
+                core.transfers.pull_blocks(spec, pinned)
+        except LLMException as exc:
+            core.stats.failed(GEN_V1, PULL, exc.status_code)
+            raise
 
     def copy_cache(
         self,
@@ -476,7 +485,7 @@ class KvCacheManager:
             plan_transfer(api, record, config, src_block_indices, dst_block_indices, dst_block_memory_size)
             for config in transfer_configs
         ]
-        pushes = [plan.layer_push(core, record) for plan in plans]
+        pushes = [plan.layer_push(core, record, GEN_V1) for plan in plans]
         return start_transfer(
             api,
             core,
@@ -485,4 +494,5 @@ class KvCacheManager:
             pushes,
             [config.dst_cluster_id for config in transfer_configs],
             LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
+            GEN_V1,
         )

@@ -15,6 +15,7 @@ from .._movers import UnitRun
 from .._oneside import PreparedRead, RunsFor
 from .._owner.records import CacheRecord
 from .._source import V2, SourceRef
+from .._stats import GEN_V2, PULL, READ
 from .._transfer import (
     TensorSelection,
     key_fields,
@@ -26,7 +27,7 @@ from .._validate import (
     check_isinstance,
     check_uint32,
 )
-from ..status import LLMStatusCode, make_error
+from ..status import LLMException, LLMStatusCode, make_error
 from .cache import Cache
 from .llm_types import (
     BlocksCacheKey,
@@ -77,8 +78,12 @@ class Pulls(ManagerBase):
             self._prepared[key] = (core, read)
 
     def _run_one_sided(self, api: str, core: Core, read: PreparedRead) -> None:
-        with self._timeout_errors(api):
-            core.oneside.run(read)
+        try:
+            with self._timeout_errors(api):
+                core.oneside.run(read)
+        except LLMException as exc:
+            core.stats.failed(GEN_V2, READ, exc.status_code)
+            raise
 
     def pull_cache(
         self,
@@ -159,8 +164,12 @@ class Pulls(ManagerBase):
             self._remember(memo_key, core, read)
             self._run_one_sided(api, core, read)
             return
-        with self._timeout_errors(api), core.pins.pinned(record.cache_id) as pinned:
-            self._pull_resolved(core, key_fields(api, cache_key), pinned, selection, runs_for)
+        try:
+            with self._timeout_errors(api), core.pins.pinned(record.cache_id) as pinned:
+                self._pull_resolved(core, key_fields(api, cache_key), pinned, selection, runs_for)
+        except LLMException as exc:
+            core.stats.failed(GEN_V2, PULL, exc.status_code)
+            raise
 
     def pull_blocks(
         self,
@@ -253,12 +262,16 @@ class Pulls(ManagerBase):
             self._remember(memo_key, core, read)
             self._run_one_sided(api, core, read)
             return
-        with self._timeout_errors(api), core.pins.pinned(record.cache_id) as pinned:
-            if isinstance(src_cache_key, BlocksCacheKey):
-                fields = (src_cache_key.cluster_id, KEY_BLOCKS, 0, src_cache_key.model_id, 0)
-            else:
-                fields = key_fields(api, src_cache_key)
-            self._pull_resolved(core, fields, pinned, selection, runs_for)
+        try:
+            with self._timeout_errors(api), core.pins.pinned(record.cache_id) as pinned:
+                if isinstance(src_cache_key, BlocksCacheKey):
+                    fields = (src_cache_key.cluster_id, KEY_BLOCKS, 0, src_cache_key.model_id, 0)
+                else:
+                    fields = key_fields(api, src_cache_key)
+                self._pull_resolved(core, fields, pinned, selection, runs_for)
+        except LLMException as exc:
+            core.stats.failed(GEN_V2, PULL, exc.status_code)
+            raise
 
     @staticmethod
     def _pull_resolved(
@@ -287,6 +300,7 @@ class Pulls(ManagerBase):
             local,
             selection.dst_start,
             lambda loc: runs_for(loc.slot, loc.unit_nbytes, loc.num_units),
+            count_as=(GEN_V2, PULL),
         )
 
 

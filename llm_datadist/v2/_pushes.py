@@ -15,6 +15,7 @@ from .._errors import api_errors
 from .._movers import UnitRun
 from .._owner.records import CacheRecord
 from .._source import RemoteCache
+from .._stats import GEN_V2, PUSH, WRITE
 from .._transfer import (
     TensorSelection,
     check_transfer_args,
@@ -194,7 +195,7 @@ class Pushes(ManagerBase):
                 for config in transfer_configs
                 if isinstance(config, TransferConfig)  # checked above; narrows the type
             ]
-            pushes = [plan.layer_push(core, record) for plan in plans]
+            pushes = [plan.layer_push(core, record, GEN_V2) for plan in plans]
         else:
             pushes = [
                 self._key_push(api, core, record, config, src_block_indices, dst_block_indices)
@@ -202,8 +203,17 @@ class Pushes(ManagerBase):
                 if isinstance(config, TransferWithCacheKeyConfig)  # checked above; narrows the type
             ]
         dst_clusters = [config.dst_cluster_id for config in transfer_configs]
+        operation = WRITE if remote_access else PUSH
         return start_transfer(
-            api, core, record, layer_synchronizer, pushes, dst_clusters, LLMStatusCode.LLM_TIMEOUT
+            api,
+            core,
+            record,
+            layer_synchronizer,
+            pushes,
+            dst_clusters,
+            LLMStatusCode.LLM_TIMEOUT,
+            GEN_V2,
+            operation,
         )
 
     def _key_push(
@@ -253,7 +263,15 @@ class Pushes(ManagerBase):
             self._check_remote_tensors(api, remote, TensorSelection(2 * dst_layer, 2, False, 2 * layer))
             with api_errors(api, timeout_code=LLMStatusCode.LLM_TIMEOUT):
                 core.transfers.transfer_pinned(
-                    key.cluster_id, remote, 2 * dst_layer, record, 2 * layer, 2, runs, write=True
+                    key.cluster_id,
+                    remote,
+                    2 * dst_layer,
+                    record,
+                    2 * layer,
+                    2,
+                    runs,
+                    write=True,
+                    count_as=(GEN_V2, WRITE),
                 )
 
         return LayerPush(config.dst_cluster_id, layers, push_layer)
@@ -275,7 +293,15 @@ class Pushes(ManagerBase):
             n = per_layer
             self._check_remote_tensors(api, remote, TensorSelection(dst_layer * n, n, False, src_layer * n))
             core.transfers.transfer_pinned(
-                cluster_id, remote, dst_layer * n, local, src_layer * n, n, runs, write=True
+                cluster_id,
+                remote,
+                dst_layer * n,
+                local,
+                src_layer * n,
+                n,
+                runs,
+                write=True,
+                count_as=(GEN_V2, WRITE),
             )
 
     @staticmethod

@@ -42,11 +42,13 @@ class TransferJob:
         num_layers: int,
         *,
         on_exit: Callable[[], None],
+        on_failed: Callable[[LLMStatusCode], None] | None = None,
     ) -> None:
         self._synchronizer = synchronizer
         self._pushes = list(pushes)
         self._num_layers = num_layers
         self._on_exit = on_exit
+        self._on_failed = on_failed
         self._results: dict[int, LLMStatusCode] = {}
         self._lock = threading.Lock()
         self.done = threading.Event()
@@ -63,6 +65,11 @@ class TransferJob:
     def _record(self, dst_cluster_id: int, code: LLMStatusCode) -> None:
         with self._lock:
             self._results[dst_cluster_id] = code
+        if code != LLMStatusCode.LLM_SUCCESS and self._on_failed is not None:
+            try:
+                self._on_failed(code)
+            except Exception:
+                log.exception("transfer_cache_async: counting a failure failed")
 
     def _run(self) -> None:
         active = list(self._pushes)

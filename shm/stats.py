@@ -1,0 +1,253 @@
+"""A process's statistics in shared memory: counters its threads add to without a lock, gauges, and a
+header that says whose they are, readable by any process of the same user without waking the writer.
+
+Layout (native byte order, every word 8-byte aligned):
+
+    0    magic "LLMDDST1"
+    8    u32 layout version, u32 rows, u32 slots per row, u32 gauges
+    24   u32 pid, u32 role, u64 cluster id, u64 created (ns since the epoch)
+    48   u32 state (1 open, 2 closed), u32 bytes of the schema
+    56   reserved, to HEADER_NBYTES
+    HEADER_NBYTES            the schema: JSON, {"slots": [names], "gauges": [names]}
+    gauges_offset            gauges x u64
+    rows_offset              rows x slots x u64
+
+Rules: each row has one writer at a time (which is the writer's rule: `llm_datadist._stats` gives each
+thread its own), so an add needs no lock and is never lost; a reader sums the rows. Words are written whole
+(aligned 8-byte stores): a reader sees each word old or new, never torn, and the sum of rows read one after
+the other may mix moments a few microseconds apart. The segment is named as every segment of ours
+(`names`), so a dead writer's segment is reaped like any other; a child forked from the writer writes
+into private memory, never into its parent's figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import ShmError
+from .names import SegmentOwner, owner_alive, parse_segment_name
+from .segment import Segment
+
+__all__ = ["MAGIC", "StatsReading", "StatsSegment", "list_stats", "read_stats"]
+
+MAGIC = b"LLMDDST1"
+LAYOUT_VERSION = 1
+HEADER_NBYTES = 64
+_HEADER = struct.Struct("=8sIIII IIQQ II")  # through the schema's length
+STATE_OPEN, STATE_CLOSED = 1, 2
+_STATE_OFFSET = 48
+_STATE = struct.Struct("=I")
+# Rows a writer may give its threads.
+DEFAULT_ROWS = 64
+_MAX_SCHEMA_NBYTES = 64 << 10
+SHM_DIR = "/dev/shm"
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + 63) & ~63
+
+
+@dataclass(frozen=True)
+class StatsReading:
+    """One look at a stats segment: whose it is and its figures (each slot summed over the rows)."""
+
+    name: str
+    pid: int
+    role: int
+    cluster_id: int
+    created_ns: int
+    open: bool
+    slots: dict[str, int]
+    gauges: dict[str, int]
+
+
+class StatsSegment:
+    """The writer's side: create one per instance, add to a row's slots (`words`, `row_word`), set gauges,
+    `close` at the end (it unlinks the segment). Which thread writes which row is the caller's rule; this
+    class only lays the rows out."""
+
+    def __init__(self, segment: Segment, slots: Sequence[str], gauges: Sequence[str], rows: int) -> None:
+        self._segment = segment
+        self._words = segment.array.data.cast("Q")
+        # Where word 0 is, for a caller that adds in C (`_copykernel.count_transfer`); valid while this
+        # object lives (its view keeps the mapping mapped, even past `close`).
+        self.address = segment.address
+        self._private: np.ndarray[Any, Any] | None = None
+        schema_nbytes = _schema_nbytes(slots, gauges)
+        self._gauges_word = _align(HEADER_NBYTES + schema_nbytes) // 8
+        self._rows_word = self._gauges_word + _align(8 * len(gauges)) // 8
+        self._row_words = _align(8 * len(slots)) // 8
+        self.rows = rows
+        self._pid = os.getpid()
+        _live.add(self)
+
+    @classmethod
+    def create(
+        cls,
+        slots: Sequence[str],
+        gauges: Sequence[str] = (),
+        *,
+        role: int = 0,
+        cluster_id: int = 0,
+        created_ns: int = 0,
+        rows: int = DEFAULT_ROWS,
+    ) -> StatsSegment:
+        """A new stats segment of this process with these slot and gauge names, every figure zero."""
+        if not slots or rows < 1:
+            raise ShmError("a stats segment needs at least one slot and one row")
+        schema = json.dumps({"slots": list(slots), "gauges": list(gauges)}).encode()
+        if len(schema) > _MAX_SCHEMA_NBYTES:
+            raise ShmError(f"a stats schema of {len(schema)} bytes is over {_MAX_SCHEMA_NBYTES}")
+        gauges_offset = _align(HEADER_NBYTES + len(schema))
+        rows_offset = gauges_offset + _align(8 * len(gauges))
+        nbytes = rows_offset + rows * _align(8 * len(slots))
+        segment = Segment.create(nbytes)
+        header = _HEADER.pack(
+            MAGIC,
+            LAYOUT_VERSION,
+            rows,
+            len(slots),
+            len(gauges),
+            os.getpid(),
+            role,
+            cluster_id,
+            created_ns,
+            STATE_OPEN,
+            len(schema),
+        )
+        array = segment.array
+        array[HEADER_NBYTES : HEADER_NBYTES + len(schema)] = memoryview(schema)
+        array[: len(header)] = memoryview(header)  # the magic last: a reader never sees half a header
+        return cls(segment, slots, gauges, rows)
+
+    @property
+    def name(self) -> str:
+        return self._segment.name
+
+    @property
+    def words(self) -> memoryview:
+        """The segment as 8-byte words: row r's slot s is `words[row_word(r) + s]`."""
+        return self._words
+
+    def row_word(self, row: int) -> int:
+        """The index of row `row`'s first word (0 <= row < rows)."""
+        if not 0 <= row < self.rows:
+            raise ShmError(f"row {row} outside the segment's {self.rows}")
+        return self._rows_word + row * self._row_words
+
+    def set_gauge(self, gauge: int, value: int) -> None:
+        self._words[self._gauges_word + gauge] = value
+
+    def close(self) -> None:
+        """Say closed, and unlink: `list_stats` no longer finds it. Idempotent. An add still running on
+        another thread lands in memory that stays mapped until this object goes."""
+        if self._segment.closed or os.getpid() != self._pid:
+            return  # a forked child's copy: the segment is its parent's
+        _STATE.pack_into(self._segment.array.data, _STATE_OFFSET, STATE_CLOSED)
+        self._segment.close()
+
+    def _forked(self) -> None:
+        """In a child forked from the writer: what the child adds goes to private memory, never into the
+        parent's figures (the mapping is shared)."""
+        self._private = np.zeros(len(self._words), dtype=np.uint64)
+        self._words = self._private.data.cast("B").cast("Q")
+        self.address = int(self._private.ctypes.data)
+
+
+_live: weakref.WeakSet[StatsSegment] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for stats in list(_live):
+        stats._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _schema_nbytes(slots: Sequence[str], gauges: Sequence[str]) -> int:
+    return len(json.dumps({"slots": list(slots), "gauges": list(gauges)}).encode())
+
+
+def read_stats(name: str) -> StatsReading | None:
+    """The figures of the stats segment `name`, or None when it is not one (or is gone): read from the
+    file, without mapping it and without waking its writer."""
+    path = os.path.join(SHM_DIR, name.lstrip("/"))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        header = os.pread(fd, _HEADER.size, 0)
+        if len(header) < _HEADER.size or header[:8] != MAGIC:
+            return None
+        _, version, rows, slot_count, gauge_count, pid, role, cluster_id, created, state, schema_nbytes = (
+            _HEADER.unpack(header)
+        )
+        if version != LAYOUT_VERSION or not 0 < schema_nbytes <= _MAX_SCHEMA_NBYTES:
+            return None
+        schema = json.loads(os.pread(fd, schema_nbytes, HEADER_NBYTES))
+        slots, gauges = list(schema["slots"]), list(schema["gauges"])
+        if len(slots) != slot_count or len(gauges) != gauge_count:
+            return None
+        gauges_offset = _align(HEADER_NBYTES + schema_nbytes)
+        rows_offset = gauges_offset + _align(8 * gauge_count)
+        row_nbytes = _align(8 * slot_count)
+        gauge_words = struct.unpack(f"={gauge_count}Q", os.pread(fd, 8 * gauge_count, gauges_offset))
+        body = os.pread(fd, rows * row_nbytes, rows_offset)
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    finally:
+        os.close(fd)
+    if len(body) != rows * row_nbytes:
+        return None
+    words = memoryview(body).cast("Q")
+    totals = [0] * slot_count
+    stride = row_nbytes // 8
+    for row in range(rows):
+        base = row * stride
+        for slot in range(slot_count):
+            totals[slot] += words[base + slot]
+    return StatsReading(
+        name=name if name.startswith("/") else "/" + name,
+        pid=pid,
+        role=role,
+        cluster_id=cluster_id,
+        created_ns=created,
+        open=state == STATE_OPEN,
+        slots=dict(zip(slots, totals, strict=True)),
+        gauges=dict(zip(gauges, gauge_words, strict=True)),
+    )
+
+
+def list_stats(*, uid: int | None = None) -> list[StatsReading]:
+    """Every open stats segment of user `uid` (default: ours) whose writer is alive, by pid."""
+    if uid is None:
+        uid = os.getuid()
+    readings = []
+    try:
+        entries = sorted(os.listdir(SHM_DIR))
+    except OSError:
+        return []
+    for entry in entries:
+        owner: SegmentOwner | None = parse_segment_name(entry)
+        if owner is None or owner.uid != uid:
+            continue
+        try:
+            if os.stat(os.path.join(SHM_DIR, entry), follow_symlinks=False).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        reading = read_stats(entry)
+        if reading is not None and reading.open and reading.pid == owner.pid and owner_alive(owner):
+            readings.append(reading)
+    readings.sort(key=lambda r: (r.pid, r.created_ns, r.name))
+    return readings
