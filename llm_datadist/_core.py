@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from llm_datadist._shm.index import lock_waits
 from llm_datadist._shm.pool import Pool
 from llm_datadist._shm.reaper import reap
 
@@ -263,6 +264,7 @@ class Core(NodeHooks):
             "leases": self.leases.count,
             "pins": sum(record.pins for record in list(table.caches.values())),
             "links": len(self.links.all()),
+            "index_lock_waits": lock_waits(),
         }
 
     def _link_broken(self, link: ClientLink) -> None:

@@ -31,6 +31,10 @@ _GAUGES = {
     "pins": ("local_pins", "the instance's own transfers in flight on its caches"),
     "links": ("links", "links the instance holds"),
 }
+# Gauges of the segment that only grow: counters to Prometheus.
+_GROWING = {
+    "index_lock_waits": ("index_lock_waits", "waits of this process for an index lock held elsewhere")
+}
 
 
 def _role(role: int) -> str:
@@ -60,6 +64,11 @@ def metric_families(readings: Sequence[StatsReading]) -> Iterator[Any]:
     )
     made = CounterMetricFamily(PREFIX + "links_made", "links the instance made", labels=_INSTANCE)
     broken = CounterMetricFamily(PREFIX + "links_broken", "links the instance found broken", labels=_INSTANCE)
+    restarts = CounterMetricFamily(
+        PREFIX + "peer_restarts_seen",
+        "peers linked to again under their cluster id that had restarted meanwhile",
+        labels=_INSTANCE,
+    )
     refused = CounterMetricFamily(
         PREFIX + "links_refused", "links the instance refused, by cause", labels=(*_INSTANCE, "cause")
     )
@@ -73,6 +82,10 @@ def metric_families(readings: Sequence[StatsReading]) -> Iterator[Any]:
     }
     gauges = {
         key: GaugeMetricFamily(PREFIX + name, text, labels=_INSTANCE) for key, (name, text) in _GAUGES.items()
+    }
+    growing = {
+        key: CounterMetricFamily(PREFIX + name, text, labels=_INSTANCE)
+        for key, (name, text) in _GROWING.items()
     }
     bounds = [f"{(1 << i) / 1e6:g}" for i in range(BUCKETS - 1)] + ["+Inf"]
     for reading in readings:
@@ -100,14 +113,30 @@ def metric_families(readings: Sequence[StatsReading]) -> Iterator[Any]:
                 by_status.add_metric([*instance, name.removeprefix("status.")], value)
         made.add_metric(instance, slots.get("events.links_made", 0))
         broken.add_metric(instance, slots.get("events.links_broken", 0))
+        restarts.add_metric(instance, slots.get("events.peer_restarts_seen", 0))
         for cause in REFUSAL_CAUSES:
             refused.add_metric([*instance, cause], slots.get(f"events.links_refused_{cause}", 0))
         for kind, counter in keys.items():
             counter.add_metric(instance, slots.get(f"events.keys_{kind}", 0))
         for key, gauge in gauges.items():
             gauge.add_metric(instance, reading.gauges.get(key, 0))
-    yield from (transfers, nbytes, runs, seconds, failed, by_status, made, broken, refused, *keys.values())
+        for key, counter in growing.items():
+            counter.add_metric(instance, reading.gauges.get(key, 0))
+    yield from (
+        transfers,
+        nbytes,
+        runs,
+        seconds,
+        failed,
+        by_status,
+        made,
+        broken,
+        restarts,
+        refused,
+        *keys.values(),
+    )
     yield from gauges.values()
+    yield from growing.values()
 
 
 class Collector:

@@ -49,8 +49,9 @@ EVENTS: Final = (
     "keys_published",
     "keys_removed",
     "keys_consumed",
+    "peer_restarts_seen",
 )
-GAUGES: Final = ("caches", "pool_used_bytes", "leases", "pins", "links")
+GAUGES: Final = ("caches", "pool_used_bytes", "leases", "pins", "links", "index_lock_waits")
 _FAILED_CODES: Final = tuple(code for code in LLMStatusCode if code != LLMStatusCode.LLM_SUCCESS)
 
 
@@ -83,6 +84,7 @@ _TIMING_WIDTH = 2 + BUCKETS  # the sum, failures, the buckets
 _STATUS_SLOT: Final[dict[LLMStatusCode, int]] = {code: _SLOT[f"status.{code.name}"] for code in _FAILED_CODES}
 LINKS_MADE, LINKS_BROKEN = _SLOT["events.links_made"], _SLOT["events.links_broken"]
 KEY_EVENTS: Final = {kind: _SLOT[f"events.keys_{kind}"] for kind in ("published", "removed", "consumed")}
+PEER_RESTARTS = _SLOT["events.peer_restarts_seen"]
 REFUSALS: Final = {cause: _SLOT[f"events.links_refused_{cause}"] for cause in REFUSAL_CAUSES}
 
 
@@ -187,7 +189,7 @@ class Stats:
     """The counting side of one instance (`off()` when counting is switched off or the segment could not
     be made: every call then does nothing)."""
 
-    __slots__ = ("__weakref__", "_claimed", "_local", "_lock", "_segment", "gauge_source")
+    __slots__ = ("__weakref__", "_claimed", "_incarnations", "_local", "_lock", "_segment", "gauge_source")
 
     def __init__(self, segment: StatsSegment | None) -> None:
         self._segment = segment
@@ -197,6 +199,7 @@ class Stats:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._claimed = 0
+        self._incarnations: dict[int, int] = {}  # cluster id -> the incarnation its last link found
         # What the gauges are now, by name (`GAUGES`); set by the instance, read by `publish_gauges`.
         self.gauge_source: Callable[[], dict[str, int]] | None = None
         if segment is not None:
@@ -235,14 +238,16 @@ class Stats:
         if segment is None:
             return
         try:
-            row = self._local.row
+            address = self._local.address
         except AttributeError:
-            row = self._claim(segment)
+            self._claim(segment)
+            address = self._local.address
         kind, timing = _PLACES[generation][operation][transport]
         ns = int(seconds * 1e9) if seconds > 0 else 0
-        if row >= 0 and _count_transfer is not None:  # the C kernel's adds, in one call
-            _count_transfer(segment.address + 8 * row, kind, timing, BUCKETS, nbytes, runs, ns)
+        if address:  # this thread's own row, and the C kernel: its adds, in one call
+            _count_transfer(address, kind, timing, BUCKETS, nbytes, runs, ns)
             return
+        row = self._local.row
         if row < 0:  # every row is taken: the shared one, under its lock
             bucket = min((ns // 1000).bit_length(), BUCKETS - 1)
             self._add_all(
@@ -275,8 +280,16 @@ class Stats:
 
     # The hooks the instance's parts call (bound methods of this object: none refers back to the instance).
 
-    def linked(self, _link: object) -> None:
+    def linked(self, link: object) -> None:
+        """A link made: a peer linked to again under its cluster id with another incarnation restarted."""
         self.event(LINKS_MADE)
+        peer = getattr(link, "peer", None)
+        if peer is None:
+            return
+        seen = self._incarnations.get(peer.cluster_id)
+        self._incarnations[peer.cluster_id] = peer.incarnation
+        if seen is not None and seen != peer.incarnation:
+            self.event(PEER_RESTARTS)
 
     def refused(self, cause: str) -> None:
         self.event(REFUSALS.get(cause, REFUSALS["other"]))
@@ -300,7 +313,8 @@ class Stats:
                 words[-row + slot] += n
 
     def _claim(self, segment: StatsSegment) -> int:
-        """The calling thread's row, claimed now (negative: the shared last row)."""
+        """The calling thread's row, claimed now (negative: the shared last row), and where it is for the
+        C kernel (`_local.address`: 0 for the shared row, or without the kernel)."""
         with self._lock:
             if self._claimed < segment.rows - 1:
                 row = segment.row_word(self._claimed)
@@ -308,6 +322,7 @@ class Stats:
             else:
                 row = -segment.row_word(segment.rows - 1)
         self._local.row = row
+        self._local.address = segment.address + 8 * row if row >= 0 and _count_transfer is not None else 0
         return row
 
     def publish_gauges(self) -> None:
@@ -344,6 +359,10 @@ _live: weakref.WeakSet[Stats] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for stats in list(_live):
         stats._lock = threading.Lock()  # one a thread of the parent held stays held in the child
+        # The rows claimed before the fork are in the parent's mapping: the child's threads claim rows
+        # again, in the private memory the segment moved to (`shm.stats`).
+        stats._local = threading.local()
+        stats._claimed = 0
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -20,7 +20,7 @@ from llm_datadist._protocol.messages import WriteGrant
 from llm_datadist._shm import repin as _repin
 from llm_datadist._shm.copyplan import BlockPlan
 from llm_datadist._shm.errors import ShmError
-from llm_datadist._shm.index import _LOCK_RETRY_MAX_S, _LOCK_RETRY_MIN_S, Index
+from llm_datadist._shm.index import _LOCK_RETRY_MAX_S, _LOCK_RETRY_MIN_S, Index, count_lock_wait
 from llm_datadist._shm.repin import RepinPlan
 
 from . import _faults
@@ -156,6 +156,8 @@ class Transfers:
             with link.exclusive(deadline):
                 outcome = repeat.run(marks)
                 pause = _LOCK_RETRY_MIN_S
+                if outcome == _repin.BUSY:
+                    count_lock_wait()
                 while outcome == _repin.BUSY and time.monotonic() < deadline:
                     # The lock is held for microseconds (the owner, another puller): wait as a full pin
                     # would (the pauses of `Index.lock`, until the deadline), so that whether a pull

@@ -128,6 +128,21 @@ _LOCK_RETRY_MIN_S = 20e-6
 _LOCK_RETRY_MAX_S = 1e-3
 
 
+# Locks of an index this process found held and waited for (`lock_waits`): counted without a lock, so two
+# threads that start waiting at the same instant may count once.
+_lock_waits = [0]
+
+
+def lock_waits() -> int:
+    """How often this process found an index's lock held and waited for it (its own and its peers')."""
+    return _lock_waits[0]
+
+
+def count_lock_wait() -> None:
+    """A wait for an index's lock that `Index.lock` did not see (a caller that polls the lock itself)."""
+    _lock_waits[0] += 1
+
+
 class IndexCorrupt(ShmError):
     """The index holds something no owner of ours writes: a hostile or broken peer."""
 
@@ -336,6 +351,7 @@ class Index:
         fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _UNLCK)
 
     def _acquire(self, timeout_s: float) -> None:
+        _lock_waits[0] += 1
         request = _WRLCK
         # Held by someone else: holders keep it for microseconds, so poll with a short growing sleep
         # rather than block in F_OFD_SETLKW, which no timeout can interrupt.

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from llm_datadist import CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMException, LLMStatusCode
-from llm_datadist.ext import tensor_views
+from llm_datadist.ext import stats, tensor_views
 from tests._peer import PROMPT_IP, PromptPeer, linked_decoder, start_index_holder
 
 P = 1  # the Prompt's cluster id
@@ -105,11 +105,17 @@ def test_a_repeated_pull_waits_for_a_stopped_lock_holder_as_any_pull(linked, _ru
     key = CacheKey(*PREFIX)
     _pull_and_check(dd, peer, key, dst, first)
     holder, pipe = start_index_holder(os.fspath(_runtime_dir / f"{PROMPT_IP}_{peer.port}.sock"), P, "lock")
+    before = stats()
     try:
         assert (
             _status(lambda: dd.kv_cache_manager.pull_cache(key, dst))
             == LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT
         )
+        # The stats say so: a wait for the lock, a failure by its code (docs/metrics.md).
+        waited = stats().since(before)
+        assert waited.gauges["index_lock_waits"] > before.gauges["index_lock_waits"]
+        assert waited.counters["status.LLM_WAIT_PROCESS_TIMEOUT"] == 1
+        assert waited.counters["v1.pull.failures"] == 1
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.join(10)

@@ -402,3 +402,49 @@ def test_an_owner_counts_its_keys_and_the_links_it_refused(seed: int) -> None:
         assert (seen["keys_published"], seen["keys_removed"], seen["keys_consumed"]) == (2, 1, 1)
         assert seen["links_refused_cluster"] == 1
         assert sum(v for k, v in seen.items() if k.startswith("links_refused_")) == 1
+
+
+def test_a_peer_that_restarted_is_seen_when_linked_to_again(seed: int) -> None:
+    """A Prompt killed and started again at its address: the Decoder that links to it again counts a
+    restart seen (its incarnation changed), a first link counts none."""
+    port = _port() + 7
+    with decoder(A) as dd:
+        before = stats()
+        for _ in range(2):
+            with PromptPeer(P, port, seed) as peer:
+                ret, codes = dd.link_clusters([_cluster(port)], 5000)
+                assert codes == [LLMStatusCode.LLM_SUCCESS], (ret, codes)
+                peer.kill()
+            ret, codes = dd.unlink_clusters([_cluster(port)], 5000, force=True)
+        seen = stats().since(before).counters
+        assert seen["events.links_made"] == 2
+        assert seen["events.peer_restarts_seen"] == 1
+    reap()  # what the killed Prompts left
+
+
+def test_a_forked_child_counts_nothing_into_its_parents_figures() -> None:
+    """A thread that counted before the fork keeps its row in the child: the child's counts go to private
+    memory, with the C kernel or without."""
+    from llm_datadist import _stats
+
+    counting = _stats.Stats.create(role=2, cluster_id=9)
+    try:
+        counting.transfer(_stats.GEN_V1, _stats.PULL, _stats.SHM, 10, 1, 1e-6)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                for _ in range(100):
+                    counting.transfer(_stats.GEN_V1, _stats.PULL, _stats.SHM, 10, 1, 1e-6)
+                counting.event(_stats.LINKS_BROKEN)
+                counting.close()
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        reading = counting.reading()
+        assert reading is not None
+        assert reading.slots["v1.pull.shm.transfers"] == 1 and reading.slots["events.links_broken"] == 0
+    finally:
+        counting.close()
