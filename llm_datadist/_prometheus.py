@@ -16,9 +16,8 @@ from typing import Any
 
 from llm_datadist._shm.stats import StatsReading
 
-from ._stats import BUCKETS, GENERATIONS, OPERATIONS, TRANSPORTS
+from ._stats import BUCKETS, GENERATIONS, OPERATIONS, TRANSPORTS, role_name
 from ._wire.door import REFUSAL_CAUSES
-from .configs import LLMRole
 
 PREFIX = "llm_datadist_"
 _INSTANCE = ("pid", "role", "cluster_id")
@@ -35,13 +34,6 @@ _GAUGES = {
 _GROWING = {
     "index_lock_waits": ("index_lock_waits", "waits of this process for an index lock held elsewhere")
 }
-
-
-def _role(role: int) -> str:
-    try:
-        return LLMRole(role).name.lower()
-    except ValueError:
-        return str(role)
 
 
 def metric_families(readings: Sequence[StatsReading]) -> Iterator[Any]:
@@ -90,7 +82,7 @@ def metric_families(readings: Sequence[StatsReading]) -> Iterator[Any]:
     bounds = [f"{(1 << i) / 1e6:g}" for i in range(BUCKETS - 1)] + ["+Inf"]
     for reading in readings:
         slots = reading.slots
-        instance = [str(reading.pid), _role(reading.role), str(reading.cluster_id)]
+        instance = [str(reading.pid), role_name(reading.role), str(reading.cluster_id)]
         for generation in GENERATIONS:
             for operation in OPERATIONS:
                 prefix = f"{generation}.{operation}"

@@ -25,6 +25,7 @@ from llm_datadist._shm.stats import DEFAULT_ROWS, StatsReading, StatsSegment, re
 
 from ._copy import kernel_function
 from ._wire.door import REFUSAL_CAUSES
+from .configs import LLMRole
 from .status import LLMStatusCode
 from .utils.log import log
 
@@ -114,6 +115,14 @@ def transport(mover: object, location: object) -> int:
     if not getattr(mover, "sees_peer_memory", False):
         return MOONCAKE
     return SHM if getattr(location, "segment", "") else CMA
+
+
+def role_name(role: int) -> str:
+    """A stats segment's role as the readers show it: "prompt", "decoder", "mix" (else the number)."""
+    try:
+        return LLMRole(role).name.lower()
+    except ValueError:
+        return str(role)
 
 
 def counting_enabled() -> bool:

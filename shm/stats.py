@@ -201,6 +201,8 @@ def read_stats(name: str) -> StatsReading | None:
         gauges_offset = _align(HEADER_NBYTES + schema_nbytes)
         rows_offset = gauges_offset + _align(8 * gauge_count)
         row_nbytes = _align(8 * slot_count)
+        if rows_offset + rows * row_nbytes > os.fstat(fd).st_size:
+            return None  # a header that describes more than the file holds
         gauge_words = struct.unpack(f"={gauge_count}Q", os.pread(fd, 8 * gauge_count, gauges_offset))
         body = os.pread(fd, rows * row_nbytes, rows_offset)
     except (OSError, ValueError, KeyError, TypeError, struct.error):
@@ -209,13 +211,8 @@ def read_stats(name: str) -> StatsReading | None:
         os.close(fd)
     if len(body) != rows * row_nbytes:
         return None
-    words = memoryview(body).cast("Q")
-    totals = [0] * slot_count
-    stride = row_nbytes // 8
-    for row in range(rows):
-        base = row * stride
-        for slot in range(slot_count):
-            totals[slot] += words[base + slot]
+    table = np.frombuffer(body, dtype=np.uint64).reshape(rows, row_nbytes // 8)[:, :slot_count]
+    totals = [int(total) for total in table.sum(axis=0, dtype=np.uint64)]
     return StatsReading(
         name=name if name.startswith("/") else "/" + name,
         pid=pid,

@@ -17,8 +17,7 @@ from typing import Any
 
 from llm_datadist._shm.space import format_nbytes
 from llm_datadist._shm.stats import StatsReading, list_stats
-from llm_datadist._stats import BUCKETS, GENERATIONS, OPERATIONS, TRANSPORTS
-from llm_datadist.configs import LLMRole
+from llm_datadist._stats import BUCKETS, GENERATIONS, OPERATIONS, TRANSPORTS, role_name
 
 from .output import say
 
@@ -26,16 +25,10 @@ DESCRIPTION = (
     "Show what every live llm_datadist instance of this user moved: one line each with its role, cluster "
     "id, pid, links, caches, pool bytes in use, transfers, bytes moved and failures, read from the "
     "instances' stats segments in shared memory (nothing is asked of them). --json prints the same as JSON "
-    "with every counter; --watch refreshes every few seconds with transfers and bytes per second. "
+    "with every counter; --watch refreshes every few seconds with transfers and bytes per second, and "
+    "--plot draws what a watch saw. "
     "LLM_DATADIST_STATS=0 in an instance's environment switches its counting off."
 )
-
-
-def _role(role: int) -> str:
-    try:
-        return LLMRole(role).name.lower()
-    except ValueError:
-        return str(role)
 
 
 def _totals(reading: StatsReading) -> tuple[int, int, int]:
@@ -76,8 +69,9 @@ def table(readings: Sequence[StatsReading], previous: Previous | None = None) ->
                 gbps = f"{(nbytes - before_bytes) / elapsed / 1e9:.2f}"
         gauges = reading.gauges
         line = (
-            f"{reading.pid:>8} {_role(reading.role):<8} {reading.cluster_id:>8} {gauges.get('links', 0):>5} "
-            f"{gauges.get('caches', 0):>6} {format_nbytes(gauges.get('pool_used_bytes', 0)):>10} "
+            f"{reading.pid:>8} {role_name(reading.role):<8} {reading.cluster_id:>8} "
+            f"{gauges.get('links', 0):>5} {gauges.get('caches', 0):>6} "
+            f"{format_nbytes(gauges.get('pool_used_bytes', 0)):>10} "
             f"{transfers:>10} {format_nbytes(nbytes):>10} {failures:>8}"
         )
         lines.append(line if previous is None else f"{line} {rate:>8} {gbps:>7}")
@@ -92,7 +86,7 @@ def as_json(readings: Sequence[StatsReading]) -> str:
         items.append(
             {
                 "pid": reading.pid,
-                "role": _role(reading.role),
+                "role": role_name(reading.role),
                 "cluster_id": reading.cluster_id,
                 "segment": reading.name,
                 "created_ns": reading.created_ns,
@@ -188,7 +182,7 @@ def plot(history: Sequence[tuple[float, Sequence[StatsReading]]], path: str) -> 
         for reading in readings:
             if reading.name in last:
                 then, earlier = last[reading.name]
-                label = f"{_role(reading.role)} {reading.cluster_id} (pid {reading.pid})"
+                label = f"{role_name(reading.role)} {reading.cluster_id} (pid {reading.pid})"
                 _, times, gbps, p50 = series.setdefault(reading.name, (label, [], [], []))
                 moved = _totals(reading)[1] - _totals(earlier)[1]
                 deltas = [a - b for a, b in zip(_histogram(reading), _histogram(earlier), strict=True)]
