@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 from llm_datadist._protocol.messages import Table, TableRequest
 from llm_datadist._shm.errors import ShmError
@@ -26,7 +26,6 @@ from llm_datadist._shm.generations import read_generation
 from llm_datadist._shm.index import CACHE_REMOTE, CACHE_WITHDRAWN, FLAG_CACHES_UNPUBLISHED, STATE_OPEN
 from llm_datadist._shm.segment import Segment
 
-from . import _faults
 from ._acquire import Acquirer
 from ._copy import kernel_function
 from ._dataplane import index_not_open, peer_index, raise_index_error
@@ -36,7 +35,7 @@ from ._movers import RangeUnmapped, UnitRun, peer_segment
 from ._owner.pins import LocalPins
 from ._owner.records import CacheRecord
 from ._source import RemoteCache, RemoteTable
-from ._stats import CMA, GEN_V2, MOONCAKE, READ, SHM, Stats
+from ._stats import GEN_V2, READ, Stats, transport
 from ._transfers import Transfers
 from ._vm import PreparedRuns
 from ._wire.client import ClientLink
@@ -53,6 +52,14 @@ _VM_DONE, _VM_GONE, _VM_STALE, _VM_CHANGED, _VM_SHORT = range(5)
 RunsFor = Callable[[int, int, int], list[UnitRun]]
 
 
+class Moved(NamedTuple):
+    """What a read moved, as the stats count it: how (`_stats.TRANSPORTS`), bytes and byte runs in all."""
+
+    transport: int
+    nbytes: int
+    runs: int
+
+
 @dataclass(frozen=True, slots=True)
 class _Found:
     """What a read found on the remote side and derived from it: the link and the peer's table it looked
@@ -64,8 +71,7 @@ class _Found:
     runs: list[UnitRun]
     prepared: PreparedRuns | None
     words: Segment | None  # None for a peer on another host (nothing of it is mapped here)
-    transport: int  # how the read moves its bytes, for the stats (`_stats.TRANSPORTS`)
-    nbytes: int  # what it moves, in all
+    moved: Moved  # what the read moves, for the stats
 
 
 @dataclass(slots=True, eq=False)
@@ -110,25 +116,22 @@ class OneSided:
 
     def run(self, read: PreparedRead) -> None:
         """Pin the local cache, check the peer, find the remote cache in the peer's table (refetched when
-        stale), read. When the link and the peer's table are those of the last run, and that run's entry
-        is still current (by model id: in a table whose version is current), the lookup would find that
-        entry again: the read reuses what was derived."""
+        stale), read, and count the read. When the link and the peer's table are those of the last run, and
+        that run's entry is still current (by model id: in a table whose version is current), the lookup
+        would find that entry again: the read reuses what was derived."""
         started = time.perf_counter()
+        moved = self._run(read)
+        self._stats.transfer(GEN_V2, READ, *moved, time.perf_counter() - started)
+
+    def _run(self, read: PreparedRead) -> Moved:
+        """`run` but the counting: what the read moved."""
         with self._pins.pinned(read.record.cache_id) as pinned:
             if not pinned.remote_accessible:
                 # The real one-sided path needs the local side registered for remote access too.
                 raise _invalid("with remote cache access, the local cache must be remote_accessible too")
             found = read.found
             if found is not None and pinned is read.record and self._read_again(read, found):
-                self._stats.transfer(
-                    GEN_V2,
-                    READ,
-                    CMA,
-                    found.nbytes,
-                    len(found.runs) * read.count,
-                    time.perf_counter() - started,
-                )
-                return
+                return found.moved
             link = self.check_peer(read.cluster_id)
             if (
                 found is not None
@@ -151,15 +154,7 @@ class OneSided:
                     prepared=found.prepared,
                     words=found.words,
                 )
-                self._stats.transfer(
-                    GEN_V2,
-                    READ,
-                    found.transport,
-                    found.nbytes,
-                    len(found.runs) * read.count,
-                    time.perf_counter() - started,
-                )
-                return
+                return found.moved
             table, remote = self.find(read.cluster_id, read.cache_id, read.model_id)
             if read.continuous_source and remote.is_blocks:
                 raise _invalid("the source of pull_cache must not be a blocks cache")
@@ -169,13 +164,10 @@ class OneSided:
                 read.cluster_id, remote, read.src_start, pinned, read.dst_start, read.count, runs, link=link
             )
             nbytes = read.count * sum(run.nbytes for run in runs)
-            moved = SHM if remote.segment else CMA
-            how = moved if mover_of(link).sees_peer_memory else MOONCAKE
-            self._stats.transfer(
-                GEN_V2, READ, how, nbytes, len(runs) * read.count, time.perf_counter() - started
-            )
+            moved = Moved(transport(mover_of(link), remote), nbytes, read.count * len(runs))
             if pinned is read.record:
-                read.found = _Found(link, table, remote, runs, prepared, words, how, nbytes)
+                read.found = _Found(link, table, remote, runs, prepared, words, moved)
+            return moved
 
     def _read_again(self, read: PreparedRead, found: _Found) -> bool:
         """The last run's read of registered memory once more, in one call of the C kernel
@@ -185,7 +177,7 @@ class OneSided:
         for a cache freed or reused during the copy; False when the full way must look (no kernel, another
         link or table, a stale entry: nothing copied; a copy the kernel did not complete: redone there)."""
         kernel = _vm_read_checked
-        if kernel is None or found.words is None or found.prepared is None or _faults.hook is not None:
+        if kernel is None or found.words is None or found.prepared is None:
             return False
         iovecs = found.prepared.read_iovecs
         if iovecs is None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from llm_datadist._shm.stats import StatsReading
 
-from ._stats import BUCKETS, GENERATIONS, OPERATIONS, TRANSPORTS, role_name
+from ._stats import BUCKETS, GENERATIONS, OPERATIONS, TRANSPORTS, bucket_names, role_name
 from ._wire.door import REFUSAL_CAUSES
 
 PREFIX = "llm_datadist_"
@@ -91,8 +91,7 @@ def metric_families(readings: Sequence[StatsReading]) -> Iterator[Any]:
                     transfers.add_metric(labels, slots.get(f"{prefix}.{transport}.transfers", 0))
                     nbytes.add_metric(labels, slots.get(f"{prefix}.{transport}.bytes", 0))
                     runs.add_metric(labels, slots.get(f"{prefix}.{transport}.runs", 0))
-                counts = [slots.get(f"{prefix}.under_{1 << i}us", 0) for i in range(BUCKETS - 1)]
-                counts.append(slots.get(f"{prefix}.over_{1 << (BUCKETS - 2)}us", 0))
+                counts = [slots.get(name, 0) for name in bucket_names(prefix)]
                 cumulative, total = [], 0
                 for bound, count in zip(bounds, counts, strict=True):
                     total += count

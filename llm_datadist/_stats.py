@@ -16,7 +16,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -56,6 +56,30 @@ GAUGES: Final = ("caches", "pool_used_bytes", "leases", "pins", "links", "index_
 _FAILED_CODES: Final = tuple(code for code in LLMStatusCode if code != LLMStatusCode.LLM_SUCCESS)
 
 
+def bucket_names(prefix: str) -> list[str]:
+    """The histogram's slots for `prefix` ("<generation>.<operation>"), bucket by bucket."""
+    names = [f"{prefix}.under_{1 << i}us" for i in range(BUCKETS - 1)]
+    names.append(f"{prefix}.over_{1 << (BUCKETS - 2)}us")
+    return names
+
+
+def operation_totals(counters: Mapping[str, int]) -> dict[str, dict[str, float]]:
+    """Per operation ("pull", "push", "read", "write"): transfers, bytes, seconds and failures, every
+    generation and transport together."""
+    out: dict[str, dict[str, float]] = {}
+    for operation in OPERATIONS:
+        row = {"transfers": 0.0, "bytes": 0.0, "seconds": 0.0, "failures": 0.0}
+        for generation in GENERATIONS:
+            prefix = f"{generation}.{operation}"
+            for transport_name in TRANSPORTS:
+                row["transfers"] += counters.get(f"{prefix}.{transport_name}.transfers", 0)
+                row["bytes"] += counters.get(f"{prefix}.{transport_name}.bytes", 0)
+            row["seconds"] += counters.get(f"{prefix}.seconds_sum_ns", 0) / 1e9
+            row["failures"] += counters.get(f"{prefix}.failures", 0)
+        out[operation] = row
+    return out
+
+
 def _slot_names() -> list[str]:
     names = [
         f"{generation}.{operation}.{transport}.{field}"
@@ -69,8 +93,7 @@ def _slot_names() -> list[str]:
             prefix = f"{generation}.{operation}"
             names.append(f"{prefix}.seconds_sum_ns")
             names.append(f"{prefix}.failures")
-            names.extend(f"{prefix}.under_{1 << i}us" for i in range(BUCKETS - 1))
-            names.append(f"{prefix}.over_{1 << (BUCKETS - 2)}us")
+            names.extend(bucket_names(prefix))
     names.extend(f"status.{code.name}" for code in _FAILED_CODES)
     names.extend(f"events.{event}" for event in EVENTS)
     return names
@@ -149,20 +172,8 @@ class Snapshot:
         return Snapshot(self.taken_ns - earlier.taken_ns, counters, dict(self.gauges))
 
     def totals(self) -> dict[str, dict[str, float]]:
-        """Per operation ("pull", "push", "read", "write"): transfers, bytes, seconds and failures, every
-        generation and transport together."""
-        out: dict[str, dict[str, float]] = {}
-        for operation in OPERATIONS:
-            row = {"transfers": 0.0, "bytes": 0.0, "seconds": 0.0, "failures": 0.0}
-            for generation in GENERATIONS:
-                prefix = f"{generation}.{operation}"
-                for transport_name in TRANSPORTS:
-                    row["transfers"] += self.counters.get(f"{prefix}.{transport_name}.transfers", 0)
-                    row["bytes"] += self.counters.get(f"{prefix}.{transport_name}.bytes", 0)
-                row["seconds"] += self.counters.get(f"{prefix}.seconds_sum_ns", 0) / 1e9
-                row["failures"] += self.counters.get(f"{prefix}.failures", 0)
-            out[operation] = row
-        return out
+        """`operation_totals` of these counters."""
+        return operation_totals(self.counters)
 
     def to_dict(self) -> dict[str, Any]:
         return {"taken_ns": self.taken_ns, "counters": dict(self.counters), "gauges": dict(self.gauges)}
@@ -256,15 +267,15 @@ class Stats:
         if address:  # this thread's own row, and the C kernel: its adds, in one call
             _count_transfer(address, kind, timing, BUCKETS, nbytes, runs, ns)
             return
+        bucket = min((ns // 1000).bit_length(), BUCKETS - 1)  # as the kernel's
         row = self._local.row
         if row < 0:  # every row is taken: the shared one, under its lock
-            bucket = min((ns // 1000).bit_length(), BUCKETS - 1)
             self._add_all(
                 segment,
                 ((kind, 1), (kind + 1, nbytes), (kind + 2, runs), (timing, ns), (timing + 2 + bucket, 1)),
             )
             return
-        bucket = min((ns // 1000).bit_length(), BUCKETS - 1)
+        # This thread's own row without the kernel: the same adds inline (a call per add costs twice).
         words = segment.words
         kind += row
         timing += row
@@ -279,7 +290,7 @@ class Stats:
         segment = self._segment
         if segment is None:
             return
-        timing = _TIMING_BASE + (generation * _OPERATION_COUNT + operation) * _TIMING_WIDTH
+        timing = _PLACES[generation][operation][0][1]
         status = _STATUS_SLOT.get(code)
         self._add_all(segment, ((timing + 1, 1),) if status is None else ((timing + 1, 1), (status, 1)))
 

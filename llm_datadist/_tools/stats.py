@@ -17,7 +17,7 @@ from typing import Any
 
 from llm_datadist._shm.space import format_nbytes
 from llm_datadist._shm.stats import StatsReading, list_stats
-from llm_datadist._stats import BUCKETS, GENERATIONS, OPERATIONS, TRANSPORTS, role_name
+from llm_datadist._stats import BUCKETS, GENERATIONS, OPERATIONS, bucket_names, operation_totals, role_name
 
 from .output import say
 
@@ -33,16 +33,12 @@ DESCRIPTION = (
 
 def _totals(reading: StatsReading) -> tuple[int, int, int]:
     """Transfers, bytes and failures of every kind."""
-    slots = reading.slots
-    transfers = nbytes = failures = 0
-    for generation in GENERATIONS:
-        for operation in OPERATIONS:
-            prefix = f"{generation}.{operation}"
-            failures += slots.get(f"{prefix}.failures", 0)
-            for transport in TRANSPORTS:
-                transfers += slots.get(f"{prefix}.{transport}.transfers", 0)
-                nbytes += slots.get(f"{prefix}.{transport}.bytes", 0)
-    return transfers, nbytes, failures
+    rows = operation_totals(reading.slots).values()
+    return (
+        int(sum(row["transfers"] for row in rows)),
+        int(sum(row["bytes"] for row in rows)),
+        int(sum(row["failures"] for row in rows)),
+    )
 
 
 # What a watch read last: segment name -> (when, reading).
@@ -155,10 +151,8 @@ def _histogram(reading: StatsReading) -> list[int]:
     counts = [0] * BUCKETS
     for generation in GENERATIONS:
         for operation in OPERATIONS:
-            prefix = f"{generation}.{operation}"
-            for i in range(BUCKETS - 1):
-                counts[i] += reading.slots.get(f"{prefix}.under_{1 << i}us", 0)
-            counts[-1] += reading.slots.get(f"{prefix}.over_{1 << (BUCKETS - 2)}us", 0)
+            for i, name in enumerate(bucket_names(f"{generation}.{operation}")):
+                counts[i] += reading.slots.get(name, 0)
     return counts
 
 
