@@ -29,7 +29,7 @@ from .._validate import (
     check_range_step1,
     check_uint32,
 )
-from ..status import LLMStatusCode
+from ..status import LLMException, LLMStatusCode
 from .cache import Cache
 from .llm_types import (
     BlocksCacheKey,
@@ -82,30 +82,34 @@ class Pushes(ManagerBase):
         src_layers, dst_layers = self._push_layers(
             api, record, src_layer_range, dst_layer_range, tensor_num_per_layer
         )
-        with self._timeout_errors(api), core.pins.pinned(record.cache_id) as pinned:
-            remote = self._remote(api, core, dst_cache_key.cluster_id, dst_cache_key.cache_id, None)
-            if remote.is_blocks:
-                _invalid(api, "the destination of push_cache must not be a blocks cache")
-            if dst_cache_key.batch_index >= remote.num_units or remote.unit_nbytes < record.slot_nbytes:
-                _invalid(api, "the remote slot cannot hold the local slot")
-            runs = [
-                UnitRun(
-                    dst_cache_key.batch_index * remote.unit_nbytes,
-                    src_batch_index * record.slot_nbytes,
-                    record.slot_nbytes,
+        try:
+            with self._timeout_errors(api), core.pins.pinned(record.cache_id) as pinned:
+                remote = self._remote(api, core, dst_cache_key.cluster_id, dst_cache_key.cache_id, None)
+                if remote.is_blocks:
+                    _invalid(api, "the destination of push_cache must not be a blocks cache")
+                if dst_cache_key.batch_index >= remote.num_units or remote.unit_nbytes < record.slot_nbytes:
+                    _invalid(api, "the remote slot cannot hold the local slot")
+                runs = [
+                    UnitRun(
+                        dst_cache_key.batch_index * remote.unit_nbytes,
+                        src_batch_index * record.slot_nbytes,
+                        record.slot_nbytes,
+                    )
+                ]
+                self._push_layer_by_layer(
+                    api,
+                    core,
+                    dst_cache_key.cluster_id,
+                    remote,
+                    pinned,
+                    src_layers,
+                    dst_layers,
+                    tensor_num_per_layer,
+                    runs,
                 )
-            ]
-            self._push_layer_by_layer(
-                api,
-                core,
-                dst_cache_key.cluster_id,
-                remote,
-                pinned,
-                src_layers,
-                dst_layers,
-                tensor_num_per_layer,
-                runs,
-            )
+        except LLMException as exc:
+            core.stats.failed(GEN_V2, WRITE, exc.status_code)
+            raise
 
     def push_blocks(
         self,
@@ -137,22 +141,28 @@ class Pushes(ManagerBase):
             api, record, src_layer_range, dst_layer_range, tensor_num_per_layer
         )
         block = record.slot_nbytes
-        with self._timeout_errors(api), core.pins.pinned(record.cache_id) as pinned:
-            remote = self._remote(api, core, dst_cache_key.cluster_id, None, dst_cache_key.model_id)
-            if remote.unit_nbytes != block or max(dst_blocks) >= remote.num_units:
-                _invalid(api, "remote block size or block index does not match")
-            runs = [UnitRun(d * block, s * block, block) for s, d in zip(src_blocks, dst_blocks, strict=True)]
-            self._push_layer_by_layer(
-                api,
-                core,
-                dst_cache_key.cluster_id,
-                remote,
-                pinned,
-                src_layers,
-                dst_layers,
-                tensor_num_per_layer,
-                runs,
-            )
+        try:
+            with self._timeout_errors(api), core.pins.pinned(record.cache_id) as pinned:
+                remote = self._remote(api, core, dst_cache_key.cluster_id, None, dst_cache_key.model_id)
+                if remote.unit_nbytes != block or max(dst_blocks) >= remote.num_units:
+                    _invalid(api, "remote block size or block index does not match")
+                runs = [
+                    UnitRun(d * block, s * block, block) for s, d in zip(src_blocks, dst_blocks, strict=True)
+                ]
+                self._push_layer_by_layer(
+                    api,
+                    core,
+                    dst_cache_key.cluster_id,
+                    remote,
+                    pinned,
+                    src_layers,
+                    dst_layers,
+                    tensor_num_per_layer,
+                    runs,
+                )
+        except LLMException as exc:
+            core.stats.failed(GEN_V2, WRITE, exc.status_code)
+            raise
 
     def transfer_cache_async(
         self,

@@ -448,3 +448,33 @@ def test_a_forked_child_counts_nothing_into_its_parents_figures() -> None:
         assert reading.slots["v1.pull.shm.transfers"] == 1 and reading.slots["events.links_broken"] == 0
     finally:
         counting.close()
+
+
+def test_v2_writes_count_their_layers_and_their_failures(seed: int) -> None:
+    """v2 with remote cache access: `push_cache` counts each layer it wrote, and a push to a cache the
+    owner does not hold counts as a failed write with its code."""
+    import json
+
+    from llm_datadist import CacheKeyByIdAndIndex
+
+    extra = {
+        "llm.EnableCacheManager": "1",
+        "llm.EnableRemoteCacheAccessible": "1",
+        "llm.MemPoolConfig": json.dumps({"memory_size": 16 << 20, "page_shift": 16}),
+    }
+    port = _port() + 9
+    with PromptPeer(P, port, seed, extra=extra) as peer, decoder(A, extra=extra) as dd:
+        remote = peer.call("v2_alloc", (4, [1, 2048], [], None))  # 2 layers of K and V
+        assert dd.link_clusters([_cluster(port)], 5000)[0] == LLMStatusCode.LLM_SUCCESS
+        manager = dd.cache_manager
+        local = manager.allocate_cache(CacheDesc(4, [1, 2048], DataType.DT_FLOAT16))
+        before = stats()
+        manager.push_cache(CacheKeyByIdAndIndex(P, remote, 0), local)
+        with pytest.raises(LLMException) as exc_info:
+            manager.push_cache(CacheKeyByIdAndIndex(P, remote + 100, 0), local)
+        code = exc_info.value.status_code
+        counters = stats().since(before).counters
+        written = sum(counters[f"v2.write.{t}.transfers"] for t in ("shm", "cma", "mooncake"))
+        assert written == 2  # a layer each
+        assert counters["v2.write.failures"] == 1
+        assert counters[f"status.{code.name}"] == 1
