@@ -8,7 +8,8 @@ delegates to `Core`. Internal errors become `LLMException` in `api_errors`, nowh
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from .._errors import FORK_HINT, api_errors
 from .._keys import KeyId
@@ -49,6 +50,9 @@ from ..v2.llm_types import (
 )
 from ..v2.llm_utils import CacheTask
 from . import _local_ops
+
+# What `_run_pull` runs: a pull or a block pull.
+_Spec = TypeVar("_Spec", PullSpec, BlocksSpec)
 
 if TYPE_CHECKING:
     from .._core import Core
@@ -283,7 +287,7 @@ class KvCacheManager:
                     and kv_cache._is_valid
                     and core.table.get(kv_cache.cache_id) is record
                 ):
-                    self._run_pull(api, core, spec, record)
+                    self._run_pull(api, core, core.transfers.pull, spec, record)
                     return
         core = self._require_core(api)
         self._check_role(api, LLMRole.DECODER)
@@ -332,7 +336,7 @@ class KvCacheManager:
             if len(self._prepared) >= _MAX_PREPARED:
                 self._prepared.clear()
             self._prepared[memo_key] = (core, self._role, spec, record)
-        self._run_pull(api, core, spec, record)
+        self._run_pull(api, core, core.transfers.pull, spec, record)
 
     @staticmethod
     def _select(api: str, core: Core, layers: LayerArgs, record: CacheRecord) -> TensorSelection:
@@ -342,10 +346,14 @@ class KvCacheManager:
             _param_invalid(api, "layer ranges are not supported with several devices in one process")
         return layers.select(api, record.num_tensors)
 
-    def _run_pull(self, api: str, core: Core, spec: PullSpec, record: CacheRecord) -> None:
+    @staticmethod
+    def _run_pull(
+        api: str, core: Core, transfer: Callable[[_Spec, CacheRecord], None], spec: _Spec, record: CacheRecord
+    ) -> None:
+        """`transfer` (`Transfers.pull`, `pull_blocks`) of `spec` into `record`, pinned; failures counted."""
         try:
             with api_errors(api), core.pins.pinned(record.cache_id) as pinned:
-                core.transfers.pull(spec, pinned)
+                transfer(spec, pinned)
         except LLMException as exc:
             core.stats.failed(GEN_V1, PULL, exc.status_code)
             raise
@@ -402,12 +410,7 @@ class KvCacheManager:
             src_blocks=tuple(prompt_blocks),
             dst_blocks=tuple(decoder_blocks),
         )
-        try:
-            with api_errors(api), core.pins.pinned(record.cache_id) as pinned:
-                core.transfers.pull_blocks(spec, pinned)
-        except LLMException as exc:
-            core.stats.failed(GEN_V1, PULL, exc.status_code)
-            raise
+        self._run_pull(api, core, core.transfers.pull_blocks, spec, record)
 
     def copy_cache(
         self,
