@@ -20,6 +20,7 @@ from typing import NamedTuple, NoReturn, Protocol
 from llm_datadist._shm import repin as _repin
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.index import (
+    CACHE_KEYS_UNPUBLISHED,
     CACHE_PENDING,
     CACHE_WITHDRAWN,
     FLAG_UNPUBLISHED,
@@ -201,6 +202,8 @@ def _pin_locked(link: RowHolder, index: Index, cluster_id: int, ref: SourceRef, 
         alias = index.lookup(KIND_SLOT, key_id, batch_index)
         if alias is not None:
             consume_name = alias.target
+        elif consume and cache.flags & CACHE_KEYS_UNPUBLISHED:
+            return None  # the slot's req key may be one the index does not hold: the owner consumes it
     if batch_slot >= cache.batch_size:
         raise IndexCorrupt(f"name {name.number} names slot {batch_slot} of a batch of {cache.batch_size}")
     check_tensors(cache.num_tensors, tensor_start, tensor_count, ref.whole)
@@ -208,16 +211,25 @@ def _pin_locked(link: RowHolder, index: Index, cluster_id: int, ref: SourceRef, 
         check_source_bytes(cache.slot_nbytes, ref.src_offset, ref.nbytes)
     if cache.registered and not v2:
         raise registered_for_v1(cache.cache_id)
-    taken = 0
+    # A pull that consumes names the req key it pulls from in its row, whether or not it could reserve
+    # anything of it: what it reserved is given back if it fails, and what it pulls is credited to the
+    # key if it ends well, whoever had reserved those tensors (reference §9.4: a key is consumed once
+    # pulls that ended well copied all of it). A row that names a key keeps the owner from unbinding it.
+    pulled_name, taken = -1, 0
     if consume and consume_name >= 0 and not cache.registered:  # keys on registered memory stay
         target = index.name_entry(consume_name)
         if (target.cache_slot, target.generation) == (cache.slot, cache.generation):
-            bits = ((1 << tensor_count) - 1) << tensor_start
-            taken = index.consume(consume_name, bits)
-    # The row names the key only when it took something of it (what a failed pull gives back): a row that
-    # names a key keeps the owner from unbinding it.
-    consumed_name = consume_name if taken else -1
-    index.set_row(link.index_row, link.index_ticket, cache.slot, cache.generation, consumed_name, taken)
+            pulled_name = consume_name
+            taken = index.consume(consume_name, ((1 << tensor_count) - 1) << tensor_start)
+    index.set_row(
+        link.index_row,
+        link.index_ticket,
+        cache.slot,
+        cache.generation,
+        pulled_name,
+        taken,
+        range(tensor_start, tensor_start + tensor_count),
+    )
     if not again or not ref.repeatable:
         return Pin(cache, batch_slot)
     plan = RepinPlan.make(index, link.index_row, link.index_ticket, name, cache, check_busy=not v2)
@@ -247,13 +259,15 @@ def unpin_again(link: RowHolder, index: Index, plan: RepinPlan) -> None:
 
 
 def unpin(link: RowHolder, index: Index, *, ok: bool) -> None:
-    """End the row's pin; after a failed copy, give back what the pin consumed. A row the owner took back
-    (it revoked the pin: the memory may be reused) fails a transfer that went well with LLM_LINK_FAILED. A
-    lock that cannot be had even now leaves the unpin owed (done by `settle_owed`) and breaks the link."""
+    """End the row's pin: after a copy that went well, what it pulled counts as pulled; after a failed one,
+    what it reserved goes back. A row the owner took back (it revoked the pin: the memory may be reused)
+    fails a transfer that went well with LLM_LINK_FAILED. A lock that cannot be had even now fails the
+    transfer, leaves the unpin owed (done by `settle_owed` as a failed pull's: what it reserved goes back,
+    so the key can be pulled again) and breaks the link."""
     try:
         index.lock(_UNPIN_TIMEOUT_S)
     except ShmError as exc:
-        _unpins.owe(index, link.index_row, link.index_ticket, ok)
+        _unpins.owe(index, link.index_row, link.index_ticket)
         link.fail(f"could not unpin in the peer's index: {exc}")
         if ok:
             raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
@@ -282,14 +296,18 @@ def unpin(link: RowHolder, index: Index, *, ok: bool) -> None:
 
 def _unpin_locked(index: Index, row: int, ticket: int, ok: bool) -> bool:
     """False if the row is no longer ours or pins nothing (the owner took it back)."""
-    holder, state, cache_slot, generation, name, taken = index.row(row)
-    if holder != ticket or not state:
+    entry = index.row(row)
+    if entry.holder != ticket or not entry.state:
         return False
-    if not ok and name >= 0 and taken:
-        index.restore(name, taken, cache_slot, generation)
-    if taken or index.cache_flags(cache_slot) & CACHE_PENDING:
-        # The owner unbinds what this pin consumed, and frees what only the pin kept, at its next look
-        # (its next call, or its server thread within half a second).
+    cache_slot, generation, name, taken = entry.cache_slot, entry.generation, entry.name, entry.taken
+    if name >= 0:
+        if ok:
+            index.credit(name, entry.pulled, cache_slot, generation)
+        elif taken:
+            index.restore(name, taken, cache_slot, generation)
+    if name >= 0 or index.cache_flags(cache_slot) & CACHE_PENDING:
+        # The owner unbinds a key pulled whole once no row names it, and frees what only the pin kept, at
+        # its next look (its next call, or its server thread within half a second).
         index.bump_epoch()
     index.clear_row(row, ticket)
     return True

@@ -16,7 +16,7 @@ from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.index import Index
 
 _lock = threading.Lock()
-_owed: list[tuple[Index, int, int, bool]] = []  # (index, row, ticket, ok)
+_owed: list[tuple[Index, int, int]] = []  # (index, row, ticket)
 _released: set[int] = set()  # id() of owed indexes whose link let go of them
 
 
@@ -32,9 +32,10 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def owe(index: Index, row: int, ticket: int, ok: bool) -> None:
+def owe(index: Index, row: int, ticket: int) -> None:
+    """An unpin to do later, as a failed pull's (the transfer that owes it failed)."""
     with _lock:
-        _owed.append((index, row, ticket, ok))
+        _owed.append((index, row, ticket))
 
 
 def release(index: Index) -> None:
@@ -51,14 +52,14 @@ def settle(timeout_s: float, unpin_locked: Callable[[Index, int, int, bool], obj
     with _lock:
         owed = list(_owed)
     for entry in owed:
-        index, row, ticket, ok = entry
+        index, row, ticket = entry
         if not index.closed:
             try:
                 index.lock(timeout_s)
             except ShmError:
                 continue
             try:
-                unpin_locked(index, row, ticket, ok)
+                unpin_locked(index, row, ticket, False)
             except ShmError:
                 pass  # a corrupt row is the owner's to repair; ours is over either way
             finally:

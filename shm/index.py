@@ -40,9 +40,10 @@ __all__ = [
     "IndexCorrupt",
     "IndexLockTimeout",
     "NameEntry",
+    "RowEntry",
 ]
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 _MAGIC = b"LLMDDIX\x00"
 
 # Name kinds: the three key kinds of the protocol, plus two the index adds for lookups by cache id.
@@ -55,7 +56,10 @@ KIND_SLOT = 5  # (cache_id, batch slot) -> the KIND_REQ name bound to that slot 
 # Name states.
 NAME_FREE = 0
 NAME_LIVE = 1
-NAME_CONSUMED = 2  # a puller pulled the last tensor of the key; the owner reclaims the name
+# Every tensor of the key is reserved by a live pin or pulled: lookups no longer find it. Once the pins that
+# reserved tensors have ended, every tensor was pulled (a failed pull gives back only what nobody pulled),
+# and the owner reclaims the name.
+NAME_CONSUMED = 2
 
 # Cache flags.
 CACHE_BLOCKS = 1
@@ -63,6 +67,9 @@ CACHE_PENDING = 2  # the owner wants to free the cache: a puller that unpins it 
 CACHE_WITHDRAWN = 4  # its user deallocated it: it is still read (keys remain), never written
 CACHE_REGISTERED = 8  # memory the owner registered: tensors at addresses in the address region, no segment
 CACHE_REMOTE = 16  # remote_accessible (v2): listed in the one-sided table
+# A req key bound to a slot of the cache is not in the index (more tensors than a mask holds, no free name):
+# a pull by cache id that consumes cannot find what it consumes here, so it asks the owner.
+CACHE_KEYS_UNPUBLISHED = 32
 
 # Header flags: some key or cache is not in the index (more tensors than a mask holds, a full index): a
 # puller that does not find a name asks the owner instead; with caches missing, the one-sided table comes
@@ -70,7 +77,7 @@ CACHE_REMOTE = 16  # remote_accessible (v2): listed in the one-sided table
 FLAG_UNPUBLISHED = 1
 FLAG_CACHES_UNPUBLISHED = 2
 
-MAX_MASK_TENSORS = 512  # a key's unpulled tensors are a bitmask of this many bits
+MAX_MASK_TENSORS = 512  # a key's tensors are bitmasks of this many bits
 _MASK_NBYTES = MAX_MASK_TENSORS // 8
 _SEGMENT_NAME_NBYTES = 64
 BUSY_CAPACITY = 64  # clusters an owner pushes into at once (transfer_cache_async)
@@ -84,7 +91,7 @@ BUSY_CAPACITY = 64  # clusters an owner pushes into at once (transfer_cache_asyn
 #   1024    BUSY_CAPACITY * 16     (cluster_id u64, count u64): clusters the owner is pushing into
 #   4096    rows * 128             pin rows, one per accepted connection (see _ROW)
 #   ...     caches * 128           cache entries, indexed by the cache's generation slot (see _CACHE)
-#   ...     names * 128            name entries (see _NAME), stable indices
+#   ...     names * 192            name entries (see _NAME), stable indices
 #   ...     buckets * 4            open-addressing hash of names: entry index + 1, 0 = empty; linear probing,
 #                                  deletion by backward shift (no tombstones), so entries never move
 #   ...     names * 4 * 8          address words: a registered cache's tensor addresses (in the owner's
@@ -105,16 +112,23 @@ _ROW_NBYTES = 128
 # through the row), state, cache slot, generation, name index + 1; the puller's incarnation at +32
 _ROW = struct.Struct("<QIIQI")
 _ROW_INCARNATION_OFFSET = 32
+# The tensors the pin pulls (first, count: a req key's pulled set gains them when the pull ends well) at +40,
+# and the tensors it reserved of the name it names (a 512-bit mask: given back if the pull fails) at +64.
+_ROW_RANGE = struct.Struct("<II")
+_ROW_RANGE_OFFSET = 40
 _ROW_MASK_OFFSET = 64
 _CACHE_NBYTES = 128
 # generation (0 = free), cache_id, flags, batch_size, offset, pitch, tensor_nbytes, num_tensors, seg nbytes
 _CACHE = struct.Struct("<QQIIQQQIxxxxQ")
 _CACHE_NAME_OFFSET = 64
-_NAME_NBYTES = 128
+_NAME_NBYTES = 192
 # state, kind, key_id, model_id, cache slot, batch slot, generation, target + 1 (KIND_SLOT), tensor count
-# (KIND_REQ: how many bits of the mask a key has)
+# (KIND_REQ: how many bits of the masks a key has); then two 512-bit masks of a req key's tensors: at +64
+# the unclaimed ones (neither reserved by a live pin nor pulled), at +128 the pulled ones (copied by a pull
+# that ended well). A tensor is in at most one of the two.
 _NAME = struct.Struct("<IIQQIIQII")
 _NAME_MASK_OFFSET = 64
+_NAME_PULLED_OFFSET = 128
 _NAME_KEY = struct.Struct("<IIQQ")  # the first four fields of _NAME: state, kind, key_id, model_id
 _U32 = struct.Struct("<I")
 
@@ -200,7 +214,20 @@ class NameEntry(NamedTuple):
     batch_slot: int
     generation: int
     target: int  # KIND_SLOT: index of the KIND_REQ name; -1 otherwise
-    mask: int  # unpulled tensors (KIND_REQ)
+    mask: int  # unclaimed tensors (KIND_REQ): neither reserved by a live pin nor pulled
+    pulled: int = 0  # tensors pulled by pulls that ended well (KIND_REQ)
+
+
+class RowEntry(NamedTuple):
+    """A pin row as read."""
+
+    holder: int
+    state: int  # 1: pins the cache below
+    cache_slot: int
+    generation: int
+    name: int  # the req key's name the pin pulls from (its reservation and its credit), or -1
+    taken: int  # the tensors the pin reserved of that name (given back if the pull fails)
+    pulled: int  # the tensors the pin pulls (the name's pulled set gains them if the pull ends well)
 
 
 def _hash(kind: int, key_id: int, model_id: int) -> int:
@@ -212,6 +239,20 @@ def _hash(kind: int, key_id: int, model_id: int) -> int:
     h = (h * 0xD6E8FEB86659FD93) & ((1 << 64) - 1)
     h ^= h >> 32
     return h
+
+
+def _read_mask(mm: mmap.mmap, offset: int) -> int:
+    return int.from_bytes(mm[offset : offset + _MASK_NBYTES], "little")
+
+
+def _write_mask(mm: mmap.mmap, offset: int, mask: int) -> None:
+    mm[offset : offset + _MASK_NBYTES] = mask.to_bytes(_MASK_NBYTES, "little")
+
+
+def _range_mask(first: int, count: int) -> int:
+    """The bitmask of tensors [first, first + count), clamped to the masks' width."""
+    first, count = min(first, MAX_MASK_TENSORS), min(count, MAX_MASK_TENSORS)
+    return ((1 << count) - 1) << first & ((1 << MAX_MASK_TENSORS) - 1)
 
 
 def _layout_nbytes(rows: int, caches: int, names: int, buckets: int) -> int:
@@ -493,21 +534,20 @@ class Index:
         mm = self._check_locked()
         offset = self.name_offset(index)
         state, kind, key_id, model_id, cache_slot, batch_slot, gen, target, _ = _NAME.unpack_from(mm, offset)
-        mask = int.from_bytes(
-            mm[offset + _NAME_MASK_OFFSET : offset + _NAME_MASK_OFFSET + _MASK_NBYTES], "little"
+        mask = _read_mask(mm, offset + _NAME_MASK_OFFSET)
+        pulled = _read_mask(mm, offset + _NAME_PULLED_OFFSET)
+        return NameEntry(
+            index, state, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, mask, pulled
         )
-        return NameEntry(index, state, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, mask)
 
-    def set_name_state(self, index: int, state: int, mask: int) -> None:
+    def set_name_state(self, index: int, state: int, mask: int, pulled: int | None = None) -> None:
+        """Write a name's state and unclaimed mask (and its pulled mask, unless None)."""
         mm = self._check_locked()
         offset = self.name_offset(index)
         struct.pack_into("<I", mm, offset, state)
-        self._write_mask(offset, mask)
-
-    def _write_mask(self, offset: int, mask: int) -> None:
-        self._map[offset + _NAME_MASK_OFFSET : offset + _NAME_MASK_OFFSET + _MASK_NBYTES] = mask.to_bytes(
-            _MASK_NBYTES, "little"
-        )
+        _write_mask(mm, offset + _NAME_MASK_OFFSET, mask)
+        if pulled is not None:
+            _write_mask(mm, offset + _NAME_PULLED_OFFSET, pulled)
 
     def name_offset(self, index: int) -> int:
         if not 0 <= index < self.names:
@@ -515,8 +555,8 @@ class Index:
         return self._names_offset + index * _NAME_NBYTES
 
     def consume(self, index: int, tensors: int) -> int:
-        """Clear the tensors of bitmask `tensors` from name `index`'s unpulled set; the bits that were set.
-        A name whose set empties becomes NAME_CONSUMED (lookups no longer find it) and the epoch moves."""
+        """Reserve the unclaimed tensors of bitmask `tensors` in name `index`; the bits reserved. A name
+        with nothing left unclaimed becomes NAME_CONSUMED (lookups no longer find it) and the epoch moves."""
         entry = self.name_entry(index)
         taken = entry.mask & tensors
         if taken:
@@ -526,16 +566,37 @@ class Index:
                 self.bump_epoch()
         return taken
 
+    def credit(self, index: int, tensors: int, cache_slot: int, generation: int) -> None:
+        """A pull of the tensors of bitmask `tensors` ended well: they are pulled, whoever reserved them,
+        if name `index` still names that cache. Once nothing is left unclaimed the name is consumed."""
+        entry = self._same_key(index, cache_slot, generation)
+        if entry is None or not tensors & ~entry.pulled:
+            return
+        left = entry.mask & ~tensors
+        self.set_name_state(index, NAME_LIVE if left else NAME_CONSUMED, left, entry.pulled | tensors)
+        if not left:
+            self.bump_epoch()
+
     def restore(self, index: int, tensors: int, cache_slot: int, generation: int) -> None:
-        """Give back tensors a failed pull consumed, if name `index` still names that cache."""
+        """Give back the tensors a failed pull reserved, but for those another pull pulled meanwhile, if
+        name `index` still names that cache."""
+        entry = self._same_key(index, cache_slot, generation)
+        if entry is None:
+            return
+        back = tensors & ~entry.pulled
+        if back & ~entry.mask:
+            self.set_name_state(index, NAME_LIVE, entry.mask | back)
+            self.bump_epoch()
+
+    def _same_key(self, index: int, cache_slot: int, generation: int) -> NameEntry | None:
         entry = self.name_entry(index)
         if (
             entry.state in (NAME_LIVE, NAME_CONSUMED)
             and entry.kind == KIND_REQ
             and (entry.cache_slot, entry.generation) == (cache_slot, generation)
         ):
-            self.set_name_state(index, NAME_LIVE, entry.mask | tensors)
-            self.bump_epoch()
+            return entry
+        return None
 
     # ------------------------------------------------------------------------------------ rows
 
@@ -549,24 +610,30 @@ class Index:
         offset = self.row_offset(row) + _ROW_INCARNATION_OFFSET
         return int(struct.unpack_from("<Q", self._check_locked(), offset)[0])
 
-    def row(self, row: int) -> tuple[int, int, int, int, int, int]:
-        """(holder, state, cache slot, generation, name index or -1, consumed mask)."""
+    def row(self, row: int) -> RowEntry:
         mm = self._check_locked()
         offset = self.row_offset(row)
         incarnation, state, cache_slot, generation, name = _ROW.unpack_from(mm, offset)
-        mask = int.from_bytes(
-            mm[offset + _ROW_MASK_OFFSET : offset + _ROW_MASK_OFFSET + _MASK_NBYTES], "little"
+        return RowEntry(
+            incarnation,
+            state,
+            cache_slot,
+            generation,
+            name - 1,
+            _read_mask(mm, offset + _ROW_MASK_OFFSET),
+            _range_mask(*_ROW_RANGE.unpack_from(mm, offset + _ROW_RANGE_OFFSET)),
         )
-        return incarnation, state, cache_slot, generation, name - 1, mask
 
-    def set_row(self, row: int, holder: int, cache_slot: int, generation: int, name: int, mask: int) -> None:
-        """A puller pins (cache_slot, generation) through its row, noting what it consumed of `name`."""
+    def set_row(
+        self, row: int, holder: int, cache_slot: int, generation: int, name: int, taken: int, pulled: range
+    ) -> None:
+        """A puller pins (cache_slot, generation) through its row, noting the name it pulls from, what it
+        reserved of it and the tensors it pulls."""
         mm = self._check_locked()
         offset = self.row_offset(row)
         _ROW.pack_into(mm, offset, holder, 1, cache_slot, generation, name + 1)
-        mm[offset + _ROW_MASK_OFFSET : offset + _ROW_MASK_OFFSET + _MASK_NBYTES] = mask.to_bytes(
-            _MASK_NBYTES, "little"
-        )
+        _ROW_RANGE.pack_into(mm, offset + _ROW_RANGE_OFFSET, pulled.start, len(pulled))
+        _write_mask(mm, offset + _ROW_MASK_OFFSET, taken)
 
     def clear_row(self, row: int, holder: int) -> None:
         """End the row's pin (its other fields mean nothing while its state is 0)."""

@@ -14,16 +14,18 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .index import (
-    _MASK_NBYTES,
     _NAME,
     _NAME_MASK_OFFSET,
     _NAME_NBYTES,
+    _NAME_PULLED_OFFSET,
     _ROW,
     _ROW_NBYTES,
     _ROWS_OFFSET,
     _U32,
     NAME_CONSUMED,
     NAME_LIVE,
+    _read_mask,
+    _write_mask,
 )
 
 __all__ = ["Regions", "find_damage", "puller_name_state", "put_back"]
@@ -42,15 +44,15 @@ class Regions(NamedTuple):
     nbytes: int
 
 
-def puller_name_state(shared: mmap.mmap, offset: int, count: int) -> tuple[int, int]:
-    """(state, unpulled mask) that pullers left in the name at `offset`, clamped: a state no puller writes
-    reads as live, mask bits past the key's `count` tensors are not there."""
+def puller_name_state(shared: mmap.mmap, offset: int, count: int) -> tuple[int, int, int]:
+    """(state, unclaimed mask, pulled mask) that pullers left in the name at `offset`, clamped: a state no
+    puller writes reads as live, mask bits past the key's `count` tensors are not there, and a pulled
+    tensor is not unclaimed."""
     state = _U32.unpack_from(shared, offset)[0]
-    mask = int.from_bytes(
-        shared[offset + _NAME_MASK_OFFSET : offset + _NAME_MASK_OFFSET + _MASK_NBYTES], "little"
-    )
-    mask &= (1 << count) - 1
-    return (state if state in (NAME_LIVE, NAME_CONSUMED) else NAME_LIVE), mask
+    tensors = (1 << count) - 1
+    pulled = _read_mask(shared, offset + _NAME_PULLED_OFFSET) & tensors
+    mask = _read_mask(shared, offset + _NAME_MASK_OFFSET) & tensors & ~pulled
+    return (state if state in (NAME_LIVE, NAME_CONSUMED) else NAME_LIVE), mask, pulled
 
 
 def find_damage(shared: mmap.mmap, own: mmap.mmap, regions: Regions) -> list[str]:
@@ -96,9 +98,13 @@ def _words(view: np.ndarray[Any, Any], offset: int, count: int, nbytes: int) -> 
 
 
 def _rows_sane(rows: np.ndarray[Any, Any], own: np.ndarray[Any, Any]) -> bool:
-    """Words 0 (holder) and 4-7 (incarnation, padding) are the owner's; a row handed to nobody is all
+    """Words 0 (holder), 4 (incarnation) and 6-7 (padding) are the owner's; a row handed to nobody is all
     zero; a holder's state (the low half of word 1) is 0 or 1."""
-    if not (np.array_equal(rows[:, 0], own[:, 0]) and np.array_equal(rows[:, 4:8], own[:, 4:8])):
+    if not (
+        np.array_equal(rows[:, 0], own[:, 0])
+        and np.array_equal(rows[:, 4], own[:, 4])
+        and np.array_equal(rows[:, 6:8], own[:, 6:8])
+    ):
         return False
     free = own[:, 0] == 0
     return not rows[free].any() and bool(np.all((rows[:, 1] & 0xFFFFFFFF) <= 1))
@@ -106,8 +112,8 @@ def _rows_sane(rows: np.ndarray[Any, Any], own: np.ndarray[Any, Any]) -> bool:
 
 def _names_sane(names: np.ndarray[Any, Any], own: np.ndarray[Any, Any]) -> bool:
     """The owner's part of each name is as written (the high half of word 0, words 1-7); a free name is
-    all zero; a live one is live or consumed, and its mask (words 8-15) has no bit past its key's
-    tensor count (the high half of word 5)."""
+    all zero; a live one is live or consumed, and its masks (words 8-15 unclaimed, 16-23 pulled) have no
+    bit past its key's tensor count (the high half of word 5) and none in common."""
     if not (
         np.array_equal(names[:, 1:8], own[:, 1:8]) and np.array_equal(names[:, 0] >> 32, own[:, 0] >> 32)
     ):
@@ -123,12 +129,12 @@ def _names_sane(names: np.ndarray[Any, Any], own: np.ndarray[Any, Any]) -> bool:
     which = np.flatnonzero(with_bits)
     if not len(which):
         return True
-    masks = masks[which]
+    unclaimed, pulled = masks[which, :8], masks[which, 8:16]
     counts = (own[which, 5] >> 32).astype(np.int64)
     # Word j holds bits [64 j, 64 j + 64): the first count - 64 j of them (clamped to [0, 64]) may be set.
     allowed = np.clip(counts[:, None] - 64 * np.arange(8)[None, :], 0, 64)
     low = np.where(allowed >= 64, ~np.uint64(0), (np.uint64(1) << allowed.astype(np.uint64)) - np.uint64(1))
-    return not np.any(masks & ~low)
+    return not (np.any(unclaimed & ~low) or np.any(pulled & ~low) or np.any(unclaimed & pulled))
 
 
 def put_back(shared: mmap.mmap, own: mmap.mmap, regions: Regions) -> None:
@@ -143,7 +149,8 @@ def put_back(shared: mmap.mmap, own: mmap.mmap, regions: Regions) -> None:
             shared[offset : offset + _ROW_NBYTES] = own[offset : offset + _ROW_NBYTES]  # idle: nothing pinned
         else:
             shared[offset : offset + 8] = own[offset : offset + 8]
-            shared[offset + 32 : offset + 64] = own[offset + 32 : offset + 64]
+            shared[offset + 32 : offset + 40] = own[offset + 32 : offset + 40]
+            shared[offset + 48 : offset + 64] = own[offset + 48 : offset + 64]
     shared[regions.caches_offset : regions.names_offset] = own[regions.caches_offset : regions.names_offset]
     for index in range(regions.names):
         offset = regions.names_offset + index * _NAME_NBYTES
@@ -152,9 +159,8 @@ def put_back(shared: mmap.mmap, own: mmap.mmap, regions: Regions) -> None:
         if not owned_state:
             shared[offset : offset + _NAME_NBYTES] = bytes(_NAME_NBYTES)
         else:
-            state, mask = puller_name_state(shared, offset, count)
+            state, mask, pulled = puller_name_state(shared, offset, count)
             _U32.pack_into(shared, offset, state)
-            shared[offset + _NAME_MASK_OFFSET : offset + _NAME_MASK_OFFSET + _MASK_NBYTES] = mask.to_bytes(
-                _MASK_NBYTES, "little"
-            )
+            _write_mask(shared, offset + _NAME_MASK_OFFSET, mask)
+            _write_mask(shared, offset + _NAME_PULLED_OFFSET, pulled)
     shared[regions.buckets_offset : regions.nbytes] = own[regions.buckets_offset : regions.nbytes]

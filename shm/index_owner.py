@@ -14,9 +14,11 @@ Which bytes are whose (offsets within each region; everything not listed is the 
 
     header      [48, 56)   the epoch: pullers move it
     row         [8, 32)    state, cache slot, generation, name + 1: the row's holder writes them
-                [64, 128)  what the holder's pin consumed (a 512-bit mask)
-    name        [0, 4)     state: a puller marks a name it emptied NAME_CONSUMED
-                [64, 128)  the unpulled mask: pullers clear bits and give them back
+                [40, 48)   the tensors the holder's pin pulls (first, count)
+                [64, 128)  what the holder's pin reserved (a 512-bit mask)
+    name        [0, 4)     state: a puller marks a name with nothing left unclaimed NAME_CONSUMED
+                [64, 128)  the unclaimed mask: pullers reserve bits and give back what nobody pulled
+                [128, 192) the pulled mask: pullers whose pull ended well set bits
 
 Created by `OwnerIndex.create` (mode 0600, under a segment name, so the reaper removes it after a crash),
 unlinked by `close` (or by a finalizer when the creating process exits without closing).
@@ -46,13 +48,15 @@ from .index import (
     _GENERATIONS_OFFSET,
     _HEADER,
     _MAGIC,
-    _MASK_NBYTES,
     _NAME,
+    _NAME_MASK_OFFSET,
     _NAME_NBYTES,
     _ROW,
     _ROW_INCARNATION_OFFSET,
     _ROW_MASK_OFFSET,
     _ROW_NBYTES,
+    _ROW_RANGE,
+    _ROW_RANGE_OFFSET,
     _SEGMENT_NAME_NBYTES,
     _U32,
     BUSY_CAPACITY,
@@ -65,8 +69,12 @@ from .index import (
     CacheEntry,
     Index,
     NameEntry,
+    RowEntry,
     _hash,
     _layout_nbytes,
+    _range_mask,
+    _read_mask,
+    _write_mask,
 )
 from .index_audit import Regions, find_damage, puller_name_state, put_back
 from .names import make_segment_name
@@ -297,7 +305,7 @@ class OwnerIndex(Index):
             target + 1,
             count,
         )
-        self._write_mask(offset, (1 << count) - 1)
+        _write_mask(self._check_locked(), offset + _NAME_MASK_OFFSET, (1 << count) - 1)
         own = self._own
         bucket = _hash(kind, key_id, model_id) % self.buckets
         for _ in range(self.buckets):
@@ -350,8 +358,9 @@ class OwnerIndex(Index):
         self._pack(_U32, self._buckets_offset + 4 * hole, 0)
 
     def name_entry(self, index: int) -> NameEntry:
-        """Name `index` as the owner wrote it, with the state and mask pullers left (clamped: a state no
-        puller writes reads as live, mask bits past the key's tensors are not there)."""
+        """Name `index` as the owner wrote it, with the state and masks pullers left (clamped: a state no
+        puller writes reads as live, mask bits past the key's tensors are not there, a pulled tensor is
+        not unclaimed)."""
         self._check_locked()
         offset = self.name_offset(index)
         owned_state, kind, key_id, model_id, cache_slot, batch_slot, gen, target, count = _NAME.unpack_from(
@@ -359,12 +368,20 @@ class OwnerIndex(Index):
         )
         if not owned_state:
             return NameEntry(index, 0, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, 0)
-        state, mask = puller_name_state(self._map, offset, count)
-        return NameEntry(index, state, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, mask)
+        state, mask, pulled = puller_name_state(self._map, offset, count)
+        return NameEntry(
+            index, state, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, mask, pulled
+        )
 
     def restore(self, index: int, tensors: int, cache_slot: int, generation: int) -> None:
-        count = _NAME.unpack_from(self._own, self.name_offset(index))[8]
-        super().restore(index, tensors & ((1 << count) - 1), cache_slot, generation)
+        super().restore(index, tensors & self._tensors_of(index), cache_slot, generation)
+
+    def credit(self, index: int, tensors: int, cache_slot: int, generation: int) -> None:
+        super().credit(index, tensors & self._tensors_of(index), cache_slot, generation)
+
+    def _tensors_of(self, index: int) -> int:
+        """The bitmask of every tensor of name `index`'s key (as the owner wrote it)."""
+        return (1 << int(_NAME.unpack_from(self._own, self.name_offset(index))[8])) - 1
 
     def consumed_names(self) -> list[int]:
         """The indices of live names pullers marked NAME_CONSUMED (one numpy pass over the region)."""
@@ -390,31 +407,29 @@ class OwnerIndex(Index):
         self._pack(_ROW, offset, holder, 0, 0, 0, 0)
         self._pack(struct.Struct("<Q"), offset + _ROW_INCARNATION_OFFSET, incarnation)
 
-    def row(self, row: int) -> tuple[int, int, int, int, int, int]:
-        """(holder, state, cache slot, generation, name index or -1, consumed mask) as the row's holder left
-        them, clamped: a row the owner handed to nobody pins nothing, nor does a state no holder writes, and
-        a name outside the index is none."""
+    def row(self, row: int) -> RowEntry:
+        """The row as its holder left it, clamped: a row the owner handed to nobody pins nothing, nor does a
+        state no holder writes, and a name outside the index is none."""
         self._check_locked()
         offset = self.row_offset(row)
         holder = struct.unpack_from("<Q", self._own, offset)[0]
-        _, state, cache_slot, generation, name = _ROW.unpack_from(self._map, offset)
-        if not holder or state != 1:
-            return holder, 0, 0, 0, -1, 0
-        if not 0 <= name - 1 < self.names:
-            return holder, 1, cache_slot, generation, -1, 0
         mm = self._map
-        mask = int.from_bytes(
-            mm[offset + _ROW_MASK_OFFSET : offset + _ROW_MASK_OFFSET + _MASK_NBYTES], "little"
-        )
-        return holder, 1, cache_slot, generation, name - 1, mask
+        _, state, cache_slot, generation, name = _ROW.unpack_from(mm, offset)
+        if not holder or state != 1:
+            return RowEntry(holder, 0, 0, 0, -1, 0, 0)
+        if not 0 <= name - 1 < self.names:
+            return RowEntry(holder, 1, cache_slot, generation, -1, 0, 0)
+        taken = _read_mask(mm, offset + _ROW_MASK_OFFSET)
+        pulled = _range_mask(*_ROW_RANGE.unpack_from(mm, offset + _ROW_RANGE_OFFSET))
+        return RowEntry(holder, 1, cache_slot, generation, name - 1, taken, pulled)
 
     def pinned(self, rows: Iterable[int]) -> dict[int, tuple[int, int]]:
         """row -> (cache slot, generation) for each of `rows` that pins a cache."""
         found: dict[int, tuple[int, int]] = {}
         for row in rows:
-            _, state, cache_slot, generation, _, _ = self.row(row)
-            if state:
-                found[row] = (cache_slot, generation)
+            entry = self.row(row)
+            if entry.state:
+                found[row] = (entry.cache_slot, entry.generation)
         return found
 
     # ------------------------------------------------------------------------------------ audit

@@ -27,6 +27,7 @@ from llm_datadist import (
     LLMDataDist,
     LLMException,
     LLMRole,
+    LLMStatusCode,
 )
 
 CALL_TIMEOUT_S = 30.0
@@ -35,7 +36,9 @@ CALL_TIMEOUT_S = 30.0
 @dataclass(frozen=True)
 class Transfer:
     """What the Decoder does once linked. `kind`: "pull" (v1 pull_cache by key, or v2 pull_cache by key),
-    "blocks" (pull_blocks by model id), "push" (v2 push_cache into the owner's cache by id and slot)."""
+    "pull_by_id" (pull_cache of slot 0 of the owner's cache by id), "pull_layer" (v1 pull_cache of layer 0
+    by key), "blocks" (pull_blocks by model id),
+    "push" (v2 push_cache into the owner's cache by id and slot)."""
 
     v2: bool
     kind: str
@@ -45,7 +48,8 @@ class Transfer:
     model_id: int = 0  # blocks
     cache_id: int = 0  # push: the owner's cache
     fill: int = 0x33  # push: what is pushed
-    point: str = "pinned"  # where to stop
+    point: str = "pinned"  # where to stop ("" nowhere)
+    then_fail: bool = False  # once resumed at `point`, the transfer fails there (an exception at that point)
 
 
 def _options(v2: bool, sync_kv_timeout_ms: int, remote: bool) -> dict[str, str]:
@@ -83,6 +87,8 @@ def _main(pipe: Connection, owner_id: int, port: int, transfer: Transfer, sync_k
         if point == transfer.point:
             pipe.send(("at", point))
             os.kill(os.getpid(), signal.SIGSTOP)
+            if transfer.then_fail:
+                raise LLMException("injected at " + point, status_code=LLMStatusCode.LLM_FAILED)
 
     manager: Any = datadist.cache_manager if transfer.v2 else datadist.kv_cache_manager
     desc = CacheDesc(transfer.num_tensors, list(transfer.shape), DataType.DT_FLOAT16)
@@ -95,6 +101,13 @@ def _main(pipe: Connection, owner_id: int, port: int, transfer: Transfer, sync_k
     try:
         if transfer.kind == "pull":
             manager.pull_cache(CacheKey(owner_id, transfer.req_id), cache, 0)
+        elif transfer.kind == "pull_layer":
+            key = CacheKey(owner_id, transfer.req_id)
+            manager.pull_cache(key, cache, 0, src_layer_range=range(0, 1), dst_layer_range=range(0, 1))
+        elif transfer.kind == "pull_by_id":
+            from llm_datadist import CacheKeyByIdAndIndex
+
+            manager.pull_cache(CacheKeyByIdAndIndex(owner_id, transfer.cache_id, 0), cache, 0)
         elif transfer.kind == "blocks":
             blocks = list(range(transfer.shape[0]))
             manager.pull_blocks(BlocksCacheKey(owner_id, transfer.model_id), cache, blocks, blocks)

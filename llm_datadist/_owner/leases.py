@@ -3,8 +3,10 @@ connections pin through.
 
 Rules: a lease pins the records it names (not their ids) until its connection releases it or ends, so
 whatever the owner did to a cache meanwhile (unregistered it, freed it), ending the lease is well-defined.
-A pull lease consumes its key's tensors when it is taken (a second pull of a key in flight already sees
-it gone); a failed or abandoned transfer gives them back. A connection holds at most
+A pull lease reserves its key's tensors when it is taken (a second pull of a key in flight already sees
+it gone); when it ends well the key gains what it pulled, whoever had reserved it, and a failed or
+abandoned transfer gives back what it reserved, but for what other pulls pulled meanwhile (reference
+§9.4: a key is consumed once pulls that ended well copied all of it). A connection holds at most
 `MAX_LEASES_PER_OWNER` leases. Everything that can refuse a request comes before its lease: a refused
 request pins nothing. The server thread never waits for the index lock: a request that finds it busy
 raises IndexBusy (nothing done) and is retried; a connection's end or a release that cannot wait is
@@ -32,7 +34,7 @@ from llm_datadist._protocol.messages import (
 )
 
 from .._errors import IndexBusy, StatusError
-from .._keys import KEY_BLOCKS, KEY_CACHE_ID, KEY_REQ, KeyId, blocks_by_id, check_source_bytes, check_tensors
+from .._keys import KEY_BLOCKS, KEY_CACHE_ID, KeyId, blocks_by_id, check_source_bytes, check_tensors
 from ..status import LLMStatusCode
 from .mirror import SERVER_LOCK_TIMEOUT_S
 from .records import CacheRecord, Lease
@@ -309,50 +311,42 @@ class Leases:
                 LLMStatusCode.LLM_FAILED,
                 f"this link already holds {held} leases (the limit): release them before asking for more",
             )
-        consumed: frozenset[int] = frozenset()
-        unbound_slot: int | None = None
         key_record = self.table.keys.get(consume_key) if consume_key is not None else None
+        reserved: frozenset[int] = frozenset()
         if key_record is not None and key_record.cache_id == records[0].cache_id:
-            if key_record.name >= 0:
-                consumed, emptied = self._mirror.consume(key_record, tensors)
-            else:
-                consumed = frozenset(key_record.unpulled & tensors)
-                key_record.unpulled -= consumed
-                emptied = not key_record.unpulled
-            if emptied:
-                unbound_slot = key_record.slot
-        lease = Lease(self._next_lease_id, records, consume_key, owner, consumed, unbound_slot)
+            # Reserved now (a second pull of the key while this one is in flight finds it claimed); the
+            # key stays bound until the lease ends: pulled whole, it is consumed then.
+            reserved = self._mirror.reserve(key_record, tensors)
+            key_record.leases += 1
+        else:
+            key_record = None
+        lease = Lease(self._next_lease_id, records, key_record, owner, reserved, frozenset(tensors))
         self._next_lease_id += 1
         self._leases[lease.lease_id] = lease
         self._held[id(owner)] = held + 1
         for record in records:
             record.leases += 1
-        # Unbind only now: the lease keeps the cache alive even if the key was its last reference.
-        if unbound_slot is not None and consume_key is not None:
-            self.table.unbind(consume_key)
         return lease
 
-    def _restore(self, lease: Lease) -> None:
-        """Give back what a failed or abandoned transfer consumed: its tensors, and the key itself if the
-        transfer had unbound it and nobody bound it again meanwhile."""
-        key = lease.consume_key
-        if key is None or not lease.consumed:
+    def _settle_key(self, lease: Lease, *, ok: bool) -> None:
+        """The lease's key gains what the transfer pulled (it ended well) or gets back what it reserved (it
+        failed), if it is still bound to the leased cache; consumed once pulled whole."""
+        key_record = lease.key
+        if key_record is None:
             return
+        key_record.leases -= 1
         record = lease.records[0]
         table = self.table
-        if table.caches.get(record.cache_id) is not record:
-            return
-        key_record = table.keys.get(key)
-        if key_record is None and lease.unbound_slot is not None:
-            if key[0] == KEY_REQ and table.slot_bound(record.cache_id, lease.unbound_slot):
-                return  # the slot was bound to another key since
-            table.bind(key, record, lease.unbound_slot, set(lease.consumed))
-            return
-        if key_record is not None and key_record.cache_id == record.cache_id:
-            if key_record.name >= 0:
-                self._mirror.give_back(key_record, lease.consumed, record)
-            else:
-                key_record.unpulled |= lease.consumed
+        if (
+            table.keys.get(key_record.key) is not key_record
+            or table.caches.get(record.cache_id) is not record
+        ):
+            return  # removed (or bound anew) meanwhile: nothing of this lease's is left to settle
+        if ok:
+            self._mirror.credit(key_record, lease.pulled, record)
+        elif lease.reserved:
+            self._mirror.give_back(key_record, lease.reserved, record)
+        table.key_settled(key_record)
 
     def _end(self, lease: Lease, *, restore: bool) -> None:
         del self._leases[lease.lease_id]
@@ -361,8 +355,7 @@ class Leases:
             self._held[id(lease.owner)] = held
         else:
             del self._held[id(lease.owner)]
-        if restore:
-            self._restore(lease)
+        self._settle_key(lease, ok=not restore)
         for record in lease.records:
             record.leases -= 1
             # A record the owner dropped meanwhile (unregistered) is no longer in the table: nothing to free.

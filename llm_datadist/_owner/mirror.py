@@ -154,20 +154,38 @@ class IndexMirror:
     def pinned(self, record: CacheRecord) -> bool:
         return record.published and (record.gen_slot, record.generation) in self.pins()
 
-    def key_consumed(self, key_record: KeyRecord) -> bool:
-        """A puller consumed this key in the index (it may still pin it: not unbound by the owner yet)."""
-        return key_record.name >= 0 and self.index.name_entry(key_record.name).state == NAME_CONSUMED
+    # ----------------------------------------------------------------- a req key's tensors
+    # In the index for a published key (pullers there reserve and credit it too), in its record otherwise.
 
-    def consume(self, key_record: KeyRecord, wanted: set[int]) -> tuple[frozenset[int], bool]:
-        """Consume `wanted` tensors of a published key: what was taken, and whether that emptied it."""
-        index = self.index
-        before = index.name_entry(key_record.name).mask
-        taken = index.consume(key_record.name, mask_of(wanted))
-        # Emptied by this; one a puller's pin emptied is unbound when that pin ends.
-        return frozenset(tensors_of(taken)), bool(taken) and not before & ~taken
+    def claimed(self, key_record: KeyRecord) -> bool:
+        """Every tensor of the key is reserved by a transfer in flight or pulled: no new pull finds it (it
+        stays bound until those transfers end, then it is consumed or found again)."""
+        if key_record.name >= 0:
+            return self.index.name_entry(key_record.name).state == NAME_CONSUMED
+        return not key_record.unpulled
 
-    def give_back(self, key_record: KeyRecord, tensors: frozenset[int], record: CacheRecord) -> None:
-        self.index.restore(key_record.name, mask_of(tensors), record.gen_slot, record.generation)
+    def reserve(self, key_record: KeyRecord, wanted: set[int]) -> frozenset[int]:
+        """Reserve the unclaimed tensors among `wanted`: what was reserved."""
+        if key_record.name >= 0:
+            return frozenset(tensors_of(self.index.consume(key_record.name, mask_of(wanted))))
+        taken = frozenset(key_record.unpulled & wanted)
+        key_record.unpulled -= taken
+        return taken
+
+    def credit(self, key_record: KeyRecord, pulled: frozenset[int], record: CacheRecord) -> None:
+        """A transfer that pulled `pulled` ended well."""
+        if key_record.name >= 0:
+            self.index.credit(key_record.name, mask_of(pulled), record.gen_slot, record.generation)
+            return
+        key_record.pulled |= pulled
+        key_record.unpulled -= pulled
+
+    def give_back(self, key_record: KeyRecord, reserved: frozenset[int], record: CacheRecord) -> None:
+        """A transfer that reserved `reserved` failed: back, but for what others pulled meanwhile."""
+        if key_record.name >= 0:
+            self.index.restore(key_record.name, mask_of(reserved), record.gen_slot, record.generation)
+            return
+        key_record.unpulled |= reserved - key_record.pulled
 
     # ----------------------------------------------------------------- what the owner publishes
 
@@ -239,21 +257,35 @@ class IndexMirror:
             self.index.set_cache_flags(record.gen_slot, record.index_flags)
 
     def publish_key(self, key_record: KeyRecord, record: CacheRecord) -> None:
-        if not record.published or record.num_tensors > MAX_MASK_TENSORS:
-            self.unpublished()
-            return
         kind, key_id, model_id = key_record.key
-        name = self._new_name(kind, key_id, model_id, record, key_record.slot)
+        name = -1
+        if record.published and record.num_tensors <= MAX_MASK_TENSORS:
+            name = self._new_name(kind, key_id, model_id, record, key_record.slot)
         if name < 0:
+            self.unpublished()
+            if kind == KEY_REQ:
+                self._keys_unpublished(record)
             return
         key_record.name = name
         self._key_by_name[name] = key_record.key
         if kind == KEY_REQ:
             if key_record.unpulled != set(range(record.num_tensors)):
-                self.index.set_name_state(name, NAME_LIVE, mask_of(key_record.unpulled))
+                state = NAME_LIVE if key_record.unpulled else NAME_CONSUMED
+                self.index.set_name_state(
+                    name, state, mask_of(key_record.unpulled), mask_of(key_record.pulled)
+                )
             key_record.slot_name = self._new_name(
                 KIND_SLOT, record.cache_id, key_record.slot, record, key_record.slot, target=name
             )
+            if key_record.slot_name < 0:
+                self._keys_unpublished(record)
+
+    def _keys_unpublished(self, record: CacheRecord) -> None:
+        """A pull by id of one of `record`'s slots may consume a req key the index does not hold: such
+        pulls ask the owner (the flag stays with the cache: asking is never wrong, only slower)."""
+        if record.published and not record.keys_unpublished:
+            record.keys_unpublished = True
+            self.set_flags(record)
 
     def unpublish_key(self, key_record: KeyRecord) -> None:
         self._key_by_name.pop(key_record.name, None)

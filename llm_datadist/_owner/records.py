@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from llm_datadist._shm.index import (
     CACHE_BLOCKS,
+    CACHE_KEYS_UNPUBLISHED,
     CACHE_PENDING,
     CACHE_REGISTERED,
     CACHE_REMOTE,
@@ -63,6 +64,7 @@ class CacheRecord:
     cache_name: int = -1
     pending: bool = False
     addr_words: int = -1  # registered: its first word in the index's address region
+    keys_unpublished: bool = False  # a req key was bound to a slot of it that the index could not hold
 
     @property
     def slot_nbytes(self) -> int:
@@ -108,6 +110,7 @@ class CacheRecord:
             | (0 if self.external else CACHE_WITHDRAWN)
             | (CACHE_REGISTERED if self.registered else 0)
             | (CACHE_REMOTE if self.remote_accessible else 0)
+            | (CACHE_KEYS_UNPUBLISHED if self.keys_unpublished else 0)
         )
 
     def location(self, tensor_start: int, tensor_count: int) -> LocationData:
@@ -156,26 +159,28 @@ class KeyRecord:
     key: KeyId
     cache_id: int
     slot: int
-    # v1 tracks, per key, the tensors not pulled yet: a layer-by-layer pull consumes the key only once
-    # every tensor was pulled (reference §9.4, §16). For a key in the index (`name` >= 0) the index's
-    # mask is the truth and this set is unused.
+    # A req key's tensors: unclaimed (neither reserved by a transfer in flight nor pulled) and pulled (by
+    # transfers that ended well). A layer-by-layer pull consumes the key only once every tensor was
+    # pulled (reference §9.4, §16). For a key in the index (`name` >= 0) the index's masks are the truth
+    # and these sets are unused.
     unpulled: set[int]
+    pulled: set[int] = field(default_factory=set)
     name: int = -1
     slot_name: int = -1  # req keys: the KIND_SLOT name that finds this key from (cache id, slot)
+    leases: int = 0  # leases that reserved tensors of this key or will credit it: it stays bound meanwhile
 
 
 @dataclass(frozen=True)
 class Lease:
-    """Pins `records` until released; a pull lease may consume its key's tensors when it ends well."""
+    """Pins `records` until released; a pull lease of a req key reserves the key's unclaimed tensors it
+    pulls, and when it ends the key gains what it pulled (ended well) or gets back what it reserved."""
 
     lease_id: int
     records: tuple[CacheRecord, ...]
-    consume_key: KeyId | None
+    key: KeyRecord | None  # the req key the pull consumes (the record, not its id: it may be rebound)
     owner: object
-    # What taking the lease consumed of the key (given back if the transfer fails): the tensors, and the
-    # slot the key was bound to when that emptied it and unbound it.
-    consumed: frozenset[int] = frozenset()
-    unbound_slot: int | None = None
+    reserved: frozenset[int] = frozenset()  # given back if the transfer fails, but for what others pulled
+    pulled: frozenset[int] = frozenset()  # the tensors the transfer pulls
 
 
 def mask_of(tensors: set[int] | frozenset[int]) -> int:

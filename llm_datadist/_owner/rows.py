@@ -11,7 +11,8 @@ A row's life (who moves it):
     state      what it means                                  next
     free       nobody's; all zero                             assigned (owner, at a handshake)
     assigned   a live connection's; its holder pins (1) or    free (owner, the connection ended, row idle
-               not (0) as it pulls                              or holder gone: what it consumed given back)
+               not (0) as it pulls                              or holder gone: what it reserved given back,
+                                                                but for what others pulled meanwhile)
                                                               orphan (owner, the connection ended, row pins
                                                                 and the holder lives)
     orphan     the connection is gone, the pin is not: the    free (owner, at housekeeping, once the holder
@@ -130,9 +131,9 @@ class Rows:
     def _take_back(self, row: int, *, give_back: bool) -> None:
         index = self._index
         if give_back:
-            _, _, cache_slot, generation, name, mask = index.row(row)
-            if name >= 0 and mask:
-                index.restore(name, mask, cache_slot, generation)
+            entry = index.row(row)
+            if entry.name >= 0 and entry.taken:
+                index.restore(entry.name, entry.taken, entry.cache_slot, entry.generation)
         index.assign_row(row, 0, 0)
         index.bump_epoch()  # the table catches up: keys the pin consumed, caches only it kept
         self._holders.pop(row, None)

@@ -91,12 +91,29 @@ class CacheTable:
         consumed = self.mirror.drain()
         if consumed is None:
             return
+        # A lease in flight that reserved a key's tensors, or will credit it, keeps it bound until it ends.
+        consumed = [key for key in consumed if (bound := self.keys.get(key)) is not None and not bound.leases]
         for key in consumed:
             self.unbind(key)
         if consumed and self.on_keys is not None:
             self.on_keys("consumed", len(consumed))
         for record in list(self._pending.values()):
             self.maybe_free(record)
+
+    def key_settled(self, key_record: KeyRecord) -> None:
+        """A transfer that reserved or pulled tensors of `key_record` ended (both locks held): a key that
+        is still bound, claimed whole and held by no other transfer was pulled whole, and is consumed."""
+        if key_record.leases or self.keys.get(key_record.key) is not key_record:
+            return
+        if not self.mirror.claimed(key_record):
+            return
+        if key_record.name >= 0:
+            self.mirror.look_again()  # unbound by `catch_up` once no row refers to it either
+            self.catch_up()
+            return
+        self.unbind(key_record.key)
+        if self.on_keys is not None:
+            self.on_keys("consumed", 1)
 
     # ----------------------------------------------------------------- allocate, register, bind
 
@@ -393,8 +410,8 @@ class CacheTable:
             return record, batch_index, self._slot_req_key.get((record.cache_id, batch_index))
         key = (key_kind, key_id, model_id)
         key_record = self.keys.get(key)
-        if key_record is not None and self.mirror.key_consumed(key_record):
-            key_record = None  # a puller consumed it in the index and still pins it: gone
+        if key_record is not None and self.mirror.claimed(key_record):
+            key_record = None  # pulled whole, or reserved whole by transfers in flight: gone for now
         if key_record is None:
             raise not_found(key_kind, key_id, model_id)
         return self.caches[key_record.cache_id], key_record.slot, key if key_kind == KEY_REQ else None

@@ -8,8 +8,10 @@ change nothing and fail with LLM_TIMEOUT, what ends meanwhile is done once the l
 Everything here is the shipped code (the cache table, the index, `_dataplane.pin` / `unpin`) in one
 process: the pullers' links are stood in for by their rows and tickets, which is all pinning uses of a
 link. What the model checks after every step: a pinned cache's bytes are still the ones it was filled
-with (its memory was neither freed nor reused), a key is consumed once, a failed or abandoned pull gives
-back what it consumed, and the owner's counters (caches, keys, pins, pool bytes) match.
+with (its memory was neither freed nor reused), a key is consumed once pulls that ended well copied all
+of it (whoever reserved its tensors), a failed or abandoned pull gives back what it reserved but for what
+others pulled meanwhile, a key stays bound while a pull that names it is in flight, and the owner's
+counters (caches, keys, pins, pool bytes) match.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class _Puller:
     link: _Row
     index: Index
     pinned: tuple[int, int, tuple[int, ...]] | None = None  # cache id, slot, tensors it pinned
-    consumed: tuple[tuple[int, int], frozenset[int]] | None = None  # the key and what the pin took
+    # The req key the pin names (its pull consumes), what it reserved of it and the tensors it pulls.
+    consumed: tuple[tuple[int, int], frozenset[int], frozenset[int]] | None = None
     alive: bool = True  # the process the row was handed to lives (its pins outlive its connection)
     dropped: bool = False  # the owner ended its connection; it may still unpin, then it reconnects
     # What each full pin that may be taken again found: its plan, and the cache id and slot it pinned.
@@ -96,7 +99,8 @@ class IndexMachine(RuleBasedStateMachine):
             self.pullers.append(self._connect(i))
         self.caches: dict[int, _MCache] = {}
         self.pushing = 0  # transfer_cache_async jobs into the pullers' cluster (9) running
-        self.keys: dict[tuple[int, int], tuple[int, int, set[int]]] = {}  # key -> cache, slot, unpulled
+        # key -> cache, slot, unclaimed tensors (neither reserved nor pulled), pulled tensors
+        self.keys: dict[tuple[int, int], tuple[int, int, set[int], set[int]]] = {}
         self.fills = 0
 
     def _connect(self, i: int) -> _Puller:
@@ -140,7 +144,7 @@ class IndexMachine(RuleBasedStateMachine):
                 continue
             if duplicate:  # v1: the last slot wins
                 slot = max(i for i, k in enumerate(slot_keys) if k == key)
-            self.keys[key] = (record.cache_id, slot, set(range(NUM_TENSORS)))
+            self.keys[key] = (record.cache_id, slot, set(range(NUM_TENSORS)), set())
             cache.keys.add(key)
 
     @precondition(lambda self: self.caches)
@@ -252,7 +256,7 @@ class IndexMachine(RuleBasedStateMachine):
         cache_id, slot, consume = request.key_id, request.batch_index, request.consume
         if request.key_kind == KEY_CACHE_ID:
             key = next(
-                (k for k, (c, s, _) in self.keys.items() if c == cache_id and s == slot and k[0] == KEY_REQ),
+                (k for k, (c, s, *_) in self.keys.items() if c == cache_id and s == slot and k[0] == KEY_REQ),
                 None,
             )
             # By id, a cache is found while its user holds it or a key names it (not once only a pin does).
@@ -261,9 +265,10 @@ class IndexMachine(RuleBasedStateMachine):
             )
         else:
             key = (request.key_kind, request.key_id)
+            # A req key whose every tensor is reserved or pulled is found by no pull (it may stay bound).
             live = key in self.keys and not (key[0] == KEY_REQ and not self.keys[key][2])
             if live:
-                cache_id, slot, _ = self.keys[key]
+                cache_id, slot, *_ = self.keys[key]
         remembered = puller.plans.get(request)
         if remembered is not None and repin(puller.link, puller.index, remembered[0]) == DONE:
             # Taken again only where a full pin would have pinned that very cache and slot.
@@ -299,11 +304,11 @@ class IndexMachine(RuleBasedStateMachine):
         if pinned.again is not None:
             puller.plans[request] = (pinned.again, cache_id, slot)
         if consume and key is not None and key[0] == KEY_REQ and key in self.keys:
-            bound_cache, bound_slot, unpulled = self.keys[key]
+            bound_cache, bound_slot, unclaimed, _ = self.keys[key]
             if (bound_cache, bound_slot) == (cache_id, slot):
-                taken = frozenset(unpulled & set(tensors))
-                unpulled -= taken
-                puller.consumed = (key, taken)
+                taken = frozenset(unclaimed & set(tensors))
+                unclaimed -= taken
+                puller.consumed = (key, taken, frozenset(tensors))
 
     @precondition(lambda self: any(p.pinned for p in self.pullers))
     @rule(p=st.integers(0, 1))
@@ -401,16 +406,23 @@ class IndexMachine(RuleBasedStateMachine):
         raise AssertionError("an owner's call succeeded without the index lock")
 
     def _ended(self, puller: _Puller, ok: bool) -> None:
-        if puller.consumed is not None:
-            key, taken = puller.consumed
-            if not ok and key in self.keys:
-                self.keys[key][2].update(taken)
-            elif ok and key in self.keys and not self.keys[key][2]:
-                self._unbind(key)
-        cache_id = puller.pinned[0] if puller.pinned else None
+        named = puller.consumed
+        cache_id, slot = puller.pinned[:2] if puller.pinned else (None, None)
         puller.pinned = None
         puller.consumed = None
         puller.again = None
+        if named is not None and self.keys.get(named[0], (None, None))[:2] == (cache_id, slot):
+            key, taken, tensors = named
+            _, _, unclaimed, pulled = self.keys[key]
+            if ok:  # what it copied counts, whoever reserved it
+                pulled |= tensors
+                unclaimed -= tensors
+            else:  # what it reserved goes back, but for what others copied meanwhile
+                unclaimed |= taken - pulled
+            # Consumed once nothing is unclaimed, and unbound once no pull in flight names it.
+            if not unclaimed and not self._consumed_and_pinned(key):
+                assert pulled == set(range(NUM_TENSORS)), f"key {key} unbound with {pulled} pulled"
+                self._unbind(key)
         if cache_id in self.caches:
             self._maybe_gone(self.caches[cache_id])
 
@@ -428,6 +440,7 @@ class IndexMachine(RuleBasedStateMachine):
         return any(p.pinned is not None and p.pinned[0] == cache_id for p in self.pullers)
 
     def _consumed_and_pinned(self, key: tuple[int, int]) -> bool:
+        """A pull in flight names the key (its row keeps the owner from unbinding it)."""
         return any(p.consumed is not None and p.consumed[0] == key for p in self.pullers)
 
     def _maybe_gone(self, cache: _MCache) -> None:

@@ -137,11 +137,45 @@ def test_a_failed_partial_pull_gives_its_tensors_back(table: CacheTable, leases:
     first = _resolve(leases, KEY_REQ, 1, "a", tensor_start=0, tensor_count=2, whole=False)
     leases.release(first.lease_id, ok=True, owner="a")
     failed = _resolve(leases, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
-    assert table.bound((KEY_REQ, 1, 0)) is None  # the last tensors were taken: the key is gone...
+    with pytest.raises(StatusError) as exc_info:  # the last tensors were taken: the key is gone...
+        _resolve(leases, KEY_REQ, 1, "b", tensor_start=0, tensor_count=1, whole=False)
+    assert exc_info.value.code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
     leases.release(failed.lease_id, ok=False, owner="a")
     assert table.bound((KEY_REQ, 1, 0)) is not None  # ...and back after the failure, with only those tensors
     again = _resolve(leases, KEY_REQ, 1, "a", tensor_start=2, tensor_count=2, whole=False)
     leases.release(again.lease_id, ok=True, owner="a")
+    assert table.bound((KEY_REQ, 1, 0)) is None
+
+
+def test_a_key_pulled_whole_by_another_pull_stays_consumed_when_its_reserver_fails(
+    table: CacheTable, leases: Leases
+) -> None:
+    """Consumption follows the copy, not the reservation: a pull by key reserves the key; a pull by cache
+    id and slot copies all of it and ends well; the reserving pull then fails and gives back nothing."""
+    record = table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
+    reserving = _resolve(leases, KEY_REQ, 1, "a")
+    by_slot = _resolve(leases, KEY_CACHE_ID, record.cache_id, "b")
+    leases.release(by_slot.lease_id, ok=True, owner="b")
+    assert table.bound((KEY_REQ, 1, 0)) is not None  # the reserving pull is still in flight
+    leases.release(reserving.lease_id, ok=False, owner="a")
+    assert table.bound((KEY_REQ, 1, 0)) is None
+    with pytest.raises(StatusError) as exc_info:
+        _resolve(leases, KEY_REQ, 1, "c")
+    assert exc_info.value.code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    assert leases.stats()["leases"] == 0
+
+
+def test_a_key_is_kept_while_a_tensor_of_it_is_still_being_pulled(table: CacheTable, leases: Leases) -> None:
+    """The sibling the other way: one pull copied every tensor while another, which reserved a layer,
+    is still in flight; the key is unbound only when that one ends, and its failure gives back nothing."""
+    record = table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 1, 0)])
+    layer = _resolve(leases, KEY_REQ, 1, "a", tensor_start=0, tensor_count=2, whole=False)
+    whole = _resolve(leases, KEY_CACHE_ID, record.cache_id, "b")
+    leases.release(whole.lease_id, ok=True, owner="b")
+    assert table.bound((KEY_REQ, 1, 0)) is not None  # the layer's pull still reserves part of it
+    with pytest.raises(StatusError):
+        _resolve(leases, KEY_REQ, 1, "c")  # pulled whole meanwhile: no new pull finds it
+    leases.release(layer.lease_id, ok=False, owner="a")
     assert table.bound((KEY_REQ, 1, 0)) is None
 
 
@@ -211,7 +245,7 @@ def test_a_key_a_pin_consumed_is_gone_for_a_request_too(table: CacheTable, lease
             name = puller.lookup(KIND_REQ, 9, 0)
             assert name is not None
             assert puller.consume(name.number, 0b1111) == 0b1111
-            puller.set_row(row, ticket, record.gen_slot, record.generation, name.number, 0b1111)
+            puller.set_row(row, ticket, record.gen_slot, record.generation, name.number, 0b1111, range(4))
         for kind, ident in ((KEY_REQ, 9), (KEY_CACHE_ID, record.cache_id)):
             if kind == KEY_CACHE_ID:
                 grant = _resolve(leases, kind, ident, owner="b")  # the slot's key is gone: nothing consumed

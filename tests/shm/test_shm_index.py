@@ -19,6 +19,7 @@ from llm_datadist._shm.index import (
     KIND_PREFIX,
     KIND_REQ,
     NAME_CONSUMED,
+    NAME_LIVE,
     CacheEntry,
     Index,
     IndexCorrupt,
@@ -61,6 +62,38 @@ def test_a_puller_reads_what_the_owner_published(owner: Index) -> None:
             assert puller.name_entry(0).mask == 0b010
         with owner.locked(1.0):
             assert owner.consumed_names() == []
+    finally:
+        puller.close()
+
+
+def test_a_key_is_consumed_by_what_pulls_copied_not_by_what_they_reserved(owner: OwnerIndex) -> None:
+    """Two sets per req key: a failed pull gives back only what no pull that ended well copied, and a
+    pull that ended well counts whatever it copied, reserved by it or not (reference §9.4)."""
+    puller = Index.attach(owner.name, pid=_PID, incarnation=77)
+    try:
+        with owner.locked(1.0):
+            owner.put_cache(_entry())
+            owner.insert_name(0, KIND_REQ, 7, 0, 1, 1, 5, num_tensors=3)
+        with puller.locked(1.0):
+            assert puller.consume(0, 0b111) == 0b111  # puller A reserves everything
+            assert puller.lookup(KIND_REQ, 7, 0) is None  # claimed: no new pull by key finds it
+            puller.credit(0, 0b011, 1, 5)  # puller B (by cache id and slot) copied tensors 0 and 1
+            puller.restore(0, 0b111, 1, 5)  # A failed: only tensor 2 goes back
+            entry = puller.name_entry(0)
+            assert (entry.state, entry.mask, entry.pulled) == (NAME_LIVE, 0b100, 0b011)
+            assert puller.consume(0, 0b111) == 0b100  # a pull by key takes what is left
+            puller.credit(0, 0b100, 1, 5)
+            entry = puller.name_entry(0)
+            assert (entry.state, entry.mask, entry.pulled) == (NAME_CONSUMED, 0, 0b111)
+            puller.restore(0, 0b100, 1, 5)  # a late failure gives back nothing another pull copied
+            assert puller.name_entry(0).state == NAME_CONSUMED
+            puller.credit(0, 0b111, 1, 6)  # another generation of that slot: nothing credited
+        with owner.locked(1.0):
+            assert owner.consumed_names() == [0]
+            owner.remove_name(0)
+            owner.insert_name(0, KIND_REQ, 7, 0, 1, 1, 5, num_tensors=3)  # a new binding starts afresh
+            entry = owner.name_entry(0)
+            assert (entry.state, entry.mask, entry.pulled) == (NAME_LIVE, 0b111, 0)
     finally:
         puller.close()
 
@@ -135,9 +168,9 @@ def test_rows_pin_and_clear(owner: Index) -> None:
     with owner.locked(1.0):
         owner.assign_row(3, 1234, 99)
         assert owner.row_state(3) == (1234, 0) and owner.row_incarnation(3) == 99
-        owner.set_row(3, 1234, 1, 5, 0, 0b11)
+        owner.set_row(3, 1234, 1, 5, 0, 0b11, range(0, 3))
         assert owner.pinned(range(8)) == {3: (1, 5)}
-        assert owner.row(3) == (1234, 1, 1, 5, 0, 0b11)
+        assert owner.row(3) == (1234, 1, 1, 5, 0, 0b11, 0b111)
         owner.clear_row(3, 1234)
         assert owner.pinned(range(8)) == {}
         assert owner.row_incarnation(3) == 99  # a pin and its end leave the puller's incarnation
@@ -286,9 +319,8 @@ def test_an_audit_of_a_clean_index_finds_nothing_and_costs_no_repair(owner: Owne
         with puller.locked(1.0):
             name = puller.lookup(KIND_REQ, 1, 0)
             assert name is not None
-            puller.set_row(
-                2, 555, name.cache_slot, name.generation, name.number, puller.consume(name.number, 0b11)
-            )
+            taken = puller.consume(name.number, 0b11)
+            puller.set_row(2, 555, name.cache_slot, name.generation, name.number, taken, range(2))
         assert owner.audit() == []
         with owner.locked(1.0):
             assert not owner.repair()
