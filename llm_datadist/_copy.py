@@ -2,10 +2,12 @@
 
 Rules: numpy releases the GIL inside `copyto`, so two threads reach the memory's bandwidth on two cores;
 small plans run inline on the caller's thread (a thread hand-off costs more than it saves). The whole
-plan is bounds-checked once before any byte moves. Lists of runs and paged plans go through the optional C
+plan is bounds-checked once before any byte moves. Every copy between mappings goes through the optional C
 kernel (`llm_datadist._shm._copykernel`: one call per thread, non-temporal stores for large copies) when
-it was built; without it, or with the environment variable LLM_DATADIST_NO_EXTENSION=1, numpy and the
-kernel's process_vm_readv do the same copies.
+it was built; without it, or with the environment variable LLM_DATADIST_NO_EXTENSION=1, through
+process_vm_readv on this very process. Both turn memory vanishing under a mapping (a file another process
+truncated) into an error for that copy, where a load through the mapping would kill the process with
+SIGBUS; numpy copies only arrays that overlap, or where the kernel refuses process_vm_readv.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.segment import Segment
 
 from ._signals import held
-from ._vm import VmError, VmNotPermitted, read_from_arrays, write_to_arrays
+from ._vm import VmError, VmNotPermitted, VmRun, read_from, read_from_arrays, write_to_arrays
 
 ENV_COPY_THREADS = "LLM_DATADIST_COPY_THREADS"
 ENV_NO_EXTENSION = "LLM_DATADIST_NO_EXTENSION"
@@ -98,6 +100,29 @@ def kernel_function(name: str) -> Any:
 
 # Module-level so that tests can swap it (None: the pure-Python path).
 _copy_runs = load_copy_kernel()
+_copy_run: Callable[[int, int, int, bool], None] | None = (
+    None if _copy_runs is None else kernel_function("copy_run")
+)
+_load_word: Callable[[int], int] | None = None if _copy_runs is None else kernel_function("load_word")
+
+
+def load_word(address: int) -> int:
+    """The aligned 8-byte word at `address` of a mapping (a peer's generation word), guarded as copies are:
+    ShmError, not SIGBUS, if the memory vanished under the mapping (the C kernel's guarded load; without it,
+    process_vm_readv on this process)."""
+    if _copy_runs is not None and _load_word is not None:
+        try:
+            return _load_word(address)
+        except OSError as exc:
+            raise ShmError(f"reading the word at {address:#x} failed: {exc}") from exc
+    word = ctypes.c_uint64()
+    try:
+        read_from(os.getpid(), [VmRun(ctypes.addressof(word), address, 8)])
+    except VmNotPermitted:
+        return int(ctypes.c_uint64.from_address(address).value)  # nothing guarded is allowed here
+    except VmError as exc:
+        raise ShmError(f"reading the word at {address:#x} failed: {exc}") from exc
+    return int(word.value)
 
 
 def address_view(address: int, nbytes: int) -> np.ndarray[Any, Any]:
@@ -267,19 +292,21 @@ class Copier:
 
     def run(self, runs: Sequence[Run], src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
         check_runs(runs, src.nbytes, dst.nbytes)
-        copy_runs = _copy_runs
-        # One small run stays in numpy: the latency of a small pull by key is a numpy call's.
-        if (
-            copy_runs is not None
-            and (len(runs) > 1 or (runs and runs[0].nbytes >= _STREAMING_MIN_NBYTES))
-            and _kernel_can_copy(src, dst)
-        ):
-            columns = np.array(
-                [(run.src_offset, run.dst_offset, run.nbytes) for run in runs], dtype=np.uint64
-            )
-            offsets = np.ascontiguousarray(columns.T)
-            self._c_copy(copy_runs, src, dst, offsets[0], offsets[1], offsets[2], "runs")
+        if not runs:
             return
+        if _kernel_can_copy(src, dst):
+            if len(runs) == 1:
+                run = runs[0]
+                src_address, dst_address = src.ctypes.data + run.src_offset, dst.ctypes.data + run.dst_offset
+                if self._copy_one(src_address, dst_address, run.nbytes):
+                    return
+            else:
+                columns = np.array(
+                    [(run.src_offset, run.dst_offset, run.nbytes) for run in runs], dtype=np.uint64
+                )
+                offsets = np.ascontiguousarray(columns.T)
+                if self._guarded_runs(src, dst, offsets[0], offsets[1], offsets[2], "runs"):
+                    return
         parts = split_runs(runs, self.threads) if self.threads > 1 else [list(runs)]
         if len(parts) <= 1:
             execute(runs, src, dst)
@@ -290,6 +317,84 @@ class Copier:
                 execute(parts[index], src, dst)
 
         self._in_parts(len(parts), len(parts), work)
+
+    # Every copy between two mappings goes through the C kernel or through process_vm_readv on this very
+    # process: either turns memory vanishing under a mapping (a peer's segment, or ours, truncated by
+    # another process) into an error for that copy, where numpy would die of SIGBUS. Only arrays that
+    # overlap (a copy inside one cache of this process), or a process where the kernel refuses such copies
+    # (a seccomp filter), copy with numpy.
+
+    def _copy_one(self, src_address: int, dst_address: int, nbytes: int) -> bool:
+        """One run between raw addresses, guarded; False when neither guarded way may copy (nothing done).
+        A large one is cut over the copy threads."""
+        if _copy_runs is not None and nbytes >= 2 * _MIN_PART_NBYTES and self.threads > 1:
+            zero = np.zeros(1, dtype=np.uint64)
+            self._c_copy(
+                _copy_runs, src_address, dst_address, zero, zero, np.full(1, nbytes, np.uint64), "run"
+            )
+            return True
+        if _copy_runs is not None and _copy_run is not None:
+            try:
+                _copy_run(src_address, dst_address, nbytes, nbytes >= _STREAMING_MIN_NBYTES)
+            except OSError as exc:
+                raise ShmError(f"copying a run within this process failed: {exc}") from exc
+            return True
+        if not self._kernel_copies:
+            return False
+        return self._self_copy(
+            np.array([dst_address], dtype=np.uint64),
+            np.array([src_address], dtype=np.uint64),
+            np.array([nbytes], dtype=np.uint64),
+            1,
+            "a run",
+        )
+
+    def _guarded_runs(
+        self,
+        src: np.ndarray[Any, Any],
+        dst: np.ndarray[Any, Any],
+        src_offsets: np.ndarray[Any, Any],
+        dst_offsets: np.ndarray[Any, Any],
+        lengths: np.ndarray[Any, Any],
+        what: str,
+    ) -> bool:
+        """Checked runs (uint64 columns of offsets into src and dst), guarded; False when neither guarded
+        way may copy (nothing done)."""
+        if _copy_runs is not None:
+            self._c_copy(
+                _copy_runs, src.ctypes.data, dst.ctypes.data, src_offsets, dst_offsets, lengths, what
+            )
+            return True
+        if not self._kernel_copies:
+            return False
+        total = int(lengths.sum())
+        parts = self.threads if total >= 2 * _MIN_PART_NBYTES and lengths.size > 1 else 1
+        local = np.uint64(dst.ctypes.data) + dst_offsets
+        return self._self_copy(local, np.uint64(src.ctypes.data) + src_offsets, lengths, parts, what)
+
+    def _self_copy(
+        self,
+        local: np.ndarray[Any, Any],
+        remote: np.ndarray[Any, Any],
+        nbytes: np.ndarray[Any, Any],
+        parts: int,
+        what: str,
+    ) -> bool:
+        """process_vm_readv on this process (remote -> local); False when the kernel refuses such copies
+        here (nothing to trust in the destination yet: the caller copies another way)."""
+        try:
+            self._kernel_copy(os.getpid(), local, remote, nbytes, parts)
+        except VmNotPermitted:
+            self._kernel_copies = False
+            return False
+        except VmError as exc:
+            if exc.errno == errno.ENOSYS:
+                self._kernel_copies = False
+                return False
+            # The runs were checked against both arrays, so only memory vanishing under a mapping (a
+            # segment truncated by another process) gets here.
+            raise ShmError(f"copying {what} within this process failed: {exc}") from exc
+        return True
 
     def prepare_tensor_copy(
         self, src_offsets: Sequence[int], dst_offsets: Sequence[int], nbytes: int, src: Segment, dst: Segment
@@ -326,8 +431,7 @@ class Copier:
         (contiguous rows on both sides are first split into halves of one big run)."""
         copy.check(src.nbytes, dst.nbytes)
         total = copy.rows * copy.nbytes
-        copy_runs = _copy_runs
-        if copy_runs is not None and total >= _STREAMING_MIN_NBYTES and _kernel_can_copy(src, dst):
+        if total and _kernel_can_copy(src, dst):
             if copy.src_stride == copy.dst_stride == copy.nbytes:  # rows back to back on both sides
                 rows, stride_src, stride_dst, nbytes = 1, 0, 0, total
             else:
@@ -337,17 +441,24 @@ class Copier:
                     copy.dst_stride,
                     copy.nbytes,
                 )
-            row_indices = np.arange(rows, dtype=np.uint64)
-            self._c_copy(
-                copy_runs,
-                src,
-                dst,
-                np.uint64(copy.src_offset) + row_indices * np.uint64(stride_src),
-                np.uint64(copy.dst_offset) + row_indices * np.uint64(stride_dst),
-                np.full(rows, nbytes, dtype=np.uint64),
-                "rows",
-            )
-            return
+            if rows == 1:
+                src_address, dst_address = (
+                    src.ctypes.data + copy.src_offset,
+                    dst.ctypes.data + copy.dst_offset,
+                )
+                if self._copy_one(src_address, dst_address, nbytes):
+                    return
+            else:
+                row_indices = np.arange(rows, dtype=np.uint64)
+                if self._guarded_runs(
+                    src,
+                    dst,
+                    np.uint64(copy.src_offset) + row_indices * np.uint64(stride_src),
+                    np.uint64(copy.dst_offset) + row_indices * np.uint64(stride_dst),
+                    np.full(rows, nbytes, dtype=np.uint64),
+                    "rows",
+                ):
+                    return
         parts = self.threads if total >= 2 * _MIN_PART_NBYTES else 1
         if parts > 1 and copy.rows < parts:
             # Few large rows: cut each row instead (one run per row, split as runs are).
@@ -382,16 +493,22 @@ class Copier:
             )
             nbytes = np.broadcast_to(lengths.astype(np.uint64), src_offsets.shape)
             self._c_copy(
-                copy_runs, src, dst, src_offsets.ravel(), dst_offsets.ravel(), nbytes.ravel(), "blocks"
+                copy_runs,
+                src.ctypes.data,
+                dst.ctypes.data,
+                src_offsets.ravel(),
+                dst_offsets.ravel(),
+                nbytes.ravel(),
+                "blocks",
             )
             return
         parts = self.threads if plan.total_nbytes >= 2 * _MIN_PART_NBYTES else 1
         execute = execute_blocks
         if not np.may_share_memory(src, dst):
+            if self._kernel_copies and self._kernel_blocks(plan, src, dst, parts):
+                return  # guarded (see `_copy_one`)
             if plan.nbytes >= _PER_UNIT_MIN_NBYTES:
                 execute = execute_block_runs
-            elif self._kernel_copies and self._kernel_blocks(plan, src, dst, parts):
-                return
         parts = min(parts, count)
         if parts <= 1:
             execute(plan, src, dst)
@@ -455,38 +572,25 @@ class Copier:
             src_starts.tolist(),
             lengths.tolist(),
         )
-        try:
-            self._kernel_copy(os.getpid(), local, remote, nbytes, parts)
-        except VmNotPermitted:
-            self._kernel_copies = False
-            return False
-        except VmError as exc:
-            if exc.errno != errno.ENOSYS:
-                # The plan was checked against both arrays, so only memory vanishing under a mapping (a
-                # segment truncated by its owner) gets here; a numpy copy would die of SIGBUS instead.
-                raise ShmError(f"copying blocks within this process failed: {exc}") from exc
-            self._kernel_copies = False
-            return False
-        return True
+        return self._self_copy(local, remote, nbytes, parts, "blocks")
 
     def _c_copy(
         self,
         copy_runs: _CopyRuns,
-        src: np.ndarray[Any, Any],
-        dst: np.ndarray[Any, Any],
+        src_address: int,
+        dst_address: int,
         src_offsets: np.ndarray[Any, Any],
         dst_offsets: np.ndarray[Any, Any],
         lengths: np.ndarray[Any, Any],
         what: str,
     ) -> None:
-        """Checked runs (uint64 columns of offsets into src and dst) through the C kernel: one call per copy
-        thread over slices of about equal bytes, streaming stores when the copy is large."""
+        """Checked runs (uint64 columns of offsets from the two base addresses) through the C kernel: one
+        call per copy thread over slices of about equal bytes, streaming stores when the copy is large."""
         total = int(lengths.sum())
         if not total:
             return
         parts = max(1, min(self.threads, total // _MIN_PART_NBYTES))
         streaming = total >= _STREAMING_MIN_NBYTES
-        src_address, dst_address = src.ctypes.data, dst.ctypes.data
         pieces = _cut_runs(src_offsets, dst_offsets, lengths, parts) if parts > 1 else None
 
         def work(indices: range) -> None:

@@ -274,6 +274,13 @@ def unpin(link: RowHolder, index: Index, *, ok: bool) -> None:
         return
     try:
         revoked = not _unpin_locked(index, link.index_row, link.index_ticket, ok)
+    except IndexCorrupt as exc:
+        # The row or the name cannot be read (a stray write, a file another process shrank): the pin
+        # cannot be ended as it was taken, the bytes cannot be trusted. The owner's repair takes the row
+        # back; the link stays.
+        if not ok:
+            return
+        raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
     finally:
         index.unlock()
     if revoked and ok:

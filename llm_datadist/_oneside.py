@@ -22,12 +22,11 @@ from typing import NamedTuple, cast
 
 from llm_datadist._protocol.messages import Table, TableRequest
 from llm_datadist._shm.errors import ShmError
-from llm_datadist._shm.generations import read_generation
 from llm_datadist._shm.index import CACHE_REMOTE, CACHE_WITHDRAWN, FLAG_CACHES_UNPUBLISHED, STATE_OPEN
 from llm_datadist._shm.segment import Segment
 
 from ._acquire import Acquirer
-from ._copy import kernel_function
+from ._copy import kernel_function, load_word
 from ._dataplane import index_not_open, peer_index, raise_index_error
 from ._errors import PeerGone, StatusError
 from ._links import Links, mover_of
@@ -279,7 +278,7 @@ class OneSided:
                 return None
             # The version word before the entries: a change in between makes the reader refetch once more.
             words = peer_segment(link, generations, 8, writable=False)
-            version = read_generation(words, 0)
+            version = _generation_word(words, 0)
             order_loads()
             index.lock(max(deadline - time.monotonic(), 0.0))
             try:
@@ -329,7 +328,7 @@ class OneSided:
             return False
         words = peer_segment(link, table.generations, 8, writable=False)
         order_loads()
-        return read_generation(words, 0) == table.version
+        return _generation_word(words, 0) == table.version
 
     def check_peer(self, remote_cluster_id: int) -> ClientLink:
         """LLM_LINK_FAILED at once if the link to `remote_cluster_id` is broken or its peer has ended: a
@@ -444,9 +443,9 @@ class OneSided:
         if words is None or words.closed:
             words = peer_segment(link, remote.generations, (remote.gen_slot + 1) * 8, writable=False)
         order_loads()
-        if table is not None and read_generation(words, 0) != table.version:
+        if table is not None and _generation_word(words, 0) != table.version:
             return False
-        return read_generation(words, remote.gen_slot) == remote.generation
+        return _generation_word(words, remote.gen_slot) == remote.generation
 
     def remote_is_current(self, remote_cluster_id: int, remote: RemoteCache) -> bool:
         deadline = time.monotonic() + self._timeout_s
@@ -454,6 +453,19 @@ class OneSided:
         if not mover_of(link).sees_peer_memory:
             return True  # the transfer pins it by id at the peer, which says if it is gone
         return self.remote_cache_current(link, remote)
+
+
+def _generation_word(words: Segment, slot: int) -> int:
+    """Word `slot` of a peer's mapped generation segment, read as copies read a peer's memory: a segment
+    another process shrank fails the transfer (LLM_FAILED) instead of the process (SIGBUS)."""
+    if not 0 <= slot < words.nbytes // 8:
+        raise StatusError(LLMStatusCode.LLM_FAILED, f"generation slot {slot} outside the peer's segment")
+    try:
+        return load_word(words.address + 8 * slot)
+    except ShmError as exc:
+        raise StatusError(
+            LLMStatusCode.LLM_FAILED, f"the peer's generation segment was shrunk: {exc}"
+        ) from exc
 
 
 def check_remote_tensors(remote: RemoteCache, src_start: int, count: int, whole: bool) -> None:

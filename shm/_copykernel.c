@@ -2,8 +2,11 @@
  * with plain memcpy or with non-temporal (streaming) stores on x86-64. No threads here: the caller splits the
  * runs over its own copy threads. Addresses are raw: the caller has bounds-checked every run against memory
  * it maps. A page that vanishes under a mapping mid-copy (a segment truncated by its owner) raises
- * OSError(EFAULT) instead of killing the process with SIGBUS. `index_repin` and `index_unpin`: a puller's
- * repeat pin in an owner's published index, the twins of shm/repin.py (which has the rules).
+ * OSError(EFAULT) instead of killing the process with SIGBUS; `copy_run` and `load_word` do the same for one
+ * run and one word. `index_repin` and `index_unpin`: a puller's repeat pin in an owner's published index,
+ * the twins of shm/repin.py (which has the rules). Every read or write of memory another process's file backs
+ * (the index, a generation word, a segment) runs under the SIGBUS guard: a file truncated under its mapping
+ * fails that call, never the process.
  * `vm_read_checked`: a repeated one-sided read of a peer's registered memory with its liveness and
  * generation checks (llm_datadist/_oneside.py has the rules). Built by setup.py when a compiler is present
  * (optional); the package falls back to numpy and Python without it. */
@@ -96,6 +99,22 @@ static void guard_leave(void)
     if (--guard_users == 0)
         sigaction(SIGBUS, &guard_previous, NULL);
     pthread_mutex_unlock(&guard_lock);
+}
+
+/* fn(arg) under the guard: its result, or `faulted` if memory vanished under a mapping meanwhile. fn must
+ * hold nothing a jump out of it would leak (no lock taken inside it, no allocation). */
+static int guarded(int (*fn)(void *), void *arg, int faulted)
+{
+    volatile int result = faulted;
+    sigjmp_buf jump;
+    guard_enter();
+    if (sigsetjmp(jump, 1) == 0) {
+        guard_jump = &jump;
+        result = fn(arg);
+    }
+    guard_jump = NULL;
+    guard_leave();
+    return result;
 }
 
 /* A 1-D C-contiguous buffer of native uint64 (numpy's uint64 is 'L' on LP64 Linux, 'Q' elsewhere). */
@@ -249,6 +268,117 @@ done:
     return result;
 }
 
+/* One run, for `guarded`. */
+struct one_run {
+    char *dst;
+    const char *src;
+    size_t nbytes;
+    int nontemporal;
+};
+
+static int copy_one(void *arg)
+{
+    const struct one_run *run = arg;
+    if (run->dst < run->src + run->nbytes && run->src < run->dst + run->nbytes)
+        memmove(run->dst, run->src, run->nbytes);
+#if HAVE_STREAMING
+    else if (run->nontemporal) {
+        copy_streaming(run->dst, run->src, run->nbytes);
+        _mm_sfence();
+    }
+#endif
+    else
+        memcpy(run->dst, run->src, run->nbytes);
+    return 0;
+}
+
+/* Below this a copy keeps the GIL: releasing and taking it back costs more than the copy. */
+#define KEEP_GIL_MAX_NBYTES ((size_t)64 << 10)
+
+static int get_u64_arg(PyObject *arg, uint64_t *value, const char *name)
+{
+    *value = PyLong_AsUnsignedLongLong(arg);
+    if (*value == (uint64_t)-1 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_TypeError, "%s must be a non-negative int below 2**64", name);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(copy_run_doc,
+"copy_run(src_address, dst_address, nbytes, nontemporal)\n--\n\n"
+"copy_runs for one run of raw addresses (the caller has bounds-checked it): OSError(EFAULT) if memory\n"
+"vanished under a mapping mid-copy. Large copies release the GIL.");
+
+static PyObject *copy_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    uint64_t src, dst, nbytes;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "copy_run takes 4 arguments");
+        return NULL;
+    }
+    if (get_u64_arg(args[0], &src, "src_address") < 0 || get_u64_arg(args[1], &dst, "dst_address") < 0 ||
+        get_u64_arg(args[2], &nbytes, "nbytes") < 0)
+        return NULL;
+    int nontemporal = PyObject_IsTrue(args[3]);
+    if (nontemporal < 0)
+        return NULL;
+    if (nbytes > UINT64_MAX - src || nbytes > UINT64_MAX - dst || nbytes > SIZE_MAX) {
+        PyErr_SetString(PyExc_ValueError, "the run passes the end of the address space");
+        return NULL;
+    }
+    struct one_run run = {(char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)nbytes, nontemporal};
+    int result;
+    if (run.nbytes <= KEEP_GIL_MAX_NBYTES) {
+        result = guarded(copy_one, &run, -1);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        result = guarded(copy_one, &run, -1);
+        Py_END_ALLOW_THREADS
+    }
+    if (result < 0) {
+        errno = EFAULT;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+struct one_word {
+    const uint64_t *at;
+    uint64_t value;
+};
+
+static int load_one(void *arg)
+{
+    struct one_word *word = arg;
+    word->value = __atomic_load_n(word->at, __ATOMIC_ACQUIRE);
+    return 0;
+}
+
+PyDoc_STRVAR(load_word_doc,
+"load_word(address)\n--\n\n"
+"The aligned 8-byte word at `address` (native order), read with acquire order under the SIGBUS guard:\n"
+"OSError(EFAULT) if the memory vanished under its mapping.");
+
+static PyObject *load_word(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    uint64_t address;
+    if (get_u64_arg(arg, &address, "address") < 0)
+        return NULL;
+    if (address == 0 || address % 8) {
+        PyErr_SetString(PyExc_ValueError, "a word's address must be non-zero and 8-byte aligned");
+        return NULL;
+    }
+    struct one_word word = {(const uint64_t *)(uintptr_t)address, 0};
+    if (guarded(load_one, &word, -1) < 0) {
+        errno = EFAULT;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromUnsignedLongLong(word.value);
+}
+
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 /* The index is little-endian; a big-endian build leaves these out and the Python twins run. */
 #define HAVE_INDEX 1
@@ -325,14 +455,36 @@ static uint64_t plan_end(const struct repin_plan *plan)
     return max3(plan->row_offset, plan->name_offset, plan->cache_offset) + ENTRY_NBYTES;
 }
 
+typedef int (*index_step)(char *, const struct repin_plan *);
+
+struct step_call {
+    index_step step;
+    char *index;
+    const struct repin_plan *plan;
+};
+
+static int call_step(void *arg)
+{
+    const struct step_call *call = arg;
+    return call->step(call->index, call->plan);
+}
+
+/* `step` under the SIGBUS guard: an index file truncated under its mapping makes it REPIN_STALE (nothing
+ * done that can be trusted: the caller takes the full way, which reads the file and fails the transfer). */
+static int guarded_step(index_step step, char *index, const struct repin_plan *plan)
+{
+    struct step_call call = {step, index, plan};
+    return guarded(call_step, &call, REPIN_STALE);
+}
+
 /* `step` under the index lock (taken without waiting): its result, REPIN_BUSY, or -1 with errno set. No
  * Python object is touched: callable without the GIL. */
-static int locked(int fd, char *index, int (*step)(char *, const struct repin_plan *), const struct repin_plan *plan)
+static int locked(int fd, char *index, index_step step, const struct repin_plan *plan)
 {
     int result = lock_index(fd, F_WRLCK);
     if (result != 0)
         return result;
-    result = step(index, plan);
+    result = guarded_step(step, index, plan);
     if (lock_index(fd, F_UNLCK) < 0)
         return -1;
     return result;
@@ -387,8 +539,7 @@ static int repin_locked(char *index, const struct repin_plan *plan)
 
 /* `step` under the lock of the index `mapping` holds (at least as long as the plan's entries need): its
  * result as an int, or OSError. */
-static PyObject *call_locked(PyObject *mapping, int fd, int (*step)(char *, const struct repin_plan *),
-                             const struct repin_plan *plan)
+static PyObject *call_locked(PyObject *mapping, int fd, index_step step, const struct repin_plan *plan)
 {
     Py_buffer view;
     if (get_index(mapping, &view, plan_end(plan)) < 0)
@@ -482,7 +633,7 @@ static PyObject *index_pull(PyObject *module, PyObject *args)
          * between the checks and the copy, and no pin need be written or cleared (two syscalls, not four). */
         pinned = lock_index(fd, F_WRLCK);
         if (pinned == 0) {
-            pinned = check_locked(view.buf, &plan);
+            pinned = guarded_step(check_locked, view.buf, &plan);
             if (pinned == REPIN_DONE)
                 faulted = copy_all(&runs, nontemporal);
             if (lock_index(fd, F_UNLCK) < 0)
@@ -519,6 +670,36 @@ static int hung_up(int fd)
     return ready != 0 && (ready < 0 || (peer.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)));
 }
 
+struct vm_checked {
+    int fd, pid;
+    const struct iovec *local, *remote;
+    unsigned long count;
+    uint64_t wanted;
+    const uint64_t *word;
+    Py_ssize_t slot;
+    uint64_t generation, version;
+};
+
+static int vm_checked_step(void *arg)
+{
+    const struct vm_checked *call = arg;
+    const uint64_t *word = call->word;
+    if (hung_up(call->fd))
+        return VM_GONE;
+    if ((call->version != 0 && __atomic_load_n(&word[0], __ATOMIC_ACQUIRE) != call->version) ||
+        __atomic_load_n(&word[call->slot], __ATOMIC_ACQUIRE) != call->generation)
+        return VM_STALE;
+    if (process_vm_readv(call->pid, call->local, call->count, call->remote, call->count, 0) != (ssize_t)call->wanted)
+        return VM_SHORT;
+    /* The copy's loads were the kernel's, done before the call returned: the word is read after them. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (hung_up(call->fd))
+        return VM_GONE;
+    if (__atomic_load_n(&word[call->slot], __ATOMIC_ACQUIRE) != call->generation)
+        return VM_CHANGED;
+    return VM_DONE;
+}
+
 PyDoc_STRVAR(vm_read_checked_doc,
 "vm_read_checked(fd, pid, local_iovecs, remote_iovecs, wanted, words, slot, generation, version)\n--\n\n"
 "A one-sided read of a peer's registered memory, with its checks, in one call with the GIL released: the\n"
@@ -547,27 +728,20 @@ static PyObject *vm_read_checked(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "the generation word lies outside the mapped words");
         goto done;
     }
-    const uint64_t *word = (const uint64_t *)words.buf;
+    struct vm_checked call = {fd,
+                              pid,
+                              (const struct iovec *)local.buf,
+                              (const struct iovec *)remote.buf,
+                              (unsigned long)count,
+                              wanted,
+                              (const uint64_t *)words.buf,
+                              slot,
+                              generation,
+                              version};
     int outcome;
     Py_BEGIN_ALLOW_THREADS
-    if (hung_up(fd))
-        outcome = VM_GONE;
-    else if ((version != 0 && __atomic_load_n(&word[0], __ATOMIC_ACQUIRE) != version) ||
-             __atomic_load_n(&word[slot], __ATOMIC_ACQUIRE) != generation)
-        outcome = VM_STALE;
-    else if (process_vm_readv(pid, (const struct iovec *)local.buf, (unsigned long)count,
-                              (const struct iovec *)remote.buf, (unsigned long)count, 0) != (ssize_t)wanted)
-        outcome = VM_SHORT;
-    else {
-        /* The copy's loads were the kernel's, done before the call returned: the word is read after them. */
-        __atomic_thread_fence(__ATOMIC_SEQ_CST);
-        if (hung_up(fd))
-            outcome = VM_GONE;
-        else if (__atomic_load_n(&word[slot], __ATOMIC_ACQUIRE) != generation)
-            outcome = VM_CHANGED;
-        else
-            outcome = VM_DONE;
-    }
+    /* A generation segment truncated under its mapping: stale (the caller's general way fails the read). */
+    outcome = guarded(vm_checked_step, &call, VM_STALE);
     Py_END_ALLOW_THREADS
     result = PyLong_FromLong(outcome);
 done:
@@ -621,6 +795,8 @@ static PyObject *count_transfer(PyObject *module, PyObject *const *args, Py_ssiz
 
 static PyMethodDef methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS, copy_runs_doc},
+    {"copy_run", (PyCFunction)(void (*)(void))copy_run, METH_FASTCALL, copy_run_doc},
+    {"load_word", load_word, METH_O, load_word_doc},
     {"count_transfer", (PyCFunction)(void (*)(void))count_transfer, METH_FASTCALL, count_transfer_doc},
 #ifdef HAVE_INDEX
     {"index_repin", index_repin, METH_VARARGS, index_repin_doc},

@@ -39,6 +39,7 @@ __all__ = [
     "Index",
     "IndexCorrupt",
     "IndexLockTimeout",
+    "IndexTruncated",
     "NameEntry",
     "RowEntry",
 ]
@@ -131,6 +132,8 @@ _NAME_MASK_OFFSET = 64
 _NAME_PULLED_OFFSET = 128
 _NAME_KEY = struct.Struct("<IIQQ")  # the first four fields of _NAME: state, kind, key_id, model_id
 _U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_ROW_HEAD = struct.Struct("<QI")  # the first two fields of _ROW: holder, state
 
 STATE_OPEN = 1
 STATE_CLOSED = 2
@@ -159,6 +162,10 @@ def count_lock_wait() -> None:
 
 class IndexCorrupt(ShmError):
     """The index holds something no owner of ours writes: a hostile or broken peer."""
+
+
+class IndexTruncated(IndexCorrupt):
+    """The index's file is shorter than its layout: another process shrank it under its mappings."""
 
 
 class IndexLockTimeout(ShmError):
@@ -241,12 +248,16 @@ def _hash(kind: int, key_id: int, model_id: int) -> int:
     return h
 
 
-def _read_mask(mm: mmap.mmap, offset: int) -> int:
-    return int.from_bytes(mm[offset : offset + _MASK_NBYTES], "little")
+def _read_mask(raw: bytes | bytearray | mmap.mmap, offset: int) -> int:
+    return int.from_bytes(raw[offset : offset + _MASK_NBYTES], "little")
 
 
-def _write_mask(mm: mmap.mmap, offset: int, mask: int) -> None:
-    mm[offset : offset + _MASK_NBYTES] = mask.to_bytes(_MASK_NBYTES, "little")
+def _mask_bytes(mask: int) -> bytes:
+    return mask.to_bytes(_MASK_NBYTES, "little")
+
+
+def _write_mask(buffer: bytearray | mmap.mmap, offset: int, mask: int) -> None:
+    buffer[offset : offset + _MASK_NBYTES] = _mask_bytes(mask)
 
 
 def _range_mask(first: int, count: int) -> int:
@@ -309,9 +320,10 @@ class Index:
             os.close(fd)
             raise
         try:
-            magic, layout, _, owner_pid, owner_inc, rows, caches, names, buckets, _, _ = _HEADER.unpack_from(
-                mapping, 0
-            )
+            raw = os.pread(fd, _HEADER.size, 0)
+            if len(raw) != _HEADER.size:
+                raise IndexTruncated(f"index {name!r} was shrunk to {len(raw)} bytes")
+            magic, layout, _, owner_pid, owner_inc, rows, caches, names, buckets, _, _ = _HEADER.unpack(raw)
             if magic != _MAGIC or layout != LAYOUT_VERSION:
                 raise IndexCorrupt(f"index {name!r}: layout {layout}, not {LAYOUT_VERSION}")
             if (owner_pid, owner_inc) != (pid, incarnation):
@@ -410,57 +422,75 @@ class Index:
                 raise IndexLockTimeout(f"the lock of index {self.name} was held for over {timeout_s:.3f} s")
             pause = min(pause * 2, _LOCK_RETRY_MAX_S)
 
-    def _check_locked(self) -> mmap.mmap:
-        mm = self._mm
-        if mm is None:
+    def _check_locked(self) -> None:
+        if self._mm is None:
             raise ShmError(f"index {self.name} is closed")
         assert self._depth, "index accessed without its lock"
-        return mm
+
+    # ------------------------------------------------------------------------------------ reading, writing
+    # Python reads and writes the file with pread and pwrite, never through the mapping: a file another
+    # process shrank reads short (IndexTruncated, which fails that transfer) where a load from a page past
+    # the file's end would kill the process with SIGBUS. The mapping is the C kernel's (`handle`), which
+    # reads it under its SIGBUS guard.
+
+    def _read(self, offset: int, nbytes: int) -> bytes:
+        if self._mm is None:
+            raise ShmError(f"index {self.name} is closed")
+        data = os.pread(self._fd, nbytes, offset)
+        if len(data) != nbytes:
+            raise IndexTruncated(f"index {self.name} ends before byte {offset + nbytes}: its file was shrunk")
+        return data
+
+    def _write(self, offset: int, data: bytes) -> None:
+        if self._mm is None:
+            raise ShmError(f"index {self.name} is closed")
+        os.pwrite(self._fd, data, offset)
 
     # ------------------------------------------------------------------------------------ header
 
     def header(self) -> tuple[int, int]:
         """(state, flags)."""
-        mm = self._check_locked()
-        return _U32.unpack_from(mm, 12)[0], _U32.unpack_from(mm, 56)[0]
+        self._check_locked()
+        raw = self._read(0, 64)
+        return _U32.unpack_from(raw, 12)[0], _U32.unpack_from(raw, 56)[0]
 
     @property
     def epoch(self) -> int:
-        return int(struct.unpack_from("<Q", self._map, 48)[0])
+        return int(_U64.unpack(self._read(48, 8))[0])
 
     def bump_epoch(self) -> None:
-        mm = self._check_locked()
-        (epoch,) = struct.unpack_from("<Q", mm, 48)
-        struct.pack_into("<Q", mm, 48, (epoch + 1) & ((1 << 64) - 1))
+        self._check_locked()
+        self._write(48, _U64.pack((self.epoch + 1) & ((1 << 64) - 1)))
 
     # ------------------------------------------------------------------------------------ busy clusters
 
     def busy(self, cluster_id: int) -> bool:
-        mm = self._check_locked()
-        if not struct.unpack_from("<I", mm, _BUSY_COUNT_OFFSET)[0]:
+        self._check_locked()
+        if not _U32.unpack(self._read(_BUSY_COUNT_OFFSET, 4))[0]:
             return False  # the common case: the owner pushes into nobody
-        words = _BUSY_ALL.unpack_from(mm, _BUSY_OFFSET)
+        words = _BUSY_ALL.unpack(self._read(_BUSY_OFFSET, _BUSY_ALL.size))
         return any(words[i] == cluster_id and words[i + 1] for i in range(0, 2 * BUSY_CAPACITY, 2))
 
     # ------------------------------------------------------------------------------------ caches
 
     def cache_flags(self, slot: int) -> int:
-        return int(_U32.unpack_from(self._check_locked(), self.cache_offset(slot) + 16)[0])
+        self._check_locked()
+        return int(_U32.unpack(self._read(self.cache_offset(slot) + 16, 4))[0])
 
     def cache(self, slot: int) -> CacheEntry:
         """The live cache in `slot`, checked; IndexCorrupt if the slot is free or its fields are absurd."""
-        mm = self._check_locked()
-        offset = self.cache_offset(slot)
-        (gen, cache_id, flags, batch, base, pitch, tensor_nbytes, count, seg_nbytes) = _CACHE.unpack_from(
-            mm, offset
-        )
-        raw = mm[offset + _CACHE_NAME_OFFSET : offset + _CACHE_NAME_OFFSET + _SEGMENT_NAME_NBYTES]
-        segment = self._segment_names.get(raw)
+        self._check_locked()
+        return self._cache_entry(slot, self._read(self.cache_offset(slot), _CACHE_NBYTES))
+
+    def _cache_entry(self, slot: int, raw: bytes) -> CacheEntry:
+        (gen, cache_id, flags, batch, base, pitch, tensor_nbytes, count, seg_nbytes) = _CACHE.unpack_from(raw)
+        name = raw[_CACHE_NAME_OFFSET : _CACHE_NAME_OFFSET + _SEGMENT_NAME_NBYTES]
+        segment = self._segment_names.get(name)
         if segment is None:
-            segment = raw.split(b"\0", 1)[0].decode("ascii", "replace")
+            segment = name.split(b"\0", 1)[0].decode("ascii", "replace")
             if len(self._segment_names) >= 4096:
                 self._segment_names.clear()
-            self._segment_names[raw] = segment
+            self._segment_names[name] = segment
         registered = flags & CACHE_REGISTERED
         if (
             not gen
@@ -475,7 +505,7 @@ class Index:
             raise IndexCorrupt(f"cache entry {slot} of index {self.name} is not a valid cache")
         addrs: tuple[int, ...] = ()
         if registered:
-            addrs = struct.unpack_from(f"<{count}Q", mm, self._addrs_offset + 8 * base)
+            addrs = struct.unpack(f"<{count}Q", self._read(self._addrs_offset + 8 * base, 8 * count))
             if any(addr + tensor_nbytes > 1 << 64 for addr in addrs):
                 raise IndexCorrupt(f"cache entry {slot} of index {self.name} passes the address space")
         return CacheEntry(
@@ -485,29 +515,33 @@ class Index:
     @property
     def generations(self) -> str:
         """The owner's generation segment's name ("" if none)."""
-        raw = self._map[_GENERATIONS_OFFSET : _GENERATIONS_OFFSET + _SEGMENT_NAME_NBYTES]
+        raw = self._read(_GENERATIONS_OFFSET, _SEGMENT_NAME_NBYTES)
         return raw.split(b"\0", 1)[0].decode("ascii", "replace")
 
     def live_caches(self) -> list[CacheEntry]:
-        """Every live cache entry, checked (one numpy pass finds them)."""
-        mm = self._check_locked()
-        words = np.frombuffer(
-            mm, dtype="<u8", count=self.caches * _CACHE_NBYTES // 8, offset=self._caches_offset
-        )
+        """Every live cache entry, checked (one read of the region, one numpy pass finds them)."""
+        self._check_locked()
+        region = self._read(self._caches_offset, self.caches * _CACHE_NBYTES)
+        words = np.frombuffer(region, dtype="<u8")
         slots = np.flatnonzero(words[:: _CACHE_NBYTES // 8]).tolist()
-        del words  # no export of the mapping may outlive this call
-        return [self.cache(slot) for slot in slots]
+        nbytes = _CACHE_NBYTES
+        return [self._cache_entry(slot, region[slot * nbytes : (slot + 1) * nbytes]) for slot in slots]
 
     def blocks_names(self) -> list[NameEntry]:
-        """Every live KIND_BLOCKS name (one numpy pass finds them)."""
-        mm = self._check_locked()
-        words = np.frombuffer(
-            mm, dtype="<u4", count=self.names * _NAME_NBYTES // 4, offset=self._names_offset
-        )
+        """Every live KIND_BLOCKS name (one read of the region, one numpy pass finds them)."""
+        self._check_locked()
+        region = self._read(self._names_offset, self.names * _NAME_NBYTES)
+        words = np.frombuffer(region, dtype="<u4")
         stride = _NAME_NBYTES // 4
         found = np.flatnonzero((words[::stride] == NAME_LIVE) & (words[1::stride] == KIND_BLOCKS)).tolist()
-        del words
-        return [self.name_entry(index) for index in found]
+        return [
+            self._name_entry(index, region[index * _NAME_NBYTES : (index + 1) * _NAME_NBYTES])
+            for index in found
+        ]
+
+    def cache_entry_bytes(self, slot: int) -> bytes:
+        """Cache entry `slot` as stored (a repeat pin compares it byte for byte)."""
+        return self._read(self.cache_offset(slot), _CACHE_NBYTES)
 
     def cache_offset(self, slot: int) -> int:
         if not 0 <= slot < self.caches:
@@ -518,36 +552,47 @@ class Index:
 
     def lookup(self, kind: int, key_id: int, model_id: int) -> NameEntry | None:
         """The live name (kind, key_id, model_id), or None."""
-        mm = self._check_locked()
+        self._check_locked()
         bucket = _hash(kind, key_id, model_id) % self.buckets
         for _ in range(self.buckets):
-            (stored,) = _U32.unpack_from(mm, self._buckets_offset + 4 * bucket)
+            (stored,) = _U32.unpack(self._read(self._buckets_offset + 4 * bucket, 4))
             if not stored:
                 return None
-            fields = _NAME_KEY.unpack_from(mm, self.name_offset(stored - 1))
-            if fields == (NAME_LIVE, kind, key_id, model_id):
-                return self.name_entry(stored - 1)
+            raw = self._read(self.name_offset(stored - 1), _NAME_NBYTES)
+            if _NAME_KEY.unpack_from(raw) == (NAME_LIVE, kind, key_id, model_id):
+                return self._name_entry(stored - 1, raw)
             bucket = (bucket + 1) % self.buckets
         raise IndexCorrupt(f"index {self.name}: a hash chain with no end")
 
     def name_entry(self, index: int) -> NameEntry:
-        mm = self._check_locked()
-        offset = self.name_offset(index)
-        state, kind, key_id, model_id, cache_slot, batch_slot, gen, target, _ = _NAME.unpack_from(mm, offset)
-        mask = _read_mask(mm, offset + _NAME_MASK_OFFSET)
-        pulled = _read_mask(mm, offset + _NAME_PULLED_OFFSET)
+        self._check_locked()
+        return self._name_entry(index, self._read(self.name_offset(index), _NAME_NBYTES))
+
+    @staticmethod
+    def _name_entry(index: int, raw: bytes) -> NameEntry:
+        state, kind, key_id, model_id, cache_slot, batch_slot, gen, target, _ = _NAME.unpack_from(raw)
         return NameEntry(
-            index, state, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, mask, pulled
+            index,
+            state,
+            kind,
+            key_id,
+            model_id,
+            cache_slot,
+            batch_slot,
+            gen,
+            target - 1,
+            _read_mask(raw, _NAME_MASK_OFFSET),
+            _read_mask(raw, _NAME_PULLED_OFFSET),
         )
 
     def set_name_state(self, index: int, state: int, mask: int, pulled: int | None = None) -> None:
         """Write a name's state and unclaimed mask (and its pulled mask, unless None)."""
-        mm = self._check_locked()
+        self._check_locked()
         offset = self.name_offset(index)
-        struct.pack_into("<I", mm, offset, state)
-        _write_mask(mm, offset + _NAME_MASK_OFFSET, mask)
+        self._write(offset, _U32.pack(state))
+        self._write(offset + _NAME_MASK_OFFSET, _mask_bytes(mask))
         if pulled is not None:
-            _write_mask(mm, offset + _NAME_PULLED_OFFSET, pulled)
+            self._write(offset + _NAME_PULLED_OFFSET, _mask_bytes(pulled))
 
     def name_offset(self, index: int) -> int:
         if not 0 <= index < self.names:
@@ -602,26 +647,27 @@ class Index:
 
     def row_state(self, row: int) -> tuple[int, int]:
         """(holder, state) of a row."""
-        holder, state, _, _, _ = _ROW.unpack_from(self._check_locked(), self.row_offset(row))
+        self._check_locked()
+        holder, state = _ROW_HEAD.unpack(self._read(self.row_offset(row), _ROW_HEAD.size))
         return holder, state
 
     def row_incarnation(self, row: int) -> int:
         """The incarnation of the puller a row was handed to."""
-        offset = self.row_offset(row) + _ROW_INCARNATION_OFFSET
-        return int(struct.unpack_from("<Q", self._check_locked(), offset)[0])
+        self._check_locked()
+        return int(_U64.unpack(self._read(self.row_offset(row) + _ROW_INCARNATION_OFFSET, 8))[0])
 
     def row(self, row: int) -> RowEntry:
-        mm = self._check_locked()
-        offset = self.row_offset(row)
-        incarnation, state, cache_slot, generation, name = _ROW.unpack_from(mm, offset)
+        self._check_locked()
+        raw = self._read(self.row_offset(row), _ROW_NBYTES)
+        incarnation, state, cache_slot, generation, name = _ROW.unpack_from(raw)
         return RowEntry(
             incarnation,
             state,
             cache_slot,
             generation,
             name - 1,
-            _read_mask(mm, offset + _ROW_MASK_OFFSET),
-            _range_mask(*_ROW_RANGE.unpack_from(mm, offset + _ROW_RANGE_OFFSET)),
+            _read_mask(raw, _ROW_MASK_OFFSET),
+            _range_mask(*_ROW_RANGE.unpack_from(raw, _ROW_RANGE_OFFSET)),
         )
 
     def set_row(
@@ -629,15 +675,16 @@ class Index:
     ) -> None:
         """A puller pins (cache_slot, generation) through its row, noting the name it pulls from, what it
         reserved of it and the tensors it pulls."""
-        mm = self._check_locked()
+        self._check_locked()
         offset = self.row_offset(row)
-        _ROW.pack_into(mm, offset, holder, 1, cache_slot, generation, name + 1)
-        _ROW_RANGE.pack_into(mm, offset + _ROW_RANGE_OFFSET, pulled.start, len(pulled))
-        _write_mask(mm, offset + _ROW_MASK_OFFSET, taken)
+        self._write(offset, _ROW.pack(holder, 1, cache_slot, generation, name + 1))
+        self._write(offset + _ROW_RANGE_OFFSET, _ROW_RANGE.pack(pulled.start, len(pulled)))
+        self._write(offset + _ROW_MASK_OFFSET, _mask_bytes(taken))
 
     def clear_row(self, row: int, holder: int) -> None:
         """End the row's pin (its other fields mean nothing while its state is 0)."""
-        _ROW.pack_into(self._check_locked(), self.row_offset(row), holder, 0, 0, 0, 0)
+        self._check_locked()
+        self._write(self.row_offset(row), _ROW.pack(holder, 0, 0, 0, 0))
 
     def row_offset(self, row: int) -> int:
         if not 0 <= row < self.rows:

@@ -2,7 +2,8 @@
 
 Rules: the shadow (what the owner wrote) decides every byte the owner owns; of the fields pullers write (the
 table "which bytes are whose" in `shm.index_owner`) only values a puller may write pass. `find_damage`
-changes nothing and needs no lock; `put_back` writes the shared file, under the lock its caller holds.
+changes nothing and needs no lock; `put_back` corrects a copy of the shared file that its caller, holding
+the lock, writes back.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from .index import (
 __all__ = ["Regions", "find_damage", "puller_name_state", "put_back"]
 
 _EPOCH = slice(48, 56)  # the header's epoch: pullers move it
+# The shared file as read: the owner reads it with pread, never through a mapping.
+_Buffer = bytes | bytearray | mmap.mmap
 
 
 class Regions(NamedTuple):
@@ -44,18 +47,24 @@ class Regions(NamedTuple):
     nbytes: int
 
 
-def puller_name_state(shared: mmap.mmap, offset: int, count: int) -> tuple[int, int, int]:
-    """(state, unclaimed mask, pulled mask) that pullers left in the name at `offset`, clamped: a state no
-    puller writes reads as live, mask bits past the key's `count` tensors are not there, and a pulled
-    tensor is not unclaimed."""
+def puller_name_state(shared: _Buffer, offset: int, count: int) -> tuple[int, int, int]:
+    """(state, unclaimed mask, pulled mask) that pullers left in the name at `offset`, clamped to what
+    pullers write: mask bits past the key's `count` tensors are not there, a pulled tensor is not
+    unclaimed, a key pulled whole is consumed, and any other state than live or consumed reads as live. A
+    live req key with nothing unclaimed is never written (pullers mark it consumed): its masks were lost
+    (a file shrunk under them, zeros read back), and what was not pulled is unclaimed again."""
     state = _U32.unpack_from(shared, offset)[0]
     tensors = (1 << count) - 1
     pulled = _read_mask(shared, offset + _NAME_PULLED_OFFSET) & tensors
     mask = _read_mask(shared, offset + _NAME_MASK_OFFSET) & tensors & ~pulled
+    if tensors and pulled == tensors:
+        return NAME_CONSUMED, 0, pulled
+    if state != NAME_CONSUMED and not mask:
+        return NAME_LIVE, tensors & ~pulled, pulled
     return (state if state in (NAME_LIVE, NAME_CONSUMED) else NAME_LIVE), mask, pulled
 
 
-def find_damage(shared: mmap.mmap, own: mmap.mmap, regions: Regions) -> list[str]:
+def find_damage(shared: _Buffer, own: mmap.mmap, regions: Regions) -> list[str]:
     """The regions where the shared file holds what no owner wrote and no puller may write ([]: none).
     A few numpy compares over 64-bit words (a couple of milliseconds for the default capacities), taken
     without the lock: pullers write only their own fields, which it leaves out or only range-checks."""
@@ -137,7 +146,7 @@ def _names_sane(names: np.ndarray[Any, Any], own: np.ndarray[Any, Any]) -> bool:
     return not (np.any(unclaimed & ~low) or np.any(pulled & ~low) or np.any(unclaimed & pulled))
 
 
-def put_back(shared: mmap.mmap, own: mmap.mmap, regions: Regions) -> None:
+def put_back(shared: bytearray, own: mmap.mmap, regions: Regions) -> None:
     """Put back every byte the owner wrote and clamp what pullers wrote to what they may write; what pullers
     consumed and pinned stays. The caller holds the lock, and moves the epoch afterwards."""
     shared[: _EPOCH.start] = own[: _EPOCH.start]

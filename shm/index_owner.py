@@ -33,7 +33,6 @@ import os
 import struct
 import weakref
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 
@@ -68,13 +67,14 @@ from .index import (
     STATE_OPEN,
     CacheEntry,
     Index,
+    IndexTruncated,
     NameEntry,
     RowEntry,
     _hash,
     _layout_nbytes,
+    _mask_bytes,
     _range_mask,
     _read_mask,
-    _write_mask,
 )
 from .index_audit import Regions, find_damage, puller_name_state, put_back
 from .names import make_segment_name
@@ -101,6 +101,9 @@ class OwnerIndex(Index):
         super().__init__(name, fd, mapping, caps)
         self._shadow: mmap.mmap | None = shadow
         self.repairs = 0  # how many times `repair` found something to put back
+        self.regrowths = 0  # how many times another process had shrunk the file (grown back and repaired)
+        self._shrunk = False  # a read found the file short: repaired at the next lock
+        self._names_high = 0  # names [0, high) may be in use
         self._regions = Regions(
             self.rows, self.names, self._caches_offset, self._names_offset, self._buckets_offset, self.nbytes
         )
@@ -149,23 +152,12 @@ class OwnerIndex(Index):
             os.close(fd)
             os.unlink(os.path.join(SHM_DIR, name[1:]))
             raise
-        for target in (mapping, shadow):
-            _HEADER.pack_into(
-                target,
-                0,
-                _MAGIC,
-                LAYOUT_VERSION,
-                STATE_OPEN,
-                pid,
-                incarnation,
-                rows,
-                caches,
-                names,
-                buckets,
-                0,
-                0,
-            )
-            target[_GENERATIONS_OFFSET : _GENERATIONS_OFFSET + len(raw)] = raw
+        header = _HEADER.pack(
+            _MAGIC, LAYOUT_VERSION, STATE_OPEN, pid, incarnation, rows, caches, names, buckets, 0, 0
+        )
+        for target_offset, data in ((0, header), (_GENERATIONS_OFFSET, raw)):
+            os.pwrite(fd, data, target_offset)
+            shadow[target_offset : target_offset + len(data)] = data
         return cls(name, fd, mapping, (rows, caches, names, buckets), shadow)
 
     def forget_in_child(self) -> None:
@@ -181,7 +173,7 @@ class OwnerIndex(Index):
             return
         # Without the lock: a closing owner may be one whose lock a stopped process holds, and a single
         # aligned word is read whole.
-        _U32.pack_into(self._mm, 12, STATE_CLOSED)
+        os.pwrite(self._fd, _U32.pack(STATE_CLOSED), 12)
         self._finalizer.detach()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, self.name[1:]))
@@ -202,11 +194,11 @@ class OwnerIndex(Index):
 
     def _pack(self, fmt: struct.Struct, offset: int, *values: object) -> None:
         """Write owner fields: the shared file and the shadow alike."""
-        fmt.pack_into(self._check_locked(), offset, *values)
-        fmt.pack_into(self._own, offset, *values)
+        self._put(offset, fmt.pack(*values))
 
     def _put(self, offset: int, data: bytes) -> None:
-        self._check_locked()[offset : offset + len(data)] = data
+        self._check_locked()
+        self._write(offset, data)
         self._own[offset : offset + len(data)] = data
 
     def set_flags(self, flags: int) -> None:
@@ -305,7 +297,8 @@ class OwnerIndex(Index):
             target + 1,
             count,
         )
-        _write_mask(self._check_locked(), offset + _NAME_MASK_OFFSET, (1 << count) - 1)
+        self._write(offset + _NAME_MASK_OFFSET, _mask_bytes((1 << count) - 1))  # pullers' from now on
+        self._names_high = max(self._names_high, index + 1)
         own = self._own
         bucket = _hash(kind, key_id, model_id) % self.buckets
         for _ in range(self.buckets):
@@ -368,7 +361,7 @@ class OwnerIndex(Index):
         )
         if not owned_state:
             return NameEntry(index, 0, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, 0)
-        state, mask, pulled = puller_name_state(self._map, offset, count)
+        state, mask, pulled = puller_name_state(self._read(offset, _NAME_NBYTES), 0, count)
         return NameEntry(
             index, state, kind, key_id, model_id, cache_slot, batch_slot, gen, target - 1, mask, pulled
         )
@@ -384,18 +377,20 @@ class OwnerIndex(Index):
         return (1 << int(_NAME.unpack_from(self._own, self.name_offset(index))[8])) - 1
 
     def consumed_names(self) -> list[int]:
-        """The indices of live names pullers marked NAME_CONSUMED (one numpy pass over the region)."""
+        """The indices of live names pullers marked NAME_CONSUMED (one read of the names in use, one numpy
+        pass over them)."""
         self._check_locked()
-        shared = self._names_view(self._map)
-        own = self._names_view(self._own)
-        found: list[int] = np.flatnonzero((shared[:, 0] == NAME_CONSUMED) & (own[:, 0] == NAME_LIVE)).tolist()
-        del shared, own  # no export of a mapping may outlive this call (close needs none)
+        high = self._names_high
+        if not high:
+            return []
+        shared = np.frombuffer(self._read(self._names_offset, high * _NAME_NBYTES), dtype="<u4")
+        own = np.frombuffer(self._own, dtype="<u4", count=high * _NAME_NBYTES // 4, offset=self._names_offset)
+        stride = _NAME_NBYTES // 4
+        found: list[int] = np.flatnonzero(
+            (shared[::stride] == NAME_CONSUMED) & (own[::stride] == NAME_LIVE)
+        ).tolist()
+        del own  # no export of the shadow may outlive this call (close needs none)
         return found
-
-    def _names_view(self, target: mmap.mmap) -> np.ndarray[Any, Any]:
-        return np.frombuffer(
-            target, dtype="<u4", count=self.names * _NAME_NBYTES // 4, offset=self._names_offset
-        ).reshape(self.names, _NAME_NBYTES // 4)
 
     # ------------------------------------------------------------------------------------ rows
 
@@ -413,14 +408,14 @@ class OwnerIndex(Index):
         self._check_locked()
         offset = self.row_offset(row)
         holder = struct.unpack_from("<Q", self._own, offset)[0]
-        mm = self._map
-        _, state, cache_slot, generation, name = _ROW.unpack_from(mm, offset)
+        raw = self._read(offset, _ROW_NBYTES)
+        _, state, cache_slot, generation, name = _ROW.unpack_from(raw)
         if not holder or state != 1:
             return RowEntry(holder, 0, 0, 0, -1, 0, 0)
         if not 0 <= name - 1 < self.names:
             return RowEntry(holder, 1, cache_slot, generation, -1, 0, 0)
-        taken = _read_mask(mm, offset + _ROW_MASK_OFFSET)
-        pulled = _range_mask(*_ROW_RANGE.unpack_from(mm, offset + _ROW_RANGE_OFFSET))
+        taken = _read_mask(raw, _ROW_MASK_OFFSET)
+        pulled = _range_mask(*_ROW_RANGE.unpack_from(raw, _ROW_RANGE_OFFSET))
         return RowEntry(holder, 1, cache_slot, generation, name - 1, taken, pulled)
 
     def pinned(self, rows: Iterable[int]) -> dict[int, tuple[int, int]]:
@@ -435,16 +430,51 @@ class OwnerIndex(Index):
     # ------------------------------------------------------------------------------------ audit
 
     def audit(self) -> list[str]:
-        """The regions where the shared file holds what no owner wrote and no puller may write ([]: none);
-        taken without the lock (`shm.index_audit.find_damage`)."""
-        return find_damage(self._map, self._own, self._regions)
+        """The regions where the shared file holds what no owner wrote and no puller may write ([]: none),
+        "size" when it was shrunk; taken without the lock (`shm.index_audit.find_damage`)."""
+        raw = os.pread(self._fd, self.nbytes, 0)
+        if len(raw) != self.nbytes:
+            return ["size"]
+        return find_damage(raw, self._own, self._regions)
 
     def repair(self) -> bool:
         """Put back every byte the owner wrote and clamp what pullers wrote to what they may write, under
-        the lock (the caller holds it); what pullers consumed and pinned stays. False if nothing was wrong."""
+        the lock (the caller holds it); what pullers consumed and pinned stays. A shrunk file is grown back
+        first: what pullers had written in the part that was cut (pins, reservations) is gone, and their
+        transfers through it fail when they unpin. False if nothing was wrong."""
+        self._check_locked()
         if not self.audit():
             return False
-        put_back(self._check_locked(), self._own, self._regions)
+        self._regrow()
+        shared = bytearray(self._read(0, self.nbytes))
+        put_back(shared, self._own, self._regions)
+        os.pwrite(self._fd, shared, 0)
         self.bump_epoch()
         self.repairs += 1
         return True
+
+    def lock(self, timeout_s: float) -> None:
+        """Take the lock; a file another process shrank (or a read that found it short) is grown back and
+        repaired at once, before the owner reads or writes anything else of it."""
+        super().lock(timeout_s)
+        if self._shrunk or os.fstat(self._fd).st_size < self.nbytes:
+            self._shrunk = False
+            self.repair()
+            self.regrowths += 1
+
+    def _read(self, offset: int, nbytes: int) -> bytes:
+        """A read that found the file shrunk grows it back (the owner's calls never fail for it) and reads
+        zeros there; the repair comes with the next lock."""
+        try:
+            return super()._read(offset, nbytes)
+        except IndexTruncated:
+            self._regrow()
+            self._shrunk = True
+            return super()._read(offset, nbytes)
+
+    def _regrow(self) -> None:
+        if os.fstat(self._fd).st_size >= self.nbytes:
+            return
+        os.ftruncate(self._fd, self.nbytes)
+        with contextlib.suppress(OSError):  # backed later, page by page, if /dev/shm is short now
+            os.posix_fallocate(self._fd, 0, self.nbytes)

@@ -85,7 +85,7 @@ class RepinPlan(NamedTuple):
         """The plan of a pin of `cache` through `row` that `name` found and consumed nothing of."""
         row_offset = index.row_offset(row)
         cache_offset = index.cache_offset(cache.slot)
-        entry = bytearray(index.handle[1][cache_offset : cache_offset + _CACHE_NBYTES])
+        entry = bytearray(index.cache_entry_bytes(cache.slot))
         entry[_FLAGS] = bytes(4)
         plan = _PLAN.pack(
             row_offset,
@@ -145,7 +145,8 @@ def unpin(index: Index, plan: RepinPlan) -> int:
 
 
 def repin_python(fd: int, mm: mmap.mmap, plan: RepinPlan) -> int:
-    """`repin`'s pure-Python twin."""
+    """`repin`'s pure-Python twin. It reads and writes the file with pread and pwrite, never through the
+    mapping `mm` (the C kernel's): a file shrunk under it is STALE, never SIGBUS."""
     if not _try_lock(fd):
         return BUSY
     try:
@@ -163,45 +164,58 @@ def repin_python(fd: int, mm: mmap.mmap, plan: RepinPlan) -> int:
             check_busy,
             entry,
         ) = _PLAN.unpack(plan.plan)
-        if _U32.unpack_from(mm, _STATE_OFFSET)[0] != STATE_OPEN:
+        header = _read(fd, 0, 64)
+        row = _read(fd, row_offset, _ROW_HEAD.size)
+        name = _read(fd, name_offset, _NAME_HEAD.size)
+        cache = _read(fd, cache_offset, _CACHE_NBYTES)
+        if header is None or row is None or name is None or cache is None:
+            return STALE  # the file was shrunk: the full way fails the transfer
+        if _U32.unpack_from(header, _STATE_OFFSET)[0] != STATE_OPEN:
             return STALE
-        if check_busy and _U32.unpack_from(mm, _BUSY_COUNT_OFFSET)[0]:
+        if check_busy and _U32.unpack_from(header, _BUSY_COUNT_OFFSET)[0]:
             return STALE
-        if _ROW_HEAD.unpack_from(mm, row_offset) != (ticket, 0):
+        if _ROW_HEAD.unpack(row) != (ticket, 0):
             return STALE
-        expected = (NAME_LIVE, kind, key_id, model_id, cache_slot, batch_slot, generation)
-        if _NAME_HEAD.unpack_from(mm, name_offset) != expected:
+        if _NAME_HEAD.unpack(name) != (NAME_LIVE, kind, key_id, model_id, cache_slot, batch_slot, generation):
             return STALE
-        if _U64.unpack_from(mm, cache_offset)[0] != generation:
+        if _U64.unpack_from(cache)[0] != generation:
             return STALE
-        if mm[cache_offset : cache_offset + 16] != entry[:16] or (
-            mm[cache_offset + 20 : cache_offset + _CACHE_NBYTES] != entry[20:]
-        ):
+        if cache[:16] != entry[:16] or cache[20:] != entry[20:]:
             return STALE  # a stray write into the entry: the full way refuses it
-        _ROW.pack_into(mm, row_offset, ticket, 1, cache_slot, generation, 0)
-        mm[row_offset + _ROW_MASK_OFFSET : row_offset + _ROW_MASK_OFFSET + _MASK_NBYTES] = _NO_MASK
+        os.pwrite(fd, _ROW.pack(ticket, 1, cache_slot, generation, 0), row_offset)
+        os.pwrite(fd, _NO_MASK, row_offset + _ROW_MASK_OFFSET)
         return DONE
     finally:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _UNLCK)
 
 
 def unpin_python(fd: int, mm: mmap.mmap, plan: RepinPlan) -> int:
-    """`unpin`'s pure-Python twin."""
+    """`unpin`'s pure-Python twin (pread and pwrite, as `repin_python`)."""
     if not _try_lock(fd):
         return BUSY
     try:
         row_offset, ticket = plan.row_offset, plan.ticket
-        holder, state = _ROW_HEAD.unpack_from(mm, row_offset)
+        row = _read(fd, row_offset, _ROW_HEAD.size)
+        flags = _read(fd, plan.cache_offset + _CACHE_FLAGS_OFFSET, 4)
+        epoch = _read(fd, _EPOCH_OFFSET, 8)
+        if row is None or flags is None or epoch is None:
+            return STALE
+        holder, state = _ROW_HEAD.unpack(row)
         if holder != ticket or not state:
             return STALE
-        if _U32.unpack_from(mm, plan.cache_offset + _CACHE_FLAGS_OFFSET)[0] & CACHE_PENDING:
+        if _U32.unpack(flags)[0] & CACHE_PENDING:
             # The owner frees what only this pin kept at its next look.
-            (epoch,) = _U64.unpack_from(mm, _EPOCH_OFFSET)
-            _U64.pack_into(mm, _EPOCH_OFFSET, (epoch + 1) & ((1 << 64) - 1))
-        _ROW.pack_into(mm, row_offset, ticket, 0, 0, 0, 0)
+            os.pwrite(fd, _U64.pack((_U64.unpack(epoch)[0] + 1) & ((1 << 64) - 1)), _EPOCH_OFFSET)
+        os.pwrite(fd, _ROW.pack(ticket, 0, 0, 0, 0), row_offset)
         return DONE
     finally:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _UNLCK)
+
+
+def _read(fd: int, offset: int, nbytes: int) -> bytes | None:
+    """`nbytes` at `offset`, or None when the file ends before them (another process shrank it)."""
+    data = os.pread(fd, nbytes, offset)
+    return data if len(data) == nbytes else None
 
 
 def _try_lock(fd: int) -> bool:

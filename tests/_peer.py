@@ -260,6 +260,14 @@ def _prompt_main(
                 result = datadist._require_core().server.handled
             elif command == "index_name":
                 result = datadist._require_core().table.index.name
+            elif command == "segments":
+                # The names of the files behind this owner's index, generation words and pools.
+                table = datadist._require_core().table
+                result = {
+                    "index": table.index.name,
+                    "generations": table.generations.name,
+                    "pools": [segment.name for pool in table.pools() for segment in pool.segments],
+                }
             elif command == "addrs":
                 result = caches[args].per_device_tensor_addrs
             else:

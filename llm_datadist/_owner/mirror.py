@@ -67,6 +67,7 @@ class IndexMirror:
         self._flags = 0
         self._syncs = 0
         self._lock_timeout_s = lock_timeout_s
+        self._regrowths_seen = 0
         # Work that waited for the lock, run in order when it is next had (appends are atomic: any thread).
         self._deferred: deque[Callable[[], None]] = deque()
 
@@ -88,6 +89,15 @@ class IndexMirror:
             index.lock(timeout_s)
         except IndexLockTimeout as exc:
             raise IndexBusy(LLMStatusCode.LLM_TIMEOUT, str(exc)) from exc
+        if index.regrowths != self._regrowths_seen:
+            self._regrowths_seen = index.regrowths
+            log.error(
+                "another process shrank the index %s under its mappings: grown back and republished from "
+                "this process's own record; pins and reservations pullers had written in the part that "
+                "was cut are lost, and their transfers fail",
+                index.name,
+            )
+            self.look_again()
         try:
             while self._deferred:
                 self._deferred.popleft()()
