@@ -249,10 +249,11 @@ class Engine:
             log.error("transfer_async to %s: %s", remote_engine, exc.detail)
             return code_of(exc), 0
         deadline = time.monotonic() + ASYNC_TIMEOUT_S
-        req = self._requests.submit(
-            user_data, lambda: final_status(self._transfer(remote_engine, cluster_id, op, descs, deadline))
+        return self._requests.submit(
+            cluster_id,
+            user_data,
+            lambda: final_status(self._transfer(remote_engine, cluster_id, op, descs, deadline)),
         )
-        return (SUCCESS, req) if req else (FAILED, 0)
 
     def _transfer(
         self, remote_engine: str, cluster_id: int, op: int, descs: Sequence[OpDesc], deadline: float
