@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from .. import _faults
 from .._errors import StatusError
 from ..status import LLMStatusCode
 from .records import CacheRecord
@@ -83,8 +84,15 @@ class _Pinned:
         self._record: CacheRecord | None = None
 
     def __enter__(self) -> CacheRecord:
-        self._record = self._pins.pin(self._cache_id)
-        return self._record
+        self._record = record = self._pins.pin(self._cache_id)
+        if _faults.hook is not None:
+            try:
+                _faults.at("local")
+            except BaseException:
+                self._record = None
+                self._pins.unpin(record)
+                raise
+        return record
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         record, self._record = self._record, None

@@ -279,10 +279,12 @@ class CacheTable:
     def unregister(self, cache_id: int, *, timeout_s: float) -> bool:
         """Forget a registered cache and its keys; False if `cache_id` is not a registered cache.
 
-        The caller may reuse the memory as soon as this returns, so a peer's transfer that pins the cache
-        (a lease, or a pin in the index, whether or not its connection still exists) must end first: this
-        waits for it up to `timeout_s`, then raises StatusError(LLM_TIMEOUT) and leaves the cache
-        registered. New pins cannot start meanwhile: the keys go first (and stay gone).
+        The caller may reuse the memory as soon as this returns, so every transfer that touches the cache
+        must end first: a peer's (a lease, or a pin in the index, whether or not its connection still
+        exists) and this process's own (a local pin: a pull writing into it, a push or an engine's transfer
+        reading it). This waits for them up to `timeout_s`, then raises StatusError(LLM_TIMEOUT) and leaves
+        the cache registered. New pins cannot start meanwhile: the keys go first (and stay gone), and local
+        pins need `external`.
         """
         deadline = time.monotonic() + timeout_s
         with self.lock:
@@ -302,10 +304,10 @@ class CacheTable:
             while True:
                 remaining = deadline - time.monotonic()
                 try:
-                    # A lease's end is signalled; a pin's end is not (the puller writes only the index):
-                    # look again every few milliseconds.
+                    # A lease's or a local pin's end is signalled; an index pin's end is not (the puller
+                    # writes only the index): look again every few milliseconds.
                     with self.mirror.locked(min(max(remaining, 0.0), SERVER_LOCK_TIMEOUT_S)):
-                        if record.leases <= 0 and not self.mirror.pinned(record):
+                        if record.leases <= 0 and record.pins <= 0 and not self.mirror.pinned(record):
                             self._forget_registered(record)
                             return True
                 except IndexBusy:
@@ -314,9 +316,10 @@ class CacheTable:
                     # The cache is the user's again, reachable by id (once the lock can be had).
                     record.external = True
                     self.mirror.now_or_later(lambda: self.mirror.show(record))
+                    whose = "a transfer of this process" if record.pins > 0 else "a peer's transfer"
                     raise StatusError(
                         LLMStatusCode.LLM_TIMEOUT,
-                        f"cache {cache_id} is still pinned by a peer's transfer; its keys were removed",
+                        f"cache {cache_id} is still in use by {whose}; its keys were removed",
                     )
                 self.changed.wait(min(remaining, 0.005))
 
