@@ -191,6 +191,15 @@ class WriteLease(_Holding):
             raise StatusError(LLMStatusCode.LLM_FAILED, "peer granted a different range than requested")
         return grant
 
+    def release(self, *, ok: bool, deadline: float) -> None:
+        """End the lease outside a with-block, as `__exit__` (ok) or `fail` would, sending by `deadline`: a
+        lease kept across a layer-wise job outlives the deadline it was taken by."""
+        self._deadline = deadline
+        if ok:
+            self.__exit__(None, None, None)
+        else:
+            self.fail()
+
     def _end(self, *, ok: bool) -> None:
         grant, self._grant = self._grant, None
         if grant is not None:

@@ -224,7 +224,14 @@ def start_transfer(
     def failed(code: LLMStatusCode) -> None:
         core.stats.failed(generation, operation, code)
 
-    job = TransferJob(synchronizer, pushes, record.num_tensors // 2, on_exit=finish, on_failed=failed)
+    job = TransferJob(
+        synchronizer,
+        pushes,
+        record.num_tensors // 2,
+        on_exit=finish,
+        on_failed=failed,
+        hold_s=core.sync_kv_timeout_s,
+    )
     job.start()
     return CacheTask(job, dst_cluster_ids, timeout_code=timeout_code)
 
@@ -252,7 +259,7 @@ class _TransferPlan:
         def push_layer(layer: int) -> None:
             pushes.push(2 * (layer - start), 2)
 
-        return LayerPush(self.dst_cluster_id, self.layers, push_layer, pushes.end)
+        return LayerPush(self.dst_cluster_id, self.layers, push_layer, pushes.end, pushes.pause)
 
 
 def plan_transfer(

@@ -343,10 +343,12 @@ class Transfers:
 class LeasedPush:
     """One `transfer_cache_async` config's pushes into a peer's memory. The destination of every span is
     leased at the first push (one WriteRequest: one round trip for the whole transfer, however many
-    layers) and stays leased until `end`, so that each later push is its copy alone, and memory the peer's
-    user frees meanwhile is not reused before the transfer ends. The lease lives on the link it was taken
-    on: a push that finds another link (the peer was linked again) fails, as the peer's memory may be
-    another process's now. Every push holds the link exclusively for its copy only."""
+    layers) and stays leased until `end` or `pause`, so that each later push is its copy alone, and memory
+    the peer's user frees meanwhile is not reused before the transfer ends. After `pause` (the job waited
+    too long for the user between layers) the next push leases again, and fails if the memory went. The
+    lease lives on the link it was first taken on: a push that finds another link (the peer was linked
+    again) fails, as the peer's memory may be another process's now. Every push holds the link
+    exclusively for its copy only."""
 
     __slots__ = (
         "_acquirer",
@@ -392,6 +394,11 @@ class LeasedPush:
         link = self._links.link_to(self._cluster_id, deadline)
         with link.exclusive(deadline):
             grant = self._grant
+            if self._link is not None and link is not self._link:
+                raise StatusError(
+                    LLMStatusCode.LLM_LINK_FAILED,
+                    f"the link to cluster {self._cluster_id} was made again during the transfer",
+                )
             if self._lease is None:
                 spans = self._spans
                 lease = self._acquirer.write_lease(
@@ -399,11 +406,6 @@ class LeasedPush:
                 )
                 grant = lease.__enter__()
                 self._lease, self._grant, self._link = lease, grant, link
-            elif link is not self._link:
-                raise StatusError(
-                    LLMStatusCode.LLM_LINK_FAILED,
-                    f"the link to cluster {self._cluster_id} was made again during the transfer",
-                )
             else:
                 # Nothing was asked of the peer for this push: its socket says whether it is still there to
                 # receive it (a dead peer's memory stays mapped here, and the copy would succeed).
@@ -424,6 +426,10 @@ class LeasedPush:
             time.perf_counter() - started,
         )
 
+    def pause(self) -> None:
+        """Release the lease for now (what was pushed landed); the next push leases again."""
+        self.end(ok=True)
+
     def end(self, ok: bool) -> None:
         """Release the lease (`ok`: every push of it landed; else the peer is told the transfer failed).
         Never raises: a link that cannot carry the release has ended, and the lease with it."""
@@ -433,9 +439,6 @@ class LeasedPush:
         deadline = time.monotonic() + self._timeout_s
         try:
             with link.exclusive(deadline):
-                if ok:
-                    lease.__exit__(None, None, None)
-                else:
-                    lease.fail()
+                lease.release(ok=ok, deadline=deadline)
         except StatusError as exc:
             log.warning("transfer_cache_async: releasing the pushes to cluster %d: %s", self._cluster_id, exc)

@@ -4,14 +4,21 @@ Rules: one thread per call walks the source layers in order; for each layer some
 the user's `LayerSynchronizer`, then pushes that layer into every wanting config's destination (one copy
 into the peer's pinned memory). Results are kept per destination cluster id, as in the real library (two
 configs to one cluster share a result). The job holds a pin on the source cache until it ends.
+
+A config's destination is leased at its first layer; while the job waits in the user's synchronizer,
+that lease is kept for at most `hold_s` (the transfer's timeout): then it is released, and the next layer
+leases the destination again (failing if the peer's user freed or unregistered it meanwhile). A
+synchronizer that never returns thus holds no memory of the peer's past that bound.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .._alarms import alarms
 from .._errors import StatusError
 from .._signals import held
 from .._validate import check_uint32
@@ -30,6 +37,7 @@ class LayerPush:
     layers: range
     push_layer: Callable[[int], None]
     end: Callable[[bool], None] | None = None
+    pause: Callable[[], None] | None = None  # let go of what it holds for now; the next layer takes it again
 
 
 class TransferJob:
@@ -43,8 +51,13 @@ class TransferJob:
         *,
         on_exit: Callable[[], None],
         on_failed: Callable[[LLMStatusCode], None] | None = None,
+        hold_s: float | None = None,
     ) -> None:
         self._synchronizer = synchronizer
+        self._hold_s = hold_s
+        # Serialises the pauses an alarm makes with the job's own use of its pushes.
+        self._pausing = threading.Lock()
+        self._waiting = False
         self._pushes = list(pushes)
         self._num_layers = num_layers
         self._on_exit = on_exit
@@ -79,7 +92,7 @@ class TransferJob:
                 if not wanting:
                     continue
                 try:
-                    ready = bool(self._synchronizer.synchronize_layer(layer, None))
+                    ready = bool(self._synchronize(layer, active))
                 except Exception as exc:
                     log.error("transfer_cache_async: synchronize_layer(%d) raised %r", layer, exc)
                     ready = False
@@ -109,6 +122,41 @@ class TransferJob:
                     self._on_exit()
                 finally:
                     self.done.set()
+
+    def _synchronize(self, layer: int, active: list[LayerPush]) -> bool:
+        """The user's synchronizer for `layer`; what the active pushes hold is let go once it took
+        `hold_s`."""
+        if self._hold_s is None or not any(push.pause is not None for push in active):
+            return bool(self._synchronizer.synchronize_layer(layer, None))
+        pushes = list(active)
+
+        def pause() -> None:
+            with self._pausing:
+                if not self._waiting:
+                    return  # it returned meanwhile: the job has its pushes back
+                log.warning(
+                    "transfer_cache_async: synchronize_layer(%d) took over %.3f s: the destinations are "
+                    "released until the next layer",
+                    layer,
+                    self._hold_s,
+                )
+                for push in pushes:
+                    if push.pause is not None:
+                        try:
+                            push.pause()
+                        except Exception:
+                            log.exception(
+                                "transfer_cache_async: releasing the pushes to %d", push.dst_cluster_id
+                            )
+
+        self._waiting = True
+        alarm = alarms.at(time.monotonic() + self._hold_s, pause)
+        try:
+            return bool(self._synchronizer.synchronize_layer(layer, None))
+        finally:
+            alarm.cancel()
+            with self._pausing:  # a pause under way ends before the job goes on
+                self._waiting = False
 
     def _stop(self, active: list[LayerPush], push: LayerPush, code: LLMStatusCode) -> None:
         """`push` is over: what it holds is let go before its result says so."""
