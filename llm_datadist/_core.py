@@ -22,7 +22,7 @@ from pathlib import Path
 
 from llm_datadist._shm.index import lock_waits
 from llm_datadist._shm.pool import Pool
-from llm_datadist._shm.reaper import reap
+from llm_datadist._shm.reaper import reap, unlink_own
 
 from ._acquire import Acquirer
 from ._comm import Comms
@@ -324,6 +324,19 @@ class Core(NodeHooks):
         self.server.abandon()
         self.links.abandon()
         self.table.index.forget_in_child()
+
+    def holds_lock_here(self) -> bool:
+        """Whether the calling thread holds the table lock (finalize needs it, from another thread)."""
+        is_owned = getattr(self.table.lock, "_is_owned", None)
+        return bool(is_owned()) if is_owned is not None else False
+
+    def last_resort(self) -> None:
+        """The process is about to die without `close` (a SIGTERM whose finalize could not run): unlink the
+        names it made, its listeners' socket files and its shared-memory segments, taking no lock, so that
+        nothing is left for `llm-datadist gc`. Peers' mappings stay valid; their links see EOF when the
+        process ends."""
+        self.server.unlink_names()
+        unlink_own()
 
     def close(self) -> None:
         """Release everything, in an order that lets every transfer in flight end as it would: ours (on

@@ -72,6 +72,11 @@ def _own_start_ticks() -> int:
     return _own_ticks[1]
 
 
+def own_owner() -> SegmentOwner:
+    """The owner this process's segment names record."""
+    return SegmentOwner(uid=os.getuid(), pid=os.getpid(), start_ticks=_own_start_ticks())
+
+
 def make_segment_name() -> str:
     """A fresh name for a segment owned by the calling process (random, so effectively never reused)."""
     name = f"/{NAME_PREFIX}.{os.getuid()}.{os.getpid()}.{_own_start_ticks()}.{secrets.token_hex(8)}"

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .names import SegmentOwner, owner_alive, parse_segment_name
+from .names import SegmentOwner, own_owner, owner_alive, parse_segment_name
 
-__all__ = ["SHM_DIR", "SegmentInfo", "list_segments", "reap"]
+__all__ = ["SHM_DIR", "SegmentInfo", "list_segments", "reap", "unlink_own"]
 
 SHM_DIR = "/dev/shm"
 
@@ -68,3 +68,19 @@ def reap(*, uid: int | None = None, shm_dir: str = SHM_DIR) -> list[str]:
             continue  # another reaper, or the owner on its way out, was first
         reaped.append(info.name)
     return reaped
+
+
+def unlink_own(*, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink every segment this process created; the names unlinked. The last resort of a process about
+    to die without its clean-up (mappings, here and in peers, stay valid until unmapped)."""
+    me = own_owner()
+    unlinked = []
+    for info in list_segments(uid=me.uid, shm_dir=shm_dir):
+        if info.owner != me:
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, info.name[1:]))
+        except FileNotFoundError:
+            continue
+        unlinked.append(info.name)
+    return unlinked

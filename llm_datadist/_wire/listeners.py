@@ -153,6 +153,14 @@ class Listeners:
         for listener in list(listeners.values()) + [change.listener for change in changes]:
             listener.close()
 
+    def unlink_names(self) -> None:
+        """Unlink the socket files of our listeners, with no lock and no server thread: the last resort of a
+        process about to die without its clean-up."""
+        for addr in list(self._listeners) + [change.addr for change in list(self._changes)]:
+            if isinstance(addr, Path):
+                with contextlib.suppress(OSError):
+                    os.unlink(addr)
+
     def close(self) -> None:
         """Close every listener, served or waiting to be, and release whoever waits for a removal."""
         with self._lock:

@@ -212,6 +212,10 @@ class Server:
         # The service refers back to its owner: no cycle outlives the close.
         self._requests.service = ClosedService()
 
+    def unlink_names(self) -> None:
+        """Unlink our listeners' socket files, with no lock (`Core.last_resort`)."""
+        self._listeners.unlink_names()
+
     def abandon(self) -> None:
         """In a child forked from this process (whose server thread did not come along): close this
         process's copies of every socket, so that the parent's peers still see its connections end when the

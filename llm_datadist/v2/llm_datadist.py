@@ -50,13 +50,22 @@ def _finalize_at_exit() -> None:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """Finalize (on a thread of its own, bounded: the main thread may hold what finalize waits for), then
-    end the process as SIGTERM would: the default action, re-raised."""
+    """Finalize (on a thread of its own, bounded: another thread may hold what finalize waits for), then
+    end the process as SIGTERM would: the default action, re-raised. When finalize cannot run (the main
+    thread, interrupted here, holds the table lock it needs) or does not end in time, the names the
+    instance made are unlinked without it (`Core.last_resort`)."""
     instance = LLMDataDist.llm_engine_instance
-    if instance is not None:
-        finisher = threading.Thread(target=_finalize_at_exit, name="llmdd-sigterm", daemon=True)
-        finisher.start()
-        finisher.join(_SIGTERM_FINALIZE_S)
+    core = instance._core if instance is not None else None
+    if instance is not None and core is not None and core.forked_from is None:
+        finished = False
+        if not core.holds_lock_here():
+            finisher = threading.Thread(target=_finalize_at_exit, name="llmdd-sigterm", daemon=True)
+            finisher.start()
+            finisher.join(_SIGTERM_FINALIZE_S)
+            finished = not finisher.is_alive()
+        if not finished:
+            with contextlib.suppress(Exception):
+                core.last_resort()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 

@@ -15,6 +15,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from llm_datadist._shm.reaper import list_segments, reap
 
 PREAMBLE = """
@@ -120,6 +122,18 @@ if __name__ == "__main__":
     prompt = LLMDataDist(LLMRole.PROMPT, 1)
     prompt.init(options(f"127.0.0.1:{PORT}"))
     cache = prompt.kv_cache_manager.allocate_cache(DESC, [CacheKey(prompt_cluster_id=1, req_id=1)])
+    if "main-holds-lock" in sys.argv:
+        # As if SIGTERM came while the main thread was inside a call that holds the table lock.
+        prompt._core.table.lock.acquire()
+    if "thread-holds-lock" in sys.argv:
+        import threading
+        held = threading.Event()
+        def hold():
+            prompt._core.table.lock.acquire()  # a thread stuck with the lock, never to give it back
+            held.set()
+            time.sleep(120)
+        threading.Thread(target=hold, daemon=True).start()
+        held.wait(10)
     print("READY", " ".join(before), flush=True)
     time.sleep(60)
 """
@@ -235,3 +249,25 @@ def test_a_program_s_own_sigterm_handler_is_kept(tmp_path: Path) -> None:
     while _left_by(program.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _left_by(program.pid) == []
+
+
+@pytest.mark.parametrize("holder", ["main-holds-lock", "thread-holds-lock"])
+def test_sigterm_while_the_table_lock_is_held_still_leaves_nothing_behind(
+    tmp_path: Path, _runtime_dir: Path, holder: str
+) -> None:
+    """Finalize needs the table lock: held by the main thread the handler interrupted, it cannot run; held
+    by a stuck thread, it does not end within 5 s. Either way the process ends as SIGTERM would, and what
+    the instance made (segments, its socket file) is unlinked without finalize."""
+    program, _ = _start(tmp_path, holder)
+    try:
+        assert _left_by(program.pid) and _sockets_in(_runtime_dir)
+        program.send_signal(signal.SIGTERM)
+        assert _wait(program) == -signal.SIGTERM
+    finally:
+        if program.poll() is None:
+            program.kill()
+            program.wait(30)
+        left = _left_by(program.pid)
+        reap()
+    assert left == []
+    assert _sockets_in(_runtime_dir) == []
