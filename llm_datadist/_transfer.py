@@ -17,7 +17,7 @@ from ._errors import api_errors
 from ._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, KeyId
 from ._owner.records import CacheRecord
 from ._pushplan import TensorPush, blocks_push, slot_push, slot_to_blocks_push
-from ._stats import PUSH
+from ._stats import GEN_V1, PUSH
 from ._validate import check_index_lists, check_isinstance, check_range_step1, check_uint32, check_uint64
 from .status import LLMStatusCode, make_error, raise_if_true
 from .v2.llm_types import U64_MAX, CacheKey, CacheKeyByIdAndIndex, LayerSynchronizer, TransferConfig
@@ -231,6 +231,7 @@ def start_transfer(
         on_exit=finish,
         on_failed=failed,
         hold_s=core.sync_kv_timeout_s,
+        raised_code=timeout_code if generation != GEN_V1 else None,
     )
     job.start()
     return CacheTask(job, dst_cluster_ids, timeout_code=timeout_code)

@@ -55,7 +55,7 @@ def prompt_options(
 
 class _Synchronizer(LayerSynchronizer):
     """ "go": every layer is ready at once; "queue": wait for the test to put a token per layer (a token
-    "fail" makes that layer fail); "fail:<k>": layer k fails."""
+    "fail" makes that layer fail); "fail:<k>": layer k fails; "raise:<k>": layer k raises."""
 
     def __init__(self, mode: str, layer_queue: Any) -> None:
         self.mode = mode
@@ -68,6 +68,8 @@ class _Synchronizer(LayerSynchronizer):
             return bool(self.layer_queue.recv() != "fail")
         if self.mode.startswith("fail:"):
             return layer_index != int(self.mode.split(":")[1])
+        if self.mode.startswith("raise:") and layer_index == int(self.mode.split(":")[1]):
+            raise RuntimeError(f"the model failed at layer {layer_index}")
         return True
 
 

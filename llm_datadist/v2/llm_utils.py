@@ -52,8 +52,14 @@ class TransferJob:
         on_exit: Callable[[], None],
         on_failed: Callable[[LLMStatusCode], None] | None = None,
         hold_s: float | None = None,
+        raised_code: LLMStatusCode | None = None,
     ) -> None:
         self._synchronizer = synchronizer
+        # A synchronizer that raises ends the job: with `raised_code` (v2, the real thread's default code)
+        # every config reports that code; without (v1, whose real thread just dies) the configs that had
+        # not finished report nothing.
+        self._raised_code = raised_code
+        self._raised = False
         self._hold_s = hold_s
         # Serialises the pauses an alarm makes with the job's own use of its pushes.
         self._pausing = threading.Lock()
@@ -73,6 +79,8 @@ class TransferJob:
 
     def result(self, dst_cluster_id: int) -> LLMStatusCode | None:
         with self._lock:
+            if self._raised and self._raised_code is not None:
+                return self._raised_code
             return self._results.get(dst_cluster_id)
 
     def _record(self, dst_cluster_id: int, code: LLMStatusCode) -> None:
@@ -94,8 +102,17 @@ class TransferJob:
                 try:
                     ready = bool(self._synchronize(layer, active))
                 except Exception as exc:
-                    log.error("transfer_cache_async: synchronize_layer(%d) raised %r", layer, exc)
-                    ready = False
+                    log.error(
+                        "transfer_cache_async: synchronize_layer(%d) raised %r: the transfer ends with %s",
+                        layer,
+                        exc,
+                        self._raised_code.name if self._raised_code is not None else "no result",
+                    )
+                    with self._lock:
+                        self._raised = True
+                    if self._raised_code is not None and self._on_failed is not None:
+                        self._on_failed(self._raised_code)
+                    return
                 if not ready:
                     for push in wanting:
                         self._record(push.dst_cluster_id, LLMStatusCode.LLM_PARAM_INVALID)
