@@ -184,8 +184,6 @@ class KvCacheManager:
             _param_invalid(api, "blocks_cache_key is not supported by DECODER")
         model_id = None if blocks_cache_key is None else blocks_cache_key.model_id
         cache = self._allocate(api, core, cache_desc, [], is_blocks=True, blocks_model_id=model_id)
-        # The real library marks the descriptor object itself as a blocks descriptor.
-        cache_desc._is_blocks = True
         return cache
 
     def _check_desc(self, api: str, cache_desc: CacheDesc) -> None:

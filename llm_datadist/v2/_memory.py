@@ -122,7 +122,6 @@ class Memory(ManagerBase):
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
         model_id = None if blocks_cache_key is None else blocks_cache_key.model_id
         cache = self._pool_allocate(api, cache_desc, [], is_blocks=True, blocks_model_id=model_id)
-        cache_desc._is_blocks = True
         return cache
 
     def deallocate_cache(self, cache: Cache) -> None:
@@ -263,7 +262,6 @@ class Memory(ManagerBase):
         cache = self._register(
             api, cache_desc, addrs, [], remote_accessible, is_blocks=True, blocks_model_id=model_id
         )
-        cache_desc._is_blocks = True
         return cache
 
     def unregister_cache(self, cache_id: int) -> None:
