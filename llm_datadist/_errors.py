@@ -20,6 +20,13 @@ from .utils.log import log
 # What a public method may raise besides LLMException (documented, and what the real library raises).
 _PUBLIC_TYPES = (LLMException, TypeError, ValueError, RuntimeError)
 
+# What an operation of a manager whose `LLMDataDist` was finalized says (nothing is touched): the real
+# managers' since 2026 (hixl `test_cache_manager_lifecycle.py`).
+FINALIZED = (
+    "the LLMDataDist this manager belongs to was finalized; a manager is good for one init: take the "
+    "manager again from the initialised instance"
+)
+
 # What a call through an instance that a forked child inherited from its parent says.
 FORK_HINT = (
     "this LLMDataDist was initialised by process {pid}, before this process was forked from it; a forked "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from .._errors import FORK_HINT, api_errors
+from .._errors import FINALIZED, FORK_HINT, api_errors
 from .._keys import KeyId
 from .._owner.records import CacheRecord
 from .._source import SourceRef
@@ -117,10 +117,15 @@ class KvCacheManager:
     def is_initialized(self) -> bool:
         return self._core is not None
 
+    @property
+    def _initialized(self) -> bool:
+        """The real attribute behind `is_initialized`."""
+        return self._core is not None
+
     def _require_core(self, api: str) -> Core:
         core = self._core
         if core is None:
-            raise make_error(api, LLMStatusCode.LLM_FAILED, "kv cache manager is not initialized")
+            raise make_error(api, LLMStatusCode.LLM_ENGINE_FINALIZED, FINALIZED)
         if core.forked_from is not None:
             raise make_error(api, LLMStatusCode.LLM_FAILED, FORK_HINT.format(pid=core.forked_from))
         return core

@@ -13,7 +13,7 @@ import functools
 import threading
 from typing import TYPE_CHECKING, NoReturn
 
-from .._errors import FORK_HINT, StatusError, api_errors
+from .._errors import FINALIZED, FORK_HINT, StatusError, api_errors
 from .._oneside import check_remote_tensors
 from .._owner.records import CacheRecord
 from .._source import RemoteCache
@@ -61,10 +61,15 @@ class ManagerBase:
         # Prepared one-sided reads by the arguments that made them (see `_pulls`), with their instance.
         self._prepared: dict[tuple[object, ...], tuple[Core, PreparedRead]] = {}
 
+    @property
+    def _initialized(self) -> bool:
+        """False once the LLMDataDist the manager came from was finalized (the real attribute)."""
+        return self._core is not None
+
     def _require_core(self, api: str) -> Core:
         core = self._core
         if core is None:
-            raise make_error(api, LLMStatusCode.LLM_FAILED, "cache manager is not initialized")
+            raise make_error(api, LLMStatusCode.LLM_ENGINE_FINALIZED, FINALIZED)
         if core.forked_from is not None:
             raise make_error(api, LLMStatusCode.LLM_FAILED, FORK_HINT.format(pid=core.forked_from))
         return core

@@ -242,6 +242,7 @@ class Memory(ManagerBase):
         registered memory are never consumed. Addresses must not overlap another registered cache.
         """
         api = "register_cache"
+        self._require_core(api)  # a finalized manager touches nothing, arguments included
         check_isinstance("cache_keys", cache_keys, (list, tuple))
         for key in cache_keys:
             check_isinstance("cache_keys", key, CacheKey)
@@ -257,6 +258,7 @@ class Memory(ManagerBase):
     ) -> Cache:
         """The paged form of `register_cache`; `blocks_cache_key.model_id` indexes it."""
         api = "register_blocks_cache"
+        self._require_core(api)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
         model_id = None if blocks_cache_key is None else blocks_cache_key.model_id
         cache = self._register(
