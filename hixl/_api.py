@@ -122,7 +122,7 @@ class Hixl:
             return FAILED, 0
         if mem_desc.addr == 0:
             return PARAM_INVALID, 0
-        return engine.register_mem(mem_desc.addr, mem_desc.len, int(mem_type))
+        return engine.register_mem(mem_desc.addr, mem_desc.len, int(mem_type), local_only=mem_desc.local_only)
 
     def deregister_mem(self, mem_handle: int, /) -> int:
         handle = uint("mem_handle", mem_handle)

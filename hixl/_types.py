@@ -202,18 +202,22 @@ def _bool(name: str, value: object) -> bool:
 
 
 class MemDesc:
-    """`MemDesc(addr, len)`: memory to register, `len` bytes at address `addr`."""
+    """`MemDesc(addr, len)`: memory to register, `len` bytes at address `addr`. `local_only` (read and
+    write, default False): the memory is this engine's own side of its transfers only, not exposed to
+    remote engines (they cannot name it), as `hixl_types.h` and the HIXL data-structure page say."""
 
-    __slots__ = ("_addr", "_len")
+    __slots__ = ("_addr", "_len", "_local_only")
     addr = _Field(uint)
     len = _Field(uint)
+    local_only = _Field(_bool)
 
     def __init__(self, addr: int, len: int) -> None:
         self.addr = addr
         self.len = len
+        self.local_only = False
 
     def __repr__(self) -> str:
-        return f"MemDesc(addr={self.addr:#x}, len={self.len})"
+        return f"MemDesc(addr={self.addr:#x}, len={self.len}, local_only={self.local_only})"
 
 
 class TransferOpDesc:

@@ -86,19 +86,24 @@ class Engine:
 
     # ------------------------------------------------------------------ memory
 
-    def register_mem(self, addr: int, nbytes: int, mem_type: int) -> tuple[int, int]:
-        """(code, handle). The same range registered again gives the same handle; a range overlapping
-        another is PARAM_INVALID (the table keeps registered memory disjoint)."""
+    def register_mem(
+        self, addr: int, nbytes: int, mem_type: int, *, local_only: bool = False
+    ) -> tuple[int, int]:
+        """(code, handle). The same range registered again gives the same handle (as it was first
+        registered); a range overlapping another is PARAM_INVALID (the table keeps registered memory
+        disjoint). `local_only`: this engine's own side of transfers only, left out of the table peers
+        read, so a remote engine that names it gets PARAM_INVALID."""
         if self.closed:
             return FAILED, 0
         if addr == 0 or nbytes <= 0 or addr + nbytes > 2**64:
             log.error("register_mem: addr %#x, len %d: not a memory range", addr, nbytes)
             return PARAM_INVALID, 0
-        reason = cross_memory_supported()
-        if reason is not None:
-            log.error("register_mem: peers cannot reach memory of this process: %s", reason)
-            return UNSUPPORTED, 0
-        allow_peers_to_attach()
+        if not local_only:
+            reason = cross_memory_supported()
+            if reason is not None:
+                log.error("register_mem: peers cannot reach memory of this process: %s", reason)
+                return UNSUPPORTED, 0
+            allow_peers_to_attach()
         with self._regions.registering:
             same = self._regions.exact(addr, nbytes)
             if same is not None:
@@ -114,7 +119,7 @@ class Engine:
                     keys=[],
                     is_blocks=False,
                     placement=PLACEMENT_DEVICE if mem_type == MEM_DEVICE else PLACEMENT_HOST,
-                    remote_accessible=True,
+                    remote_accessible=not local_only,
                 )
             except StatusError as exc:
                 log.error("register_mem: addr %#x, len %d: %s", addr, nbytes, exc.detail)

@@ -73,8 +73,10 @@ def _args(method: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
         remote, (name, message), *rest = args
         return (remote, hixl.NotifyDesc(name, message), *rest)
     if method == "register_mem":
-        (addr, nbytes), mem_type = args
-        return (hixl.MemDesc(addr, nbytes), hixl.MemType(mem_type))
+        (addr, nbytes, *local_only), mem_type = args
+        desc = hixl.MemDesc(addr, nbytes)
+        desc.local_only = bool(local_only and local_only[0])
+        return (desc, hixl.MemType(mem_type))
     return args
 
 
