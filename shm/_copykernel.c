@@ -50,16 +50,17 @@ static void copy_streaming(char *dst, const char *src, size_t nbytes)
 }
 #endif
 
-/* SIGBUS during a copy jumps back to copy_runs on the faulting thread. The handler is installed while any
- * thread copies (counted under a mutex) and the previous one restored after, so that faulthandler and
- * others keep SIGBUS outside our copies; a SIGBUS elsewhere meanwhile goes to the previous handler. */
+/* SIGBUS (a file shrunk under its mapping) or SIGSEGV (memory a user registered and then unmapped) during
+ * a copy jumps back to the copy on the faulting thread. The handlers are installed while any thread copies
+ * (counted under a mutex) and the previous ones restored after, so that faulthandler and others keep both
+ * signals outside our copies; one elsewhere meanwhile goes to the previous handler. */
 static pthread_mutex_t guard_lock = PTHREAD_MUTEX_INITIALIZER;
 static int guard_users;
-static struct sigaction guard_previous;
+static struct sigaction guard_previous_bus, guard_previous_segv;
 /* initial-exec: reading it in the handler must not allocate (a dlopen'ed module's TLS may otherwise). */
 static __thread sigjmp_buf *guard_jump __attribute__((tls_model("initial-exec")));
 
-static void on_sigbus(int signum, siginfo_t *info, void *context)
+static void on_fault(int signum, siginfo_t *info, void *context)
 {
     sigjmp_buf *jump = guard_jump;
     int fault = info->si_code > 0; /* raised by the kernel for an access, not sent by a process */
@@ -68,11 +69,12 @@ static void on_sigbus(int signum, siginfo_t *info, void *context)
         siglongjmp(*jump, 1);
     }
     /* Not our copy: do what the previous disposition would have done. */
-    if (guard_previous.sa_flags & SA_SIGINFO) {
-        guard_previous.sa_sigaction(signum, info, context);
-    } else if (guard_previous.sa_handler != SIG_DFL && guard_previous.sa_handler != SIG_IGN) {
-        guard_previous.sa_handler(signum);
-    } else if (fault || guard_previous.sa_handler == SIG_DFL) {
+    const struct sigaction *previous = signum == SIGSEGV ? &guard_previous_segv : &guard_previous_bus;
+    if (previous->sa_flags & SA_SIGINFO) {
+        previous->sa_sigaction(signum, info, context);
+    } else if (previous->sa_handler != SIG_DFL && previous->sa_handler != SIG_IGN) {
+        previous->sa_handler(signum);
+    } else if (fault || previous->sa_handler == SIG_DFL) {
         signal(signum, SIG_DFL); /* a fault runs again and dies as it would have; a sent one is raised */
         if (!fault)
             raise(signum);
@@ -85,10 +87,11 @@ static void guard_enter(void)
     if (guard_users++ == 0) {
         struct sigaction action;
         memset(&action, 0, sizeof action);
-        action.sa_sigaction = on_sigbus;
+        action.sa_sigaction = on_fault;
         action.sa_flags = SA_SIGINFO;
         sigemptyset(&action.sa_mask);
-        sigaction(SIGBUS, &action, &guard_previous);
+        sigaction(SIGBUS, &action, &guard_previous_bus);
+        sigaction(SIGSEGV, &action, &guard_previous_segv);
     }
     pthread_mutex_unlock(&guard_lock);
 }
@@ -96,8 +99,10 @@ static void guard_enter(void)
 static void guard_leave(void)
 {
     pthread_mutex_lock(&guard_lock);
-    if (--guard_users == 0)
-        sigaction(SIGBUS, &guard_previous, NULL);
+    if (--guard_users == 0) {
+        sigaction(SIGBUS, &guard_previous_bus, NULL);
+        sigaction(SIGSEGV, &guard_previous_segv, NULL);
+    }
     pthread_mutex_unlock(&guard_lock);
 }
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 from .. import _faults
 from .._errors import StatusError
+from .._procmaps import require_mapped
+from .._shm.errors import ShmError
 from ..status import LLMStatusCode
 from .records import CacheRecord
 from .table import CacheTable
@@ -36,7 +38,13 @@ class LocalPins:
             if record is None or not record.external:
                 raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, f"cache {cache_id} was deallocated")
             record.pins += 1
-            return record
+        if record.unchecked:
+            try:
+                require_tensors_mapped(record)
+            except BaseException:
+                self.unpin(record)
+                raise
+        return record
 
     def unpin(self, record: CacheRecord) -> None:
         """End a local pin; a cache only it kept is freed now, or at the next housekeeping if the index
@@ -96,5 +104,19 @@ class _Pinned:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         record, self._record = self._record, None
-        if record is not None:
-            self._pins.unpin(record)
+        if record is None:
+            return
+        self._pins.unpin(record)
+        if isinstance(exc, ShmError) and record.registered:
+            # A copy met memory that was not there: if it is ours, say which tensor went.
+            require_tensors_mapped(record)
+
+
+def require_tensors_mapped(record: CacheRecord) -> None:
+    """StatusError(LLM_PARAM_INVALID) naming the first tensor of registered `record` that is not this
+    process's readable and writable memory now."""
+    require_mapped(
+        ((addr, record.tensor_nbytes) for addr in record.addrs),
+        what=f"cache {record.cache_id}: tensor",
+        writable=True,
+    )

@@ -65,6 +65,9 @@ class CacheRecord:
     pending: bool = False
     addr_words: int = -1  # registered: its first word in the index's address region
     keys_unpublished: bool = False  # a req key was bound to a slot of it that the index could not hold
+    # Registered memory that was not this process's mapped memory at registration (device memory, which
+    # the real library takes on trust): each local transfer checks it first (`LocalPins.pin`).
+    unchecked: bool = False
 
     @property
     def slot_nbytes(self) -> int:

@@ -7,10 +7,11 @@ kernel allows peers to attach (`_vm`) and capped at `MAX_REGISTERED_ADDRS` addre
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .._core import PLACEMENT_DEVICE
-from .._errors import api_errors
+from .._errors import StatusError, api_errors
 from .._keys import KeyId
 from .._owner.records import CacheRecord
 from .._validate import (
@@ -20,6 +21,7 @@ from .._validate import (
 )
 from .._vm import allow_peers_to_attach, cross_memory_supported
 from ..status import LLMStatusCode, make_error
+from ..utils.log import log
 from .cache import Cache
 from .llm_types import (
     U64_MAX,
@@ -213,9 +215,10 @@ class Memory(ManagerBase):
             )
         allow_peers_to_attach()
         with api_errors(api):
-            # Pulls land in registered memory and peers read (and may push into) it: all of it must be
-            # this process's own, readable and writable, or a peer would read whatever lies beyond it.
-            require_mapped(((addr, desc.size) for addr in addrs), what="tensor", writable=True)
+            # The real library takes device memory on trust (its own tests register address 1). What is
+            # not this process's readable and writable memory now is registered too, said once, and checked
+            # again by every transfer of ours that touches it; peers' reads of it fail (EFAULT).
+            unchecked = _unmapped_now(api, addrs, desc.size)
             record = core.table.register(
                 num_tensors=desc.num_tensors,
                 tensor_nbytes=desc.size,
@@ -227,6 +230,7 @@ class Memory(ManagerBase):
                 remote_accessible=bool(remote_accessible),
                 blocks_model_id=blocks_model_id,
             )
+            record.unchecked = unchecked
         return self._handle(record, desc)
 
     def register_cache(
@@ -326,3 +330,25 @@ class Memory(ManagerBase):
             _invalid(api, "mem_infos is empty")
         if not core.links.clusters() and not core.server.peers():
             raise make_error(api, LLMStatusCode.LLM_NOT_YET_LINK, "No comm link yet")
+
+
+_said_unchecked = [False]
+
+
+def _unmapped_now(api: str, addrs: Sequence[int], nbytes: int) -> bool:
+    """Whether some tensor is not this process's readable and writable memory now (logged the first time
+    in the process, with what was found)."""
+    try:
+        require_mapped(((addr, nbytes) for addr in addrs), what="tensor", writable=True)
+    except StatusError as exc:
+        if not _said_unchecked[0]:
+            _said_unchecked[0] = True
+            log.warning(
+                "%s: %s. Registered as the real library does with device memory; every transfer of this "
+                "process that touches it checks it first and fails with LLM_PARAM_INVALID while it is not "
+                "there (said once per process)",
+                api,
+                exc.detail,
+            )
+        return True
+    return False

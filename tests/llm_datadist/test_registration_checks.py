@@ -1,7 +1,9 @@
-"""What the owner accepts before peers may reach it: registered memory must be this process's own,
-readable and writable, for every byte its description claims (else a peer's pull would read the owner's
-heap beyond it); a cache key that sets both req_id and prefix_id is refused where it is bound, as every
-pull of it would be."""
+"""What registration takes and what then guards it: memory that is not this process's own, readable and
+writable, for every byte its description claims, is registered as the real library registers device
+memory, and every transfer of ours that touches it fails (LLM_PARAM_INVALID, naming the tensor) rather
+than read or write beyond it; a cache key that sets both req_id and prefix_id is refused where it is
+bound, as every pull of it would be. (`test_unchecked_registration.py` has a peer's pull and memory that
+goes after registration.)"""
 
 from __future__ import annotations
 
@@ -68,33 +70,43 @@ def _mapping_then_hole(nbytes: int) -> int:
     return int(address)
 
 
-def test_a_buffer_shorter_than_its_description_is_refused() -> None:
+def test_a_buffer_shorter_than_its_description_is_registered_and_no_transfer_passes_its_end() -> None:
     dd = _v2()
     buffer = _mapping_then_hole(1 << 20)  # 1 MiB, then nothing
     try:
+        manager = dd.cache_manager
         too_large = CacheDesc(1, [8, 136 << 10], DataType.DT_INT8)  # 8 blocks of 136 KiB: 1,088 KiB
+        cache = manager.register_blocks_cache(too_large, [buffer], None, True)
         with pytest.raises(LLMException) as info:
-            dd.cache_manager.register_blocks_cache(too_large, [buffer], None, True)
+            manager.copy_blocks(cache, {0: [7]})  # the last block lies past the mapping
         assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
         assert "tensor 0" in str(info.value) and str(8 * (136 << 10)) in str(info.value)
-        # As large as its description says: accepted, and the refused attempt took nothing with it.
+        manager.unregister_cache(cache.cache_id)
+        # As large as its description says: transfers go through.
         fits = CacheDesc(1, [8, 128 << 10], DataType.DT_INT8)
-        cache = dd.cache_manager.register_blocks_cache(fits, [buffer], None, True)
-        dd.cache_manager.unregister_cache(cache.cache_id)
+        cache = manager.register_blocks_cache(fits, [buffer], None, True)
+        manager.copy_blocks(cache, {0: [7]})
+        manager.unregister_cache(cache.cache_id)
     finally:
         dd.finalize()
         ctypes.CDLL(None).munmap(ctypes.c_void_p(buffer), ctypes.c_size_t(1 << 20))
 
 
-def test_memory_that_cannot_be_written_is_refused() -> None:
+def test_memory_that_cannot_be_written_is_registered_and_never_written() -> None:
     dd = _v2()
     readonly = mmap.mmap(-1, 1 << 16, prot=mmap.PROT_READ)
     try:
+        manager = dd.cache_manager
         address = np.frombuffer(readonly, dtype=np.uint8).ctypes.data
+        desc = CacheDesc(1, [1, 1 << 16], DataType.DT_INT8)
+        cache = manager.register_cache(desc, [address])
+        pool = manager.allocate_cache(desc)
         with pytest.raises(LLMException) as info:
-            dd.cache_manager.register_cache(CacheDesc(1, [1 << 16], DataType.DT_INT8), [address])
+            manager.copy_cache(cache, pool)
         assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
         assert "readable and writable" in str(info.value)
+        manager.unregister_cache(cache.cache_id)
+        manager.deallocate_cache(pool)
     finally:
         dd.finalize()
         readonly.close()
