@@ -293,12 +293,16 @@ def plan_transfer(
     ):
         _param_invalid(api, "src_block_indices need dst_block_indices of the same length")
     block_nbytes = record.slot_nbytes  # a slot, or a block of a paged cache
-    if record.is_blocks:
+    if src_block_indices and not record.is_blocks:
+        _param_invalid(api, "a continuous source takes no src_block_indices")
+    # As the real `llm_utils`: the source is pushed as blocks only when src_block_indices are given; a
+    # blocks cache without them takes the slot path, its blocks being its slots (block 0 by default).
+    if src_block_indices:
         if config.src_batch_index != 0:
             _param_invalid(api, "src_batch_index must be 0 for a blocks source")
-        if src_block_indices is None or dst_block_indices is None:
+        if dst_block_indices is None:
             _param_invalid(api, "a blocks source pushes blocks to blocks: give src and dst block indices")
-        if not src_block_indices or max(src_block_indices) >= record.batch_size:
+        if max(src_block_indices) >= record.batch_size:
             _param_invalid(api, f"src_block_indices must be non-empty and below {record.batch_size}")
         dst_block_nbytes = dst_block_memory_size or block_nbytes
         if dst_block_nbytes < block_nbytes:
@@ -315,8 +319,6 @@ def plan_transfer(
             _param_invalid(api, "dst_block_memory_size must be None or 0 for a continuous destination")
         tensor = slot_push(slot_offset, block_nbytes)
         return _TransferPlan(config.dst_cluster_id, layers, tuple(config.dst_addrs), tensor)
-    if src_block_indices is not None:
-        _param_invalid(api, "a continuous source takes no src_block_indices")
     if not dst_block_memory_size:
         _param_invalid(api, "continuous to blocks needs dst_block_memory_size")
     if not dst_block_indices:

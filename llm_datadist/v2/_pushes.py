@@ -236,22 +236,28 @@ class Pushes(ManagerBase):
         dst_blocks: list[int] | None,
     ) -> LayerPush:
         """One TransferWithCacheKeyConfig as a layer push: source layer l goes to destination layer
-        dst_layer_range[l - src_layer_range.start] of the cache the key names, one-sided."""
+        dst_layer_range[l - src_layer_range.start] of the cache the key names, one-sided. As the real
+        `llm_utils`, the source counts as blocks only when `src_block_indices` are given (blocks to blocks,
+        into a BlocksCacheKey); without them a slot goes to a slot: slot `src_batch_index` of the source (a
+        block, for a blocks cache) into slot `batch_index` of the destination (block 0 of a blocks cache)."""
         layers, dst_layers = config.src_layer_range, config.dst_layer_range
         if layers.stop > record.num_tensors // 2:
             _invalid(api, f"src_layer_range {layers} exceeds the source's {record.num_tensors // 2} layers")
         key = config.cache_key
-        to_blocks = isinstance(key, BlocksCacheKey)
-        if to_blocks != record.is_blocks:
-            _invalid(
-                api, "a BlocksCacheKey destination needs a blocks source, and a cache id a continuous one"
-            )
+        by_blocks = bool(src_blocks)
         unit = record.slot_nbytes
-        if to_blocks:
-            if not src_blocks or dst_blocks is None or len(src_blocks) != len(dst_blocks):
+        if by_blocks:
+            assert src_blocks is not None
+            if not isinstance(key, BlocksCacheKey):
+                _invalid(api, "src_block_indices push blocks: the destination must be a BlocksCacheKey")
+            if dst_blocks is None or len(src_blocks) != len(dst_blocks):
                 _invalid(api, "blocks to blocks needs src and dst block indices of the same length")
             if max(src_blocks) >= record.batch_size:
                 _invalid(api, f"src block {max(src_blocks)} >= the source's {record.batch_size} blocks")
+        elif dst_blocks:
+            _invalid(
+                api, "dst_block_indices without src_block_indices: a slot into blocks by key is not supported"
+            )
         elif config.src_batch_index >= record.batch_size:
             _invalid(api, f"src_batch_index {config.src_batch_index} out of range")
 
@@ -259,6 +265,11 @@ class Pushes(ManagerBase):
             dst_layer = dst_layers[layer - layers.start]
             if isinstance(key, BlocksCacheKey):
                 remote = self._remote(api, core, key.cluster_id, None, key.model_id)
+                dst_slot = 0
+            else:
+                remote = self._remote(api, core, key.cluster_id, key.cache_id, None)
+                dst_slot = key.batch_index
+            if by_blocks:
                 assert src_blocks is not None and dst_blocks is not None
                 if remote.unit_nbytes != unit or max(dst_blocks) >= remote.num_units:
                     _invalid(api, "remote block size or block index does not match")
@@ -266,10 +277,9 @@ class Pushes(ManagerBase):
                     UnitRun(d * unit, s * unit, unit) for s, d in zip(src_blocks, dst_blocks, strict=True)
                 ]
             else:
-                remote = self._remote(api, core, key.cluster_id, key.cache_id, None)
-                if key.batch_index >= remote.num_units or remote.unit_nbytes < unit:
+                if dst_slot >= remote.num_units or remote.unit_nbytes < unit:
                     _invalid(api, "the remote slot cannot hold the local slot")
-                runs = [UnitRun(key.batch_index * remote.unit_nbytes, config.src_batch_index * unit, unit)]
+                runs = [UnitRun(dst_slot * remote.unit_nbytes, config.src_batch_index * unit, unit)]
             self._check_remote_tensors(api, remote, TensorSelection(2 * dst_layer, 2, False, 2 * layer))
             with api_errors(api, timeout_code=LLMStatusCode.LLM_TIMEOUT):
                 core.transfers.transfer_pinned(

@@ -304,6 +304,28 @@ def test_layer_wise_push_by_key_into_registered_memory(seed: int) -> None:
             assert not got[[0, 2, 3, 4]].any()
 
 
+def test_a_blocks_source_without_block_indices_pushes_block_0_into_block_0(seed: int) -> None:
+    """As the real `llm_utils` (and the vendor's `transfer_cache_async_sample.py`): the source counts as
+    blocks only when `src_block_indices` are given; without them the slot path runs with batch index 0,
+    which for blocks caches is block 0 of the source into block 0 of the destination."""
+    extra = _v2_options(remote_access=True)
+    with PromptPeer(P, next(_ports), seed, extra=extra) as peer, _Decoder(remote_access=True) as dd:
+        cache_id = peer.call("v2_alloc", (4, [4, 64], [], 0))  # 2 layers, 4 blocks of 128 bytes
+        _link_one_sided(dd, peer)
+        local, arrays = _numpy_blocks_cache(dd, 4, [6, 64])
+        dd._require_core().table.bind_blocks_key(9, local.cache_id)
+        code = peer.call("v2_transfer", (cache_id, [(D, 9, (0, 1), (0, 1))], None, None))
+        assert code == int(LLMStatusCode.LLM_SUCCESS)
+        for t, array in enumerate(arrays):
+            got = array.reshape(6, 128)
+            if t < 2:  # layer 0: K and V
+                remote = peer.expected(cache_id, t, 4 * 128).reshape(4, 128)
+                np.testing.assert_array_equal(got[0], remote[0])
+                assert not got[1:].any()
+            else:
+                assert not got.any()
+
+
 def test_local_copies_between_pool_registered_and_cpu_caches() -> None:
     with _Decoder(remote_access=False) as dd:
         cm = dd.cache_manager
@@ -592,4 +614,4 @@ def test_repeated_one_sided_pulls_reuse_their_checks_but_not_stale_state(seed: i
     # After finalize the manager refuses, prepared pulls or not.
     with pytest.raises(LLMException) as exc_info:
         cm.pull_blocks(BlocksCacheKey(P, 0), again, [1], [2])
-    assert exc_info.value.status_code == LLMStatusCode.LLM_FAILED
+    assert exc_info.value.status_code == LLMStatusCode.LLM_ENGINE_FINALIZED

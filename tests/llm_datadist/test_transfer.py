@@ -49,6 +49,22 @@ def test_continuous_push_of_every_layer(linked) -> None:  # type: ignore[no-unty
         np.testing.assert_array_equal(raw, _slot(peer.expected(cache_id, t, 2 * 6666), 2, 1))
 
 
+def test_a_blocks_source_without_block_indices_pushes_its_block_0(linked) -> None:  # type: ignore[no-untyped-def]
+    """The source is pushed as blocks only when src_block_indices are given (the real `llm_utils`);
+    without them a blocks cache takes the slot path: block `src_batch_index` (0) to the addresses."""
+    peer, dd = linked
+    cache_id = peer.alloc_blocks(2, [4, 64], None)  # 1 layer, 4 blocks of 128 bytes
+    dst = dd.kv_cache_manager.allocate_cache(CacheDesc(2, [1, 64], DataType.DT_FLOAT16))
+    for raw in _raw(dst):
+        raw[:] = 0
+    task = peer.call(
+        "transfer", (cache_id, [(D, dst.per_device_tensor_addrs[0], None, 0)], None, None, None, "go")
+    )
+    assert peer.call("task_results", (task, 20000)) == [SUCCESS]
+    for t, raw in enumerate(_raw(dst)):
+        np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 4 * 128)[:128])
+
+
 def test_layers_arrive_one_by_one_as_the_synchronizer_releases_them(linked) -> None:  # type: ignore[no-untyped-def]
     peer, dd = linked
     layers = 4
