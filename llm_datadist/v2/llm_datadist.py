@@ -282,7 +282,9 @@ class LLMDataDist:
         force: bool = False,
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Tear links down. Without `force` the peer is told (it drops its end); with `force` only the
-        local end goes. A link busy with a transfer gives LLM_LINK_BUSY for that cluster."""
+        local end goes, and a cluster with no link (never linked, or gone with a peer that finalized) is
+        SUCCESS, as the real `UnlinkCluster` with its force flag ("Entity not found"). A link busy with a
+        transfer gives LLM_LINK_BUSY for that cluster."""
         api = "unlink_clusters"
         core = self._require_core()
         infos = self._check_clusters(clusters, timeout, api)
@@ -302,6 +304,11 @@ class LLMDataDist:
                 and core.drop_peer(info.remote_cluster_id)
             ):
                 # v2: the serving side unlinks a client that linked to it.
+                code = LLMStatusCode.LLM_SUCCESS
+            elif code == LLMStatusCode.LLM_NOT_YET_LINK and force:
+                log.info(
+                    "unlink_clusters: cluster %d: entity not found (forced: success)", info.remote_cluster_id
+                )
                 code = LLMStatusCode.LLM_SUCCESS
             results.append(code)
         return _overall(results), results

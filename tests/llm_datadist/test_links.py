@@ -43,6 +43,33 @@ def test_link_unlink_relink(seed: int) -> None:
         assert dd.unlink_clusters([info], force=True)[0] == LLMStatusCode.LLM_SUCCESS
 
 
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_a_forced_unlink_of_a_cluster_with_no_link_is_success(seed: int, v2: bool) -> None:
+    """As the real `UnlinkCluster` with its force flag ("Entity not found", SUCCESS): whether or not this
+    side has seen the peer finalize, a forced unlink after it succeeds; an unforced one of a cluster never
+    linked stays LLM_NOT_YET_LINK."""
+    v2_options = {"llm.EnableCacheManager": "1", "llm.MemPoolConfig": '{"memory_size": 16777216}'}
+    extra = v2_options if v2 else None
+    with decoder(extra=extra) as dd:
+        for wait_for_the_end in (False, True):
+            peer = PromptPeer(P, next(_ports), seed, extra=extra)
+            try:
+                info = peer.cluster_info()
+                assert dd.link_clusters([info])[0] == LLMStatusCode.LLM_SUCCESS
+            finally:
+                peer.close()  # the Prompt finalizes and exits
+            if wait_for_the_end:
+                with pytest.raises(LLMException):
+                    dd.check_link_status(P)  # this side has seen the link end
+            assert dd.unlink_clusters([info], force=True) == (
+                LLMStatusCode.LLM_SUCCESS,
+                [LLMStatusCode.LLM_SUCCESS],
+            )
+        never = _info(77, next(_ports))
+        assert dd.unlink_clusters([never], force=True)[0] == LLMStatusCode.LLM_SUCCESS
+        assert dd.unlink_clusters([never])[1] == [LLMStatusCode.LLM_NOT_YET_LINK]
+
+
 def test_wrong_cluster_id_nobody_listening_and_partial_results(seed: int) -> None:
     port = next(_ports)
     with PromptPeer(P, port, seed), decoder() as dd:
