@@ -8,7 +8,8 @@ installed, as raw `uint16` otherwise.
 
 from __future__ import annotations
 
-from typing import Any
+import ctypes
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -17,26 +18,55 @@ from ._rank_table import default_rank_table
 from ._stats import Snapshot, own_readings, snapshot
 from .data_type import numpy_dtype
 from .status import LLMStatusCode, make_error
-from .v2.cache import KvCache
+from .v2.cache import Cache, KvCache
+
+if TYPE_CHECKING:
+    from ._owner.records import CacheRecord
 
 
-def tensor_views(cache: KvCache) -> list[np.ndarray[Any, Any]]:
-    """One numpy array per tensor of `cache`, shaped like `cache.cache_desc.shape`, sharing its memory."""
+def tensor_views(cache: KvCache | Cache) -> list[np.ndarray[Any, Any]]:
+    """One numpy array per tensor of `cache` (a v1 `KvCache` or a v2 `Cache`, allocated or registered),
+    shaped like `cache.cache_desc.shape`, sharing its memory."""
     api = "tensor_views"
-    manager = getattr(cache, "_kv_cache_manager", None)
-    core = getattr(manager, "_core", None)
-    record = core.table.get(cache.cache_id) if core is not None and cache._is_valid else None
+    record = _live_record(cache)
     if record is None:
         raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, f"cache {cache.cache_id} is not a live cache")
     desc = cache.cache_desc
     dtype = numpy_dtype(desc.data_type)
+    shape = tuple(desc.shape)
+    if record.registered:  # the caller's own memory, at its addresses
+        return [
+            np.ctypeslib.as_array((ctypes.c_ubyte * record.tensor_nbytes).from_address(addr))
+            .view(dtype)
+            .reshape(shape)
+            for addr in record.addrs
+        ]
     segment = record.pool_block.segment
     views = []
     for t in range(record.num_tensors):
         start = record.tensor_offset(t)
         raw = segment.array[start : start + record.tensor_nbytes]
-        views.append(raw.view(dtype).reshape(tuple(desc.shape)))
+        views.append(raw.view(dtype).reshape(shape))
     return views
+
+
+def _live_record(cache: KvCache | Cache) -> CacheRecord | None:
+    """The record of `cache` in the instance it came from, if it is still that cache."""
+    if isinstance(cache, KvCache):
+        manager = getattr(cache, "_kv_cache_manager", None)
+        core = getattr(manager, "_core", None)
+        return core.table.get(cache.cache_id) if core is not None and cache._is_valid else None
+    if not isinstance(cache, Cache):
+        return None
+    # A v2 Cache names no manager: the process's initialised instance, and the same memory.
+    from .v2.llm_datadist import LLMDataDist
+
+    instance = LLMDataDist.llm_engine_instance
+    core = instance._core if instance is not None else None
+    record = core.table.get(cache.cache_id) if core is not None else None
+    if record is None or record.tensor_addrs() != list(cache.tensor_addrs):
+        return None
+    return record
 
 
 def local_rank_table(cluster_rank_info: dict[int, int]) -> str:

@@ -1,7 +1,8 @@
 """The caller's `CacheDesc` is not ours to change: the kind of a cache follows the API that made it (hixl
 2026, `test_cache_descriptor_state.py`). A descriptor used for a blocks cache and then for a regular one
 gives a regular one; a failed call leaves it as it was; a legacy `_is_blocks` on it changes nothing.
-Checked in both managers through the public API."""
+Checked in both managers through the public API. Also the v2 `Cache` objects the managers hand back:
+`ext.tensor_views` takes them."""
 
 from __future__ import annotations
 
@@ -111,3 +112,30 @@ def test_the_api_not_the_legacy_flag_decides_the_kind(legacy: bool) -> None:
         assert desc._is_blocks == legacy
         manager.deallocate_cache(regular)
         manager.deallocate_blocks_cache(blocks)
+
+
+def test_tensor_views_work_for_v2_caches_allocated_and_registered() -> None:
+    """`ext.tensor_views` (the README's way to see a cache's bytes) takes a v2 `Cache` too: one view per
+    tensor, shaped as its description, sharing the memory; a cache that was freed is refused."""
+    from llm_datadist import LLMStatusCode
+    from llm_datadist.ext import tensor_views
+
+    with _manager(True) as manager:
+        desc = CacheDesc(2, [2, 8], DataType.DT_FLOAT16, Placement.DEVICE)
+        pool = manager.allocate_cache(desc)
+        views = tensor_views(pool)
+        assert [v.shape for v in views] == [(2, 8), (2, 8)] and views[1].dtype == np.float16
+        views[1][1, 7] = 3.0
+        assert tensor_views(pool)[1][1, 7] == 3.0
+        memory = np.zeros(16, dtype=np.float16)
+        registered = manager.register_blocks_cache(
+            CacheDesc(1, [2, 8], DataType.DT_FLOAT16, Placement.DEVICE), [memory.ctypes.data]
+        )
+        tensor_views(registered)[0][1, 2] = 5.0
+        assert memory[10] == 5.0
+        manager.unregister_cache(registered.cache_id)
+        manager.deallocate_cache(pool)
+        for gone in (pool, registered):
+            with pytest.raises(LLMException) as caught:
+                tensor_views(gone)
+            assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
