@@ -160,22 +160,28 @@ class Links:
         """The link `link` resolves `ip:port` to (its docstring says how); StatusError when it fails."""
         path = socket_path(ip, port)
         here = is_local_ip(ip)
+        nobody = (
+            f"nobody listens at {ip}:{port} on this host yet (no socket {path}): start the listening side "
+            f"first, with listen_ip_info {ip}:{port} and the same runtime directory ({ENV_RUNTIME_DIR}), "
+            "then link again"
+        )
         if here or path.exists():
             try:
                 return self.connect_unix(path, remote_cluster_id, deadline)
             except StatusError as exc:
+                gone = isinstance(exc.__cause__, ConnectionRefusedError | FileNotFoundError)
+                if here and gone:
+                    raise StatusError(LLMStatusCode.LLM_LINK_FAILED, nobody) from exc
                 # A socket nobody serves any more, named after an address of another host: try that host.
-                if here or not isinstance(exc.__cause__, ConnectionRefusedError | FileNotFoundError):
+                if here or not gone:
                     raise
         try:
             self._cross.require("")
-        except StatusError as exc:  # this process cannot reach other hosts: say what was looked for here
+        except StatusError as exc:  # this process cannot reach other hosts: the one-host case comes first
             raise StatusError(
                 LLMStatusCode.LLM_LINK_FAILED,
-                f"nothing of this user on this host listens at {ip}:{port} (no socket {path}) and {ip} is "
-                f"not an address of this host, so the peer would be on another host, and {exc.detail}. "
-                f"On one host: start the listening side first, with listen_ip_info {ip}:{port} and the "
-                f"same runtime directory ({ENV_RUNTIME_DIR})",
+                f"{nobody}. If the peer is on another host ({ip} is not an address of this one): "
+                f"{exc.detail}",
             ) from exc
         return self.connect_tcp(remote_cluster_id, ip, port, deadline, local_ip)
 

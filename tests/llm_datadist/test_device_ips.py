@@ -123,8 +123,11 @@ def test_nobody_listening_at_a_device_ip_is_a_failed_code_that_says_why(tmp_path
     # The log line (stdout, as the real library's) names the address and what a one-host user should do.
     log = result.stdout
     assert "link to cluster 1 at 192.168.100.9:26902 failed" in log
-    assert "nothing of this user on this host listens at 192.168.100.9:26902" in log
+    one_host = "nobody listens at 192.168.100.9:26902 on this host yet"
+    assert one_host in log
     assert "start the listening side first" in log
+    # The one-host advice comes first, then what another host would need.
+    assert log.index(one_host) < log.index("If the peer is on another host")
     if extra == "no-extra" or engine_available() is not None:
         assert "llm-datadist-host[multihost]" in log
     else:  # the engine is there and the test sets no secret: the log says that is what is missing

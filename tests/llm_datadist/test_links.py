@@ -70,6 +70,17 @@ def test_a_forced_unlink_of_a_cluster_with_no_link_is_success(seed: int, v2: boo
         assert dd.unlink_clusters([never])[1] == [LLMStatusCode.LLM_NOT_YET_LINK]
 
 
+def test_a_decoder_started_before_its_prompt_is_told_so() -> None:
+    from tests._logs import warning_lines
+
+    port = next(_ports)
+    with decoder() as dd, warning_lines() as logs:
+        assert dd.link_clusters([_info(P, port)], timeout=1000)[0] == LLMStatusCode.LLM_LINK_FAILED
+    said = [line for line in logs.lines if f"127.0.0.1:{port} failed" in line]
+    assert len(said) == 1 and f"nobody listens at 127.0.0.1:{port} on this host yet" in said[0], logs.lines
+    assert "Errno" not in said[0]
+
+
 def test_wrong_cluster_id_nobody_listening_and_partial_results(seed: int) -> None:
     port = next(_ports)
     with PromptPeer(P, port, seed), decoder() as dd:
