@@ -81,10 +81,12 @@ class api_errors:
         if exc is None or isinstance(exc, LLMException):
             return
         api = self.api
+        # A StatusError's detail is the whole story, told for the user: the internal chain behind it would
+        # only bury it under tracebacks (a second copy of a program got three).
         if isinstance(exc, TransferTimeout):
-            raise make_error(api, self.timeout_code, exc.detail) from exc
+            raise make_error(api, self.timeout_code, exc.detail) from None
         if isinstance(exc, StatusError):
-            raise make_error(api, exc.code, exc.detail) from exc
+            raise make_error(api, exc.code, exc.detail) from None
         if isinstance(exc, OutOfPoolMemory):
             # A full pool, or /dev/shm that cannot back the pages (`SharedMemoryExhausted`, whose message
             # names the mount, the bytes needed and free and how to raise it): the code of a full pool.

@@ -85,6 +85,8 @@ def test_a_listen_address_taken_by_another_program(
     assert info.value.status_code == LLMStatusCode.LLM_FAILED
     assert f"127.0.0.1:{_port()} is taken" in str(info.value)
     assert "LLM_DATADIST_RUNTIME_DIR" in str(info.value)
+    # One error, not three chained tracebacks: the message is the whole story.
+    assert info.value.__cause__ is None and info.value.__suppress_context__
     assert _entries(_runtime_dir) == before  # the refused init left nothing
     # A job of its own runs beside the first, at the same address.
     monkeypatch.setenv("LLM_DATADIST_RUNTIME_DIR", str(tmp_path / "own"))
