@@ -468,6 +468,59 @@ def test_module_paths_of_the_real_package() -> None:
         assert name in llm_types.__all__
 
 
+def test_the_validators_meet_the_vendors_2026_bounds_and_types() -> None:
+    """hixl 2026 `test_parameter_validation.py` (02ffb84), in our words: each integer check takes its exact
+    bounds and refuses one past them and any arbitrary-precision overflow (ValueError), and refuses a
+    non-integer with a TypeError naming the argument; list checks take tuples and empty lists and find a
+    bad element anywhere; `check_positive_or_set_default` keeps 0 and uses its `default` only for None;
+    `check_isinstance` returns what it was given."""
+    from llm_datadist.utils import utils
+
+    bounds = {
+        "uint8": (0, 2**8 - 1),
+        "uint16": (0, 2**16 - 1),
+        "uint32": (0, 2**32 - 1),
+        "uint64": (0, 2**64 - 1),
+        "int32": (-(2**31), 2**31 - 1),
+        "int64": (-(2**63), 2**63 - 1),
+    }
+    for name, (low, high) in bounds.items():
+        check = getattr(utils, f"check_{name}")
+        for good in (low, high, 0, low + 1, high - 1):
+            assert check("value", good) is None
+        for bad in (low - 1, high + 1, -(2**128), 2**128):
+            with pytest.raises(ValueError):
+                check("value", bad)
+        for wrong in (None, "1", 1.0, [], {}, object()):
+            with pytest.raises(TypeError, match="device_id"):
+                check("device_id", wrong)
+    for name in ("int32", "int64", "uint64"):
+        low, high = bounds[name]
+        check = getattr(utils, f"check_list_{name}")
+        values = [low, 0, high]
+        assert check("ids", values) is None and values == [low, 0, high]
+        for ok in ([], (), (low, high)):
+            assert check("ids", ok) is None
+        for bad in ([0, low - 1], [0, high + 1]):
+            with pytest.raises(ValueError, match="ids"):
+                check("ids", bad)
+        for wrong in (None, "1", 1.0, []):
+            for at in range(3):
+                items: list[object] = [0, 1, 2]
+                items[at] = wrong
+                with pytest.raises(TypeError, match="ids"):
+                    check("ids", items)
+    assert utils.check_positive_or_set_default("size", None, default=128) == 128
+    assert utils.check_positive_or_set_default("size", 0, default=128) == 0
+    assert utils.check_positive_or_set_default("size", 2**63 - 1) == 2**63 - 1
+    for bad in (-(2**63) - 1, 2**63):
+        with pytest.raises(ValueError):
+            utils.check_positive_or_set_default("size", bad)
+    values = [1, 2]
+    assert utils.check_isinstance("values", values, list) is values
+    assert utils.check_isinstance("values", values, list, inner_class=int) is values
+
+
 def test_utils_utils_has_the_real_signatures() -> None:
     from llm_datadist.utils import utils
 
