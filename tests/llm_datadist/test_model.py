@@ -342,7 +342,8 @@ class _Machine(RuleBasedStateMachine):
             self._sync_peers()
 
     def _unlink(self, p: int, force: bool) -> None:
-        expected = int(S.LLM_NOT_YET_LINK) if self.links[p] is None else int(S.LLM_SUCCESS)
+        # A forced unlink of a cluster with no link succeeds, as the real UnlinkCluster's force flag.
+        expected = int(S.LLM_NOT_YET_LINK) if self.links[p] is None and not force else int(S.LLM_SUCCESS)
         codes = self.cluster.pullers[p].ok("unlink", OWNER, self.PORT, force)
         TALLY[f"unlink{' force' if force else ''}: {S(codes[0]).name}"] += 1
         assert codes == [expected, expected], f"unlink: expected {S(expected).name}, got {codes}"
@@ -368,7 +369,7 @@ class _Machine(RuleBasedStateMachine):
     @precondition(lambda self: any(tag is not None for tag in self.links))
     @rule(pick=st.integers(0, 1), force=st.booleans(), twice=st.booleans())
     def unlink(self, pick: int, force: bool, twice: bool) -> None:
-        """Unlink a linked puller (again: LLM_NOT_YET_LINK in the per-cluster list)."""
+        """Unlink a linked puller (again: LLM_NOT_YET_LINK in the per-cluster list, SUCCESS if forced)."""
         p = self._pick([q for q in range(2) if self.links[q] is not None], pick)
         self._unlink(p, force)
         if twice:
