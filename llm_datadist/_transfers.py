@@ -28,6 +28,8 @@ from ._acquire import Acquirer, WriteLease
 from ._copy import PreparedCopy
 from ._dataplane import repin, unpin, unpin_again
 from ._errors import StatusError
+from ._fresh import DONE as FRESH_DONE
+from ._fresh import FreshPulls
 from ._keys import KEY_BLOCKS, KEY_CACHE_ID
 from ._links import Links, mover_of
 from ._movers import PushSpan, UnitRun
@@ -142,6 +144,7 @@ class Transfers:
         # At most _MAX_REPEATS: a connector repeats a few.
         self._repeats: dict[int, Repeat] = {}
         self.repeated = 0  # pulls that ran as a Repeat
+        self.fresh = FreshPulls()
 
     def pull(self, spec: PullSpec, dst: CacheRecord) -> None:
         """Pin the source in the owner's published index (or, for what it could not publish, ask it), copy
@@ -151,6 +154,19 @@ class Transfers:
         deadline = time.monotonic() + self._timeout_s
         link = self._links.get(spec.remote_cluster_id)
         marks = [time.perf_counter()]
+        ref = spec.ref
+        with link.exclusive(deadline):
+            fresh = self.fresh.pull(
+                link, ref, dst, spec.dst_tensor_start, spec.dst_base_offset, deadline, check_busy=True
+            )
+        if fresh == FRESH_DONE:
+            ended = time.perf_counter()  # one call: its time is the copy's
+            marks.extend((marks[0], marks[0], ended, ended))
+            self._last_marks = marks
+            self._stats.transfer(
+                GEN_V1, PULL, SHM, ref.nbytes * ref.tensor_count, ref.tensor_count, ended - marks[0]
+            )
+            return
         repeat = self._repeats.get(id(spec))
         if repeat is not None and repeat.spec is spec and repeat.link is link and repeat.dst is dst:
             with link.exclusive(deadline):
@@ -174,7 +190,6 @@ class Transfers:
                 )
                 return
             del marks[1:]
-        ref = spec.ref
         held = self._acquirer.acquire(link, ref, deadline, again=True)
         with link.exclusive(deadline), held as location:
             marks.append(time.perf_counter())
@@ -188,6 +203,11 @@ class Transfers:
                 link, location, dst, dst_offsets, ref.nbytes, deadline, marks, repeat=again is not None
             )
             marks.append(time.perf_counter())
+            if mover.sees_peer_memory and location.segment:
+                # Fresh pulls over this link read that segment next (it is mapped now).
+                self.fresh.remember(
+                    link, link.mappings.get(location.segment, min_nbytes=location.segment_nbytes)
+                )
         marks.append(time.perf_counter())
         self._stats.transfer(
             GEN_V1,

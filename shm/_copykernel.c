@@ -755,6 +755,216 @@ done:
     PyBuffer_Release(&words);
     return result;
 }
+
+/* index_pull_key: a pull of a key looked up afresh in the peer's index, checked, copied and consumed in one
+ * hold of the index lock, with nothing written to the row (a copy of at most HOLD_MAX_NBYTES: nothing the
+ * owner does can come between the lookup and the copy). Anything it does not handle, or finds changed, odd
+ * or refused, is FRESH_STALE with nothing done: the caller takes the full way, which raises what it calls
+ * for. shm/index.py has the layout; the checks are those of the full way's pin (`_dataplane._pin_locked`). */
+enum { FRESH_DONE = 0, FRESH_BUSY = 1, FRESH_STALE = 2, FRESH_FAULTED = 3 };
+enum { FRESH_CHECK_BUSY = 1, FRESH_WHOLE = 2 }; /* plan flags: v1's busy rule; the source must have exactly the tensors */
+enum { NAME_NBYTES = 192, NAME_MASK_OFFSET = 64, NAME_PULLED_OFFSET = 128, NAME_CONSUMED = 2 };
+enum { KIND_REQ = 1, CACHE_REGISTERED = 8, SEGMENT_NAME_OFFSET = 64, SEGMENT_NAME_NBYTES = 64 };
+#define MASK_TENSORS 512u
+
+/* llm_datadist/_fresh.py's _PLAN, "<12Q8I64s": what the caller asks and where things lie, packed. */
+struct fresh_plan {
+    uint64_t row_offset, ticket, caches_offset, names_offset, buckets_offset, key_id, model_id, src_offset,
+        nbytes, dst_offset, seg_base, seg_nbytes;
+    uint32_t caches_cap, names_cap, buckets_cap, kind, consume, flags, tensor_start, tensor_count;
+    char seg_name[SEGMENT_NAME_NBYTES];
+};
+_Static_assert(sizeof(struct fresh_plan) == 12 * 8 + 8 * 4 + 64, "the fresh plan is packed");
+
+struct fresh_call {
+    char *index;
+    uint64_t index_nbytes;
+    const struct fresh_plan *plan;
+    const uint64_t *dst_addrs;
+    int nontemporal;
+};
+
+static uint64_t key_hash(uint64_t kind, uint64_t key_id, uint64_t model_id)
+{
+    uint64_t h = kind * 0x9E3779B97F4A7C15ull + key_id * 0xBF58476D1CE4E5B9ull + model_id * 0x94D049BB133111EBull;
+    h ^= h >> 31;
+    h *= 0xD6E8FEB86659FD93ull;
+    h ^= h >> 32;
+    return h;
+}
+
+/* The offset of live name (kind, key_id, model_id), or 0 when there is none or the chain is odd. */
+static uint64_t fresh_lookup(const struct fresh_call *call)
+{
+    const struct fresh_plan *plan = call->plan;
+    uint64_t buckets = plan->buckets_cap, bucket = key_hash(plan->kind, plan->key_id, plan->model_id) % buckets;
+    for (uint64_t probe = 0; probe < buckets; probe++) {
+        uint32_t stored = get_u32(call->index + plan->buckets_offset + 4 * bucket);
+        if (stored == 0 || stored > plan->names_cap)
+            return 0;
+        uint64_t offset = plan->names_offset + (uint64_t)(stored - 1) * NAME_NBYTES;
+        const char *name = call->index + offset;
+        if (get_u32(name) == NAME_LIVE && get_u32(name + 4) == plan->kind && get_u64(name + 8) == plan->key_id &&
+            get_u64(name + 16) == plan->model_id)
+            return offset;
+        bucket = (bucket + 1) % buckets;
+    }
+    return 0;
+}
+
+static int mask_has(const char *mask, uint32_t start, uint32_t count)
+{
+    for (uint32_t t = start; t < start + count; t++)
+        if (!((unsigned char)mask[t / 8] & (1u << (t % 8))))
+            return 0;
+    return 1;
+}
+
+static int mask_empty(const char *mask)
+{
+    for (unsigned i = 0; i < MASK_TENSORS / 8; i++)
+        if (mask[i])
+            return 0;
+    return 1;
+}
+
+/* Under the lock and the fault guard: look up, check, copy, consume. */
+static int fresh_locked(void *arg)
+{
+    const struct fresh_call *call = arg;
+    const struct fresh_plan *plan = call->plan;
+    char *index = call->index;
+    if (get_u32(index + STATE_OFFSET) != STATE_OPEN)
+        return FRESH_STALE;
+    if ((plan->flags & FRESH_CHECK_BUSY) && get_u32(index + BUSY_COUNT_OFFSET) != 0)
+        return FRESH_STALE;
+    const char *row = index + plan->row_offset;
+    if (get_u64(row) != plan->ticket || get_u32(row + 8) != 0)
+        return FRESH_STALE;
+    uint64_t name_offset = fresh_lookup(call);
+    if (name_offset == 0)
+        return FRESH_STALE;
+    char *name = index + name_offset;
+    uint32_t cache_slot = get_u32(name + 24), batch_slot = get_u32(name + 28);
+    uint64_t generation = get_u64(name + 32);
+    if (cache_slot >= plan->caches_cap)
+        return FRESH_STALE;
+    const char *cache = index + plan->caches_offset + (uint64_t)cache_slot * ENTRY_NBYTES;
+    uint64_t tensor_nbytes = get_u64(cache + 40), pitch = get_u64(cache + 32), base = get_u64(cache + 24);
+    uint64_t seg_nbytes = get_u64(cache + 56);
+    uint32_t flags = get_u32(cache + 16), batch = get_u32(cache + 20), count = get_u32(cache + 48);
+    if (generation == 0 || get_u64(cache) != generation || (flags & CACHE_REGISTERED) || batch == 0 || count == 0 ||
+        tensor_nbytes == 0 || tensor_nbytes % batch || pitch < tensor_nbytes || batch_slot >= batch)
+        return FRESH_STALE;
+    if (memcmp(cache + SEGMENT_NAME_OFFSET, plan->seg_name, SEGMENT_NAME_NBYTES) != 0 || seg_nbytes > plan->seg_nbytes)
+        return FRESH_STALE; /* a segment the caller has not mapped (or at another size): the full way maps it */
+    if (seg_nbytes < tensor_nbytes || (count > 1 && pitch > (seg_nbytes - tensor_nbytes) / (count - 1)) ||
+        base > seg_nbytes - tensor_nbytes - pitch * (count - 1))
+        return FRESH_STALE; /* the tensors pass the segment's end: the full way says the entry is corrupt */
+    uint32_t start = plan->tensor_start, want = plan->tensor_count;
+    uint64_t slot_nbytes = tensor_nbytes / batch;
+    if (want == 0 || start > count || want > count - start || ((plan->flags & FRESH_WHOLE) && want != count) ||
+        plan->src_offset > slot_nbytes ||
+        plan->nbytes > slot_nbytes - plan->src_offset)
+        return FRESH_STALE;
+    int consume = plan->consume && plan->kind == KIND_REQ;
+    if (consume && (start + want > MASK_TENSORS || !mask_has(name + NAME_MASK_OFFSET, start, want)))
+        return FRESH_STALE; /* some of it is reserved or pulled by another pull: the full way credits */
+    const char *src = (const char *)(uintptr_t)plan->seg_base + base + batch_slot * slot_nbytes + plan->src_offset;
+    for (uint32_t i = 0; i < want; i++) {
+        char *dst = (char *)(uintptr_t)(call->dst_addrs[i] + plan->dst_offset);
+        const char *from = src + (uint64_t)(start + i) * pitch;
+#if HAVE_STREAMING
+        if (call->nontemporal)
+            copy_streaming(dst, from, plan->nbytes);
+        else
+#endif
+            memcpy(dst, from, plan->nbytes);
+    }
+    if (consume) {
+        for (uint32_t t = start; t < start + want; t++) {
+            name[NAME_MASK_OFFSET + t / 8] &= (char)~(1u << (t % 8));
+            name[NAME_PULLED_OFFSET + t / 8] |= (char)(1u << (t % 8));
+        }
+        if (mask_empty(name + NAME_MASK_OFFSET)) {
+            put_u32(name, NAME_CONSUMED); /* every tensor pulled: the owner reclaims it at its next look */
+            put_u64(index + EPOCH_OFFSET, get_u64(index + EPOCH_OFFSET) + 1);
+        }
+    }
+    return FRESH_DONE;
+}
+
+PyDoc_STRVAR(index_pull_key_doc,
+"index_pull_key(mapping, fd, plan, dst_addrs, nontemporal)\n--\n\n"
+"A pull of a key looked up afresh, in one hold of the index lock (GIL released): 0 done, 1 the lock is\n"
+"busy, 2 stale (not handled here: nothing done), 3 faulted (memory vanished mid-copy: the key is left\n"
+"as it was). plan: llm_datadist._fresh's plan; dst_addrs: one native uint64 address per tensor.");
+
+static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "index_pull_key takes 5 arguments");
+        return NULL;
+    }
+    long fd = PyLong_AsLong(args[1]);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    int nontemporal = PyObject_IsTrue(args[4]);
+    if (nontemporal < 0)
+        return NULL;
+    Py_buffer plan_view, addrs_view, view;
+    if (PyObject_GetBuffer(args[2], &plan_view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    struct fresh_plan plan;
+    if (plan_view.len != (Py_ssize_t)sizeof plan) {
+        PyBuffer_Release(&plan_view);
+        PyErr_SetString(PyExc_ValueError, "a fresh plan is 192 bytes");
+        return NULL;
+    }
+    memcpy(&plan, plan_view.buf, sizeof plan);
+    PyBuffer_Release(&plan_view);
+    if (PyObject_GetBuffer(args[3], &addrs_view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (addrs_view.len != (Py_ssize_t)(8 * (uint64_t)plan.tensor_count) ||
+        plan.nbytes * plan.tensor_count > HOLD_MAX_NBYTES || plan.buckets_cap == 0) {
+        PyErr_SetString(PyExc_ValueError, "a fresh pull names one address per tensor, at most 64 KiB in all");
+        goto release_addrs;
+    }
+    /* Every region the plan names must lie in the mapping (the entries read inside are bounded by the caps). */
+    uint64_t end = max3(plan.row_offset + ENTRY_NBYTES, plan.caches_offset + (uint64_t)plan.caches_cap * ENTRY_NBYTES,
+                        plan.names_offset + (uint64_t)plan.names_cap * NAME_NBYTES);
+    if (plan.buckets_offset + 4 * (uint64_t)plan.buckets_cap > end)
+        end = plan.buckets_offset + 4 * (uint64_t)plan.buckets_cap;
+    if (get_index(args[0], &view, end) < 0)
+        goto release_addrs;
+    struct fresh_call call = {view.buf, (uint64_t)view.len, &plan, addrs_view.buf, nontemporal};
+    int outcome, error = 0;
+    Py_BEGIN_ALLOW_THREADS
+    outcome = lock_index((int)fd, F_WRLCK);
+    if (outcome == 0) {
+        outcome = guarded(fresh_locked, &call, FRESH_FAULTED);
+        if (lock_index((int)fd, F_UNLCK) < 0)
+            outcome = -1;
+    }
+    error = errno;
+#if HAVE_STREAMING
+    if (nontemporal)
+        _mm_sfence();
+#endif
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (outcome < 0) {
+        errno = error;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        result = PyLong_FromLong(outcome);
+    }
+release_addrs:
+    PyBuffer_Release(&addrs_view);
+    return result;
+}
 #endif
 
 PyDoc_STRVAR(count_transfer_doc,
@@ -807,6 +1017,7 @@ static PyMethodDef methods[] = {
     {"index_repin", index_repin, METH_VARARGS, index_repin_doc},
     {"index_unpin", index_unpin, METH_VARARGS, index_unpin_doc},
     {"index_pull", index_pull, METH_VARARGS, index_pull_doc},
+    {"index_pull_key", (PyCFunction)(void (*)(void))index_pull_key, METH_FASTCALL, index_pull_key_doc},
     {"vm_read_checked", vm_read_checked, METH_VARARGS, vm_read_checked_doc},
 #endif
     {NULL, NULL, 0, NULL},

@@ -41,6 +41,9 @@ def index_pull(
     nontemporal: bool,
     /,
 ) -> tuple[int, bool, int]: ...
+def index_pull_key(
+    mapping: mmap.mmap, fd: int, plan: bytes, dst_addrs: bytes, nontemporal: bool, /
+) -> int: ...
 def vm_read_checked(
     fd: int,
     pid: int,

@@ -686,6 +686,18 @@ class Index:
         self._check_locked()
         self._write(self.row_offset(row), _ROW.pack(holder, 0, 0, 0, 0))
 
+    def regions(self) -> tuple[int, int, int, int, int, int]:
+        """(caches offset, caches, names offset, names, buckets offset, buckets): where a lookup reads
+        (`llm_datadist._fresh`, the C kernel's `index_pull_key`)."""
+        return (
+            self._caches_offset,
+            self.caches,
+            self._names_offset,
+            self.names,
+            self._buckets_offset,
+            self.buckets,
+        )
+
     def row_offset(self, row: int) -> int:
         if not 0 <= row < self.rows:
             raise IndexCorrupt(f"row {row} outside an index of {self.rows}")

@@ -111,6 +111,7 @@ class Kernel(NamedTuple):
     index_repin: Callable[[mmap.mmap, int, bytes], int]
     index_unpin: Callable[[mmap.mmap, int, int, int, int], int]
     index_pull: Callable[..., tuple[int, bool, int]]
+    index_pull_key: Callable[[mmap.mmap, int, bytes, bytes, bool], int]
 
 
 def _load_kernel() -> Kernel | None:
@@ -118,10 +119,10 @@ def _load_kernel() -> Kernel | None:
     if os.environ.get("LLM_DATADIST_NO_EXTENSION", "") not in ("", "0"):
         return None
     try:
-        from ._copykernel import index_pull, index_repin, index_unpin
+        from ._copykernel import index_pull, index_pull_key, index_repin, index_unpin
     except ImportError:
         return None
-    return Kernel(index_repin, index_unpin, index_pull)
+    return Kernel(index_repin, index_unpin, index_pull, index_pull_key)
 
 
 # Module-level so that tests can swap it (None: the Python twins).

@@ -1,0 +1,166 @@
+"""A small pull of a key as real clients make it (a new key object each request, pulled once, consumed) in
+one call of the C kernel: look the key up in the peer's index, check it as the full way's pin would, copy
+and consume, all in one hold of the index lock with the GIL released (`index_pull_key` in
+shm/_copykernel.c). Nothing is written to our row: nothing the owner does can come between the lookup and
+the copy, which is at most `MAX_NBYTES`.
+
+Rules: what it does not handle (no kernel, fault injection armed, a lease pull, registered memory, a
+segment not mapped here yet, more than `MAX_NBYTES`, a key partly reserved by another pull, anything
+refused or odd) comes back STALE with nothing done, and the caller takes the full way, which raises what it
+calls for and maps what it needs. A pull of the full way out of a segment makes that segment the one the
+next fresh pulls of the link read (`remember`). The only memo is the destination's addresses by value:
+the cache, its tensor range.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import weakref
+from dataclasses import dataclass
+
+from llm_datadist._shm import repin as _repin
+from llm_datadist._shm.errors import ShmError
+from llm_datadist._shm.index import _LOCK_RETRY_MAX_S, _LOCK_RETRY_MIN_S, Index, count_lock_wait
+from llm_datadist._shm.segment import Segment
+
+from . import _faults
+from ._keys import KEY_PREFIX, KEY_REQ
+from ._owner.records import CacheRecord
+from ._source import SourceRef
+from ._wire.client import ClientLink
+
+DONE, BUSY, STALE, FAULTED = 0, 1, 2, 3
+MAX_NBYTES = 64 << 10  # the kernel's HOLD_MAX_NBYTES: copies this small are made under the index lock
+_CHECK_BUSY, _WHOLE = 1, 2
+# row offset, ticket, caches, names and buckets offsets, key id, model id, source offset, bytes per tensor,
+# destination offset, segment base and size; then the three capacities, kind, consume, flags, first
+# tensor, tensor count; then the segment's name as the index's cache entry holds it.
+_PLAN = struct.Struct("<12Q8I64s")
+_MAX_DST = 1024  # destination address lists kept
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """What fresh pulls over one link read: its mapping of the peer's index, our row there, and the
+    peer's segment the last full pull read."""
+
+    index: Index
+    row_offset: int
+    ticket: int
+    regions: tuple[int, int, int, int, int, int]
+    segment: Segment
+    segment_name: bytes
+
+
+class FreshPulls:
+    """The fresh small pulls of one instance."""
+
+    def __init__(self) -> None:
+        self._sources: weakref.WeakKeyDictionary[ClientLink, _Source] = weakref.WeakKeyDictionary()
+        self._dst: dict[tuple[int, int, int, int], bytes] = {}
+        self.done = 0  # pulls made here
+
+    def remember(self, link: ClientLink, segment: Segment) -> None:
+        """A full pull over `link` read `segment`: fresh pulls read it next."""
+        index = link.index
+        if index is None or segment.closed:
+            return
+        source = self._sources.get(link)
+        if source is not None and source.index is index and source.segment is segment:
+            return
+        name = segment.name.encode("ascii")
+        if len(name) > 64:
+            return
+        self._sources[link] = _Source(
+            index, index.row_offset(link.index_row), link.index_ticket, index.regions(), segment, name
+        )
+
+    def pull(
+        self,
+        link: ClientLink,
+        ref: SourceRef,
+        dst: CacheRecord,
+        dst_tensor_start: int,
+        dst_offset: int,
+        deadline: float,
+        check_busy: bool,
+    ) -> int:
+        """Pull `ref` into `dst` from its tensor `dst_tensor_start` on, at `dst_offset` in each slot: DONE,
+        or STALE (nothing done: take the full way). The caller holds the link exclusively. A lock that
+        stays busy until `deadline` is STALE too (the full way waits and says why)."""
+        kernel = _repin.kernel
+        if kernel is None or _faults.hook is not None or ref.key_kind not in (KEY_REQ, KEY_PREFIX):
+            return STALE
+        source = self._sources.get(link)
+        count, nbytes = ref.tensor_count, ref.nbytes
+        if (
+            source is None
+            or source.index is not link.index
+            or dst.block is None
+            or not 0 < count * nbytes <= MAX_NBYTES
+        ):
+            return STALE
+        segment = source.segment
+        try:
+            src_array, dst_array = segment.array, dst.block.segment.array  # held: both stay mapped
+        except ShmError:
+            return STALE
+        link.check_usable()
+        link.check_peer_alive()
+        caches_offset, caches, names_offset, names, buckets_offset, buckets = source.regions
+        plan = _PLAN.pack(
+            source.row_offset,
+            source.ticket,
+            caches_offset,
+            names_offset,
+            buckets_offset,
+            ref.key_id,
+            ref.model_id,
+            ref.src_offset,
+            nbytes,
+            dst_offset,
+            segment.address,
+            segment.nbytes,
+            caches,
+            names,
+            buckets,
+            ref.key_kind,
+            int(ref.consume and not ref.for_write),
+            (_CHECK_BUSY if check_busy else 0) | (_WHOLE if ref.whole else 0),
+            ref.tensor_start,
+            count,
+            source.segment_name,
+        )
+        addrs = self._addresses(dst, dst_tensor_start, count)
+        fd, mapping = source.index.handle
+        outcome = kernel.index_pull_key(mapping, fd, plan, addrs, False)
+        pause = _LOCK_RETRY_MIN_S
+        if outcome == BUSY:
+            count_lock_wait()
+        while outcome == BUSY and time.monotonic() < deadline:
+            # Held for microseconds (the owner, another puller): wait as the full way's lock would.
+            time.sleep(pause)
+            pause = min(pause * 2, _LOCK_RETRY_MAX_S)
+            outcome = kernel.index_pull_key(mapping, fd, plan, addrs, False)
+        del src_array, dst_array
+        if outcome == FAULTED:
+            raise ShmError("a fresh pull met a page that vanished under a mapping: nothing was consumed")
+        if outcome != DONE:
+            return STALE
+        self.done += 1
+        return DONE
+
+    def _addresses(self, dst: CacheRecord, start: int, count: int) -> bytes:
+        """The addresses of `dst`'s tensors [start, start + count), packed (a memo by value: the cache's
+        memory and the range, which requests of one shape share)."""
+        block = dst.block
+        assert block is not None
+        key = (dst.cache_id, block.address, start, count)
+        packed = self._dst.get(key)
+        if packed is None:
+            if len(self._dst) >= _MAX_DST:
+                self._dst.clear()
+            packed = struct.pack(f"<{count}Q", *dst.tensor_addrs()[start : start + count])
+            self._dst[key] = packed
+        return packed
