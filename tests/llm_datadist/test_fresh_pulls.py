@@ -1,0 +1,106 @@
+"""Small pulls of keys as serving clients make them (a new key object per request, each pulled once) take
+one kernel call (`_fresh.FreshPulls`), and mean what the full way means: the bytes of the key's slot, a req
+key consumed once every tensor of it was copied (so a second pull is `LLM_KV_CACHE_NOT_EXIST` and the
+owner lets the key go), layer by layer too, a prefix key never consumed. Real processes: the owner is a
+spawned Prompt, the puller this process; without the C kernel the same outcomes come the full way."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from llm_datadist import CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode
+from llm_datadist._shm import repin
+from llm_datadist.ext import tensor_views
+from tests._peer import PromptPeer, linked_decoder
+
+P = 1
+U64 = 2**64 - 1
+_PORTS = itertools.count(1)
+# Without the C kernel every pull takes the full way (the pure-Python path): the same outcomes, none fast.
+FAST = repin.kernel is not None
+
+
+@pytest.fixture
+def linked(seed: int) -> Iterator[tuple[PromptPeer, object]]:
+    with linked_decoder(P, 30000 + (os.getpid() * 23 + next(_PORTS)) % 20000, seed) as pair:
+        yield pair
+
+
+def _raw(cache) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
+    return [view.view(np.uint8).reshape(-1) for view in tensor_views(cache)]
+
+
+def _fresh(dd) -> int:  # type: ignore[no-untyped-def]
+    return int(dd._require_core().transfers.fresh.done)
+
+
+def _keys(peer: PromptPeer) -> int:
+    return int(peer.call("stats")["keys"])
+
+
+def test_new_key_objects_each_pulled_once_are_copied_and_consumed(linked) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    manager = dd.kv_cache_manager
+    requests = 12
+    caches = [peer.alloc(4, [2, 512], [(P, 100 + r), (P, 200 + r)]) for r in range(requests)]
+    assert _keys(peer) == 2 * requests
+    dst = manager.allocate_cache(CacheDesc(4, [1, 512], DataType.DT_FLOAT16))
+    for r, cache_id in enumerate(caches):
+        for slot, req in ((0, 100 + r), (1, 200 + r)):
+            for raw in _raw(dst):
+                raw[:] = 0
+            manager.pull_cache(CacheKey(P, req), dst)
+            for t, raw in enumerate(_raw(dst)):
+                whole = peer.expected(cache_id, t, 2 * raw.nbytes)
+                np.testing.assert_array_equal(raw, whole[slot * raw.nbytes : (slot + 1) * raw.nbytes])
+            with pytest.raises(LLMException) as caught:
+                manager.pull_cache(CacheKey(P, req), dst)
+            assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    # The first pull mapped the owner's segment the full way; every other one took one kernel call.
+    assert _fresh(dd) == (2 * requests - 1 if FAST else 0)
+    deadline = time.monotonic() + 10
+    while _keys(peer) and time.monotonic() < deadline:  # the owner lets consumed keys go at its next look
+        time.sleep(0.01)
+    assert _keys(peer) == 0
+
+
+def test_layer_by_layer_with_new_key_objects_consumes_after_the_last_layer(linked) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    manager = dd.kv_cache_manager
+    layers = 4
+    peer.alloc(2, [1, 512], [(P, 1)])  # its pull maps the segment the full way
+    manager.pull_cache(CacheKey(P, 1), manager.allocate_cache(CacheDesc(2, [1, 512], DataType.DT_FLOAT16)))
+    cache_id = peer.alloc(2 * layers, [1, 512], [(P, 7)])
+    dst = manager.allocate_cache(CacheDesc(2 * layers, [1, 512], DataType.DT_FLOAT16))
+    before = _fresh(dd)
+    for layer in range(layers):
+        key = CacheKey(P, 7)  # a new object each layer, as a connector builds it
+        rng = range(layer, layer + 1)
+        manager.pull_cache(key, dst, src_layer_range=rng, dst_layer_range=rng)
+    assert _fresh(dd) == before + (layers if FAST else 0)
+    for t, raw in enumerate(_raw(dst)):
+        np.testing.assert_array_equal(raw, peer.expected(cache_id, t, raw.nbytes))
+    with pytest.raises(LLMException) as caught:
+        manager.pull_cache(CacheKey(P, 7), dst, src_layer_range=range(0, 1), dst_layer_range=range(0, 1))
+    assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+
+
+def test_a_prefix_key_is_never_consumed(linked) -> None:  # type: ignore[no-untyped-def]
+    peer, dd = linked
+    manager = dd.kv_cache_manager
+    cache_id = peer.alloc(2, [1, 256], [(P, U64, 0, 9)])
+    dst = manager.allocate_cache(CacheDesc(2, [1, 256], DataType.DT_FLOAT16))
+    for _ in range(5):
+        for raw in _raw(dst):
+            raw[:] = 0
+        manager.pull_cache(CacheKey(P, U64, 0, 9), dst)
+        for t, raw in enumerate(_raw(dst)):
+            np.testing.assert_array_equal(raw, peer.expected(cache_id, t, raw.nbytes))
+    assert _fresh(dd) == (4 if FAST else 0)
+    assert _keys(peer) == 1
