@@ -51,6 +51,8 @@ class _Source:
     regions: tuple[int, int, int, int, int, int]
     segment: Segment
     segment_name: bytes
+    segment_address: int  # where it is mapped here: valid while its array is held
+    segment_nbytes: int
 
 
 class FreshPulls:
@@ -64,16 +66,27 @@ class FreshPulls:
     def remember(self, link: ClientLink, segment: Segment) -> None:
         """A full pull over `link` read `segment`: fresh pulls read it next."""
         index = link.index
-        if index is None or segment.closed:
+        if index is None:
             return
         source = self._sources.get(link)
         if source is not None and source.index is index and source.segment is segment:
             return
         name = segment.name.encode("ascii")
+        try:
+            address = segment.address
+        except ShmError:  # closed meanwhile (housekeeping unmapped it): nothing to remember
+            return
         if len(name) > 64:
             return
         self._sources[link] = _Source(
-            index, index.row_offset(link.index_row), link.index_ticket, index.regions(), segment, name
+            index,
+            index.row_offset(link.index_row),
+            link.index_ticket,
+            index.regions(),
+            segment,
+            name,
+            address,
+            segment.nbytes,
         )
 
     def pull(
@@ -101,9 +114,10 @@ class FreshPulls:
             or not 0 < count * nbytes <= MAX_NBYTES
         ):
             return STALE
-        segment = source.segment
         try:
-            src_array, dst_array = segment.array, dst.block.segment.array  # held: both stay mapped
+            # Held until the call returns: both mappings stay mapped, even if housekeeping closes the
+            # segment meanwhile (its mapping goes when the last view does).
+            src_array, dst_array = source.segment.array, dst.block.segment.array
         except ShmError:
             return STALE
         link.check_usable()
@@ -120,8 +134,8 @@ class FreshPulls:
             ref.src_offset,
             nbytes,
             dst_offset,
-            segment.address,
-            segment.nbytes,
+            source.segment_address,
+            source.segment_nbytes,
             caches,
             names,
             buckets,

@@ -12,6 +12,7 @@ is: its link's mover knows.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -205,9 +206,9 @@ class Transfers:
             marks.append(time.perf_counter())
             if mover.sees_peer_memory and location.segment:
                 # Fresh pulls over this link read that segment next (it is mapped now).
-                self.fresh.remember(
-                    link, link.mappings.get(location.segment, min_nbytes=location.segment_nbytes)
-                )
+                with contextlib.suppress(ShmError):  # closed meanwhile: the next pull maps it again
+                    segment = link.mappings.get(location.segment, min_nbytes=location.segment_nbytes)
+                    self.fresh.remember(link, segment)
         marks.append(time.perf_counter())
         self._stats.transfer(
             GEN_V1,

@@ -104,3 +104,19 @@ def test_a_prefix_key_is_never_consumed(linked) -> None:  # type: ignore[no-unty
             np.testing.assert_array_equal(raw, peer.expected(cache_id, t, raw.nbytes))
     assert _fresh(dd) == (4 if FAST else 0)
     assert _keys(peer) == 1
+
+
+def test_a_segment_unmapped_here_meanwhile_fails_no_pull(linked) -> None:  # type: ignore[no-untyped-def]
+    """Housekeeping unmaps a peer's segment here (its pool let it go, or the mapping cache is full) while
+    small pulls remember it: the next pull takes the full way, maps it again, and succeeds."""
+    peer, dd = linked
+    manager = dd.kv_cache_manager
+    caches = [peer.alloc(2, [1, 256], [(P, 50 + r)]) for r in range(3)]
+    dst = manager.allocate_cache(CacheDesc(2, [1, 256], DataType.DT_FLOAT16))
+    link = dd._require_core().links.get(P)
+    for r, cache_id in enumerate(caches):
+        manager.pull_cache(CacheKey(P, 50 + r), dst)
+        for t, raw in enumerate(_raw(dst)):
+            np.testing.assert_array_equal(raw, peer.expected(cache_id, t, raw.nbytes))
+        for name in link.mappings.names():  # as `Links.unmap_retired` does
+            link.mappings.drop(name)
