@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from llm_datadist._shm.errors import ShmError
-from llm_datadist._shm.stats import DEFAULT_ROWS, StatsReading, StatsSegment, read_stats
+from llm_datadist._shm.stats import DEFAULT_ROWS, BadStats, StatsReading, StatsSegment, read_stats
 
 from ._copy import kernel_function
 from ._wire.door import REFUSAL_CAUSES
@@ -364,7 +364,12 @@ class Stats:
             self._segment = segment
 
     def reading(self) -> StatsReading | None:
-        return None if self._segment is None else read_stats(self._segment.name)
+        if self._segment is None:
+            return None
+        try:
+            return read_stats(self._segment.name)
+        except BadStats:  # another process wrote over our segment: no figures rather than wrong ones
+            return None
 
     def close(self) -> None:
         _live.discard(self)

@@ -26,7 +26,7 @@ import json
 import os
 import struct
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ from .errors import ShmError
 from .names import SegmentOwner, owner_alive, parse_segment_name
 from .segment import Segment
 
-__all__ = ["MAGIC", "StatsReading", "StatsSegment", "list_stats", "read_stats"]
+__all__ = ["MAGIC", "BadStats", "StatsReading", "StatsSegment", "list_stats", "read_stats"]
 
 MAGIC = b"LLMDDST1"
 LAYOUT_VERSION = 1
@@ -48,6 +48,12 @@ _STATE = struct.Struct("=I")
 # Rows a writer may give its threads.
 DEFAULT_ROWS = 64
 _MAX_SCHEMA_NBYTES = 64 << 10
+# What a reader accepts of a header (another process wrote it: a bad one must not cost us memory): rows,
+# slots and gauges each at most this many, the rows at most _MAX_ROWS_NBYTES in all, names at most
+# _MAX_NAME_CHARS. (Ours: 64 rows of about 300 slots, 160 KB.)
+_MAX_COUNT = 4096
+_MAX_ROWS_NBYTES = 16 << 20
+_MAX_NAME_CHARS = 128
 SHM_DIR = "/dev/shm"
 
 
@@ -177,9 +183,14 @@ def _schema_nbytes(slots: Sequence[str], gauges: Sequence[str]) -> int:
     return len(json.dumps({"slots": list(slots), "gauges": list(gauges)}).encode())
 
 
+class BadStats(ShmError):
+    """A segment that says it is a stats segment and is not a sound one: its reason."""
+
+
 def read_stats(name: str) -> StatsReading | None:
     """The figures of the stats segment `name`, or None when it is not one (or is gone): read from the
-    file, without mapping it and without waking its writer."""
+    file, without mapping it and without waking its writer. BadStats when it claims to be one (our magic)
+    and is not sound: every size is bounded by the file and by a sane maximum, every type checked."""
     path = os.path.join(SHM_DIR, name.lstrip("/"))
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -189,28 +200,63 @@ def read_stats(name: str) -> StatsReading | None:
         header = os.pread(fd, _HEADER.size, 0)
         if len(header) < _HEADER.size or header[:8] != MAGIC:
             return None
-        _, version, rows, slot_count, gauge_count, pid, role, cluster_id, created, state, schema_nbytes = (
-            _HEADER.unpack(header)
-        )
-        if version != LAYOUT_VERSION or not 0 < schema_nbytes <= _MAX_SCHEMA_NBYTES:
-            return None
-        schema = json.loads(os.pread(fd, schema_nbytes, HEADER_NBYTES))
-        slots, gauges = list(schema["slots"]), list(schema["gauges"])
-        if len(slots) != slot_count or len(gauges) != gauge_count:
-            return None
-        gauges_offset = _align(HEADER_NBYTES + schema_nbytes)
-        rows_offset = gauges_offset + _align(8 * gauge_count)
-        row_nbytes = _align(8 * slot_count)
-        if rows_offset + rows * row_nbytes > os.fstat(fd).st_size:
-            return None  # a header that describes more than the file holds
-        gauge_words = struct.unpack(f"={gauge_count}Q", os.pread(fd, 8 * gauge_count, gauges_offset))
-        body = os.pread(fd, rows * row_nbytes, rows_offset)
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
-        return None
+        return _read(name, fd, header)
+    except OSError:
+        return None  # gone meanwhile
     finally:
         os.close(fd)
-    if len(body) != rows * row_nbytes:
-        return None
+
+
+def _bad(condition: bool, why: str) -> None:
+    if condition:
+        raise BadStats(why)
+
+
+def _names(schema: dict[str, Any], key: str, count: int) -> list[str]:
+    names = schema.get(key)
+    _bad(not isinstance(names, list) or len(names) != count, f"the schema's {key!r} is not a list of {count}")
+    assert isinstance(names, list)
+    for item in names:
+        _bad(
+            not isinstance(item, str) or not 0 < len(item) <= _MAX_NAME_CHARS,
+            f"a name in {key!r} is {item!r:.40}",
+        )
+    _bad(len(set(names)) != len(names), f"the schema's {key!r} repeats a name")
+    return names
+
+
+def _read(name: str, fd: int, header: bytes) -> StatsReading | None:
+    _, version, rows, slot_count, gauge_count, pid, role, cluster_id, created, state, schema_nbytes = (
+        _HEADER.unpack(header)
+    )
+    if version != LAYOUT_VERSION:
+        return None  # another layout (another version of the library): not ours to read, nor to judge
+    _bad(not 0 < schema_nbytes <= _MAX_SCHEMA_NBYTES, f"a schema of {schema_nbytes} bytes")
+    _bad(
+        max(rows, slot_count, gauge_count) > _MAX_COUNT,
+        f"{rows} rows, {slot_count} slots, {gauge_count} gauges (at most {_MAX_COUNT} each)",
+    )
+    gauges_offset = _align(HEADER_NBYTES + schema_nbytes)
+    rows_offset = gauges_offset + _align(8 * gauge_count)
+    row_nbytes = _align(8 * slot_count)
+    _bad(
+        rows * row_nbytes > _MAX_ROWS_NBYTES,
+        f"{rows} rows of {row_nbytes} bytes (at most {_MAX_ROWS_NBYTES})",
+    )
+    file_nbytes = os.fstat(fd).st_size
+    _bad(rows_offset + rows * row_nbytes > file_nbytes, "its header describes more than the file holds")
+    raw = os.pread(fd, schema_nbytes, HEADER_NBYTES)
+    _bad(len(raw) != schema_nbytes, "its schema is cut short")
+    try:
+        schema = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
+        raise BadStats(f"its schema is not JSON we read ({type(exc).__name__})") from None
+    _bad(not isinstance(schema, dict), "its schema is not an object")
+    slots, gauges = _names(schema, "slots", slot_count), _names(schema, "gauges", gauge_count)
+    gauge_raw = os.pread(fd, 8 * gauge_count, gauges_offset)
+    body = os.pread(fd, rows * row_nbytes, rows_offset)
+    _bad(len(gauge_raw) != 8 * gauge_count or len(body) != rows * row_nbytes, "the file was cut short")
+    gauge_words = struct.unpack(f"={gauge_count}Q", gauge_raw)
     table = np.frombuffer(body, dtype=np.uint64).reshape(rows, row_nbytes // 8)[:, :slot_count]
     totals = [int(total) for total in table.sum(axis=0, dtype=np.uint64)]
     return StatsReading(
@@ -225,8 +271,14 @@ def read_stats(name: str) -> StatsReading | None:
     )
 
 
-def list_stats(*, uid: int | None = None) -> list[StatsReading]:
-    """Every open stats segment of user `uid` (default: ours) whose writer is alive, by pid."""
+# Unsound segments already said (by name): each is said once per process.
+_said_bad: set[str] = set()
+
+
+def list_stats(*, uid: int | None = None, say: Callable[[str], None] | None = None) -> list[StatsReading]:
+    """Every open stats segment of user `uid` (default: ours) whose writer is alive, by pid. One that is
+    not sound is left out, and `say` is told which and why, once per process; the others are all
+    shown."""
     if uid is None:
         uid = os.getuid()
     readings = []
@@ -243,7 +295,13 @@ def list_stats(*, uid: int | None = None) -> list[StatsReading]:
                 continue
         except OSError:
             continue
-        reading = read_stats(entry)
+        try:
+            reading = read_stats(entry)
+        except BadStats as exc:
+            if say is not None and entry not in _said_bad:
+                _said_bad.add(entry)
+                say(f"stats segment /{entry} left out: {exc}")
+            continue
         if reading is not None and reading.open and reading.pid == owner.pid and owner_alive(owner):
             readings.append(reading)
     readings.sort(key=lambda r: (r.pid, r.created_ns, r.name))

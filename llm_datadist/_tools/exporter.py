@@ -8,6 +8,7 @@ needs the `prometheus` extra (the official `prometheus_client`), and says so whe
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 import threading
@@ -26,6 +27,12 @@ DESCRIPTION = (
 )
 
 
+def _warn(line: str) -> None:
+    """A segment left out of every scrape (another process wrote something unsound into it): said on
+    stderr, once."""
+    print(f"llm-datadist exporter: {line}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         from prometheus_client import CollectorRegistry, start_http_server
@@ -36,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     registry = CollectorRegistry()
-    registry.register(Collector(list_stats))
+    registry.register(Collector(functools.partial(list_stats, say=_warn)))
     try:
         server, thread = start_http_server(args.port, addr=args.address, registry=registry)
     except OSError as exc:

@@ -96,15 +96,20 @@ def as_json(readings: Sequence[StatsReading]) -> str:
     return json.dumps({"instances": items}, indent=2)
 
 
+def _warn(line: str) -> None:
+    """A segment left out (another process wrote something unsound into it): said on stderr, once."""
+    print(f"llm-datadist stats: {line}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot and args.watch is None:
         print("llm-datadist stats: --plot draws what a --watch saw; give --watch SECONDS", file=sys.stderr)
         return 2
     if args.json:
-        say(as_json(list_stats()))
+        say(as_json(list_stats(say=_warn)))
         return 0
     if args.watch is None:
-        for line in table(list_stats()):
+        for line in table(list_stats(say=_warn)):
             say(line)
         return 0
     previous: Previous = {}
@@ -115,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         while args.count is None or shown < args.count:
             if shown:
                 time.sleep(args.watch)
-            readings = list_stats()
+            readings = list_stats(say=_warn)
             lines = table(readings, previous)
             if args.count is None:
                 say("\033[H\033[2J" + lines[0])  # clear the screen, as top does

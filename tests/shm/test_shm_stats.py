@@ -14,7 +14,7 @@ import pytest
 
 from llm_datadist._shm.reaper import reap
 from llm_datadist._shm.segment import Segment
-from llm_datadist._shm.stats import _HEADER, MAGIC, StatsSegment, list_stats, read_stats
+from llm_datadist._shm.stats import _HEADER, MAGIC, BadStats, StatsSegment, list_stats, read_stats
 
 SLOTS = ("pulls", "bytes", "failures")
 GAUGES = ("caches", "pool_bytes")
@@ -123,12 +123,14 @@ def test_what_is_not_a_stats_segment_reads_as_none() -> None:
         assert read_stats(plain.name) is None  # zeros
         plain.array[:8] = memoryview(MAGIC)
         assert read_stats(plain.name) is None  # the magic, but no layout behind it
-        # A header that claims more rows than the file holds is refused before anything is read.
+        # A header that claims more rows than the file holds is refused before anything is read: a stats
+        # segment that is not sound (tests/shm/test_stats_readers.py has the rest).
         schema = b'{"slots": ["a"], "gauges": []}'
         header = _HEADER.pack(MAGIC, 1, 1 << 31, 1, 0, os.getpid(), 1, 1, 0, 1, len(schema))
         plain.array[: len(header)] = memoryview(header)
         plain.array[64 : 64 + len(schema)] = memoryview(schema)
-        assert read_stats(plain.name) is None
+        with pytest.raises(BadStats, match="rows"):
+            read_stats(plain.name)
     finally:
         plain.close()
     assert read_stats("/llmdd.0.1.2.0123456789abcdef") is None  # no such file
