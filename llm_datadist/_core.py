@@ -73,6 +73,9 @@ class Core(NodeHooks):
     memory; a side with `listen_ip_info` also serves on the socket named after that address.
     """
 
+    # The role its stats segment records (None: the instance's LLMRole); a hixl engine's is its own.
+    STATS_ROLE: int | None = None
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.role = settings.role
@@ -82,7 +85,8 @@ class Core(NodeHooks):
             log.info("removed %d shared-memory segments left by dead processes", len(reaped))
         pools, oom_code = _pools(settings)
         # What this instance moves, for `llm-datadist stats` and `ext.stats()` (docs/metrics.md).
-        self.stats = Stats.create(role=int(settings.role), cluster_id=settings.cluster_id)
+        role = self.STATS_ROLE if self.STATS_ROLE is not None else int(settings.role)
+        self.stats = Stats.create(role=role, cluster_id=settings.cluster_id)
         self.stats.gauge_source = self._gauges
         # Drawn once per instance: peers tell a restarted process at the same address from the old one.
         self.incarnation = secrets.randbits(64) or 1

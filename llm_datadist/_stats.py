@@ -31,8 +31,11 @@ from .utils.log import log
 
 ENV_STATS = "LLM_DATADIST_STATS"
 
-GENERATIONS: Final = ("v1", "v2")
-GEN_V1, GEN_V2 = 0, 1
+# The API that made the transfer: llm_datadist's two generations, and the `hixl` engine.
+GENERATIONS: Final = ("v1", "v2", "hixl")
+GEN_V1, GEN_V2, GEN_HIXL = 0, 1, 2
+# The role a `hixl` engine's instance records (not an LLMRole: an engine is neither side).
+ROLE_HIXL: Final = 100
 # pull and push: through a pin (the owner's index, or a lease it grants); read and write: one-sided (v2
 # with remote cache access: the owner's memory read with no pin, or written under one).
 OPERATIONS: Final = ("pull", "push", "read", "write")
@@ -141,7 +144,10 @@ def transport(mover: object, location: object) -> int:
 
 
 def role_name(role: int) -> str:
-    """A stats segment's role as the readers show it: "prompt", "decoder", "mix" (else the number)."""
+    """A stats segment's role as the readers show it: "prompt", "decoder", "mix", "hixl" (else the
+    number)."""
+    if role == ROLE_HIXL:
+        return "hixl"
     try:
         return LLMRole(role).name.lower()
     except ValueError:

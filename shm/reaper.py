@@ -52,15 +52,16 @@ def list_segments(*, uid: int | None = None, shm_dir: str = SHM_DIR) -> list[Seg
     return infos
 
 
-def reap(*, uid: int | None = None, shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink the segments of user `uid` (default: the current uid) whose owner is dead; the names unlinked.
+def reap(*, uid: int | None = None, pid: int | None = None, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the segments of user `uid` (default: the current uid) whose owner is dead (and is `pid`, if
+    given); the names unlinked.
 
     Names carry a random part, so a dead owner's name can never be reused by a live process: unlinking it
     cannot hit a segment someone still expects to create. Mappings of a reaped segment stay valid.
     """
     reaped = []
     for info in list_segments(uid=uid, shm_dir=shm_dir):
-        if info.alive:
+        if info.alive or (pid is not None and info.owner.pid != pid):
             continue
         try:
             os.unlink(os.path.join(shm_dir, info.name[1:]))

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .. import _stats
 from .._core import Core
 from .._errors import StatusError
 from .._links import mover_of
@@ -64,10 +65,28 @@ class Mover:
         return found
 
     def run(self, cluster_id: int, op: int, descs: Sequence[OpDesc], deadline: float) -> None:
-        """Move `descs` (READ: from the peer, WRITE: to it) by `deadline`; StatusError on failure."""
+        """Move `descs` (READ: from the peer, WRITE: to it) by `deadline`; StatusError on failure. Counted
+        in the instance's stats as the `hixl` generation's reads and writes (docs/metrics.md)."""
+        started = time.perf_counter()
+        operation = _stats.WRITE if op == WRITE else _stats.READ
+        try:
+            moved = self._run(cluster_id, op, descs, deadline)
+        except StatusError as exc:
+            self._core.stats.failed(_stats.GEN_HIXL, operation, exc.code)
+            raise
+        if moved:
+            nbytes, runs = moved
+            link = self._core.links.get(cluster_id)
+            how = _stats.CMA if mover_of(link).sees_peer_memory else _stats.MOONCAKE
+            self._core.stats.transfer(
+                _stats.GEN_HIXL, operation, how, nbytes, runs, time.perf_counter() - started
+            )
+
+    def _run(self, cluster_id: int, op: int, descs: Sequence[OpDesc], deadline: float) -> tuple[int, int]:
+        """`run` but the counting: (bytes, descriptors) moved."""
         local = self.local_runs(descs)
         if not local:
-            return
+            return 0, 0
         for attempt in (0, 1):
             refresh = attempt > 0
             groups = self._plan(cluster_id, local, refresh, deadline)
@@ -76,7 +95,7 @@ class Mover:
             try:
                 for (local_id, _, _), (region, runs) in groups.items():
                     self._move(cluster_id, op, local_id, region, runs, deadline)
-                return
+                return sum(desc.nbytes for _, desc in local), len(local)
             except StatusError as exc:
                 # The peer deregistered a region since its table was read: read the table again, once.
                 if exc.code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST or refresh:

@@ -16,6 +16,7 @@ from .._core import Core
 from .._errors import StatusError
 from .._runtime import socket_path
 from .._settings import Settings
+from .._stats import ROLE_HIXL
 from .._wire.peer import PeerInfo
 from ..configs import LLMRole
 from ..status import LLMStatusCode
@@ -59,6 +60,8 @@ class Notifies:
 
 class EngineCore(Core):
     """A `Core` that also keeps the notifies of its peers (the server thread hands them over)."""
+
+    STATS_ROLE = ROLE_HIXL
 
     def __init__(self, settings: Settings, notifies: Notifies) -> None:
         self.notifies = notifies  # before the server starts: a peer may notify at once

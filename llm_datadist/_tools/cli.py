@@ -41,10 +41,12 @@ def _version() -> str:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    removed = reap()
+    removed = reap(pid=args.pid)
     for name in removed:
         print(f"removed {name}")
     print(f"{len(removed)} segment(s) of dead processes removed")
+    if args.pid is not None:
+        return 0  # stale sockets and namespaces carry no pid: left for a gc without --pid
     sockets = remove_stale_sockets()
     for path in sockets:
         print(f"removed {path}")
@@ -58,13 +60,13 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    segments = list_segments()
+    segments = [info for info in list_segments() if args.pid is None or info.owner.pid == args.pid]
     print(f"{'segment':<64} {'pid':>8} {'owner':>6} {'bytes':>14}")
     for info in segments:
         state = "alive" if info.alive else "dead"
         print(f"{info.name:<64} {info.owner.pid:>8} {state:>6} {info.nbytes:>14}")
     print(f"{len(segments)} segment(s)")
-    sockets = list_sockets()
+    sockets = [sock for sock in list_sockets() if args.pid is None or sock.pid == args.pid]
     print(f"\n{'socket (in ' + str(runtime_dir()) + ')':<64} {'pid':>8} {'state':>8}")
     for sock in sockets:
         pid = str(sock.pid) if sock.pid is not None else "-"
@@ -114,19 +116,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     exporter.add_arguments(exporter_parser)
     exporter_parser.set_defaults(func=exporter.run)
-    sub.add_parser(
+    gc_parser = sub.add_parser(
         "gc",
         help="unlink shared memory and sockets left by dead processes",
         description="Unlink this user's /dev/shm segments whose owner died, the sockets in the runtime "
-        "directory nobody serves, and network namespaces of dead demo, bench or test runs. Takes no options; "
-        "what live processes hold is left alone.",
-    ).set_defaults(func=_gc)
-    sub.add_parser(
+        "directory nobody serves, and network namespaces of dead demo, bench or test runs; what live "
+        "processes hold is left alone.",
+    )
+    gc_parser.add_argument(
+        "--pid", type=int, help="only the segments that dead process left (sockets carry no pid: not touched)"
+    )
+    gc_parser.set_defaults(func=_gc)
+    ls_parser = sub.add_parser(
         "ls",
         help="list this user's llm_datadist shared memory and sockets",
         description="List this user's /dev/shm segments (owner pid, alive or dead, size) and the sockets "
-        "in the runtime directory (who serves each, or stale). Takes no options.",
-    ).set_defaults(func=_ls)
+        "in the runtime directory (who serves each, or stale).",
+    )
+    ls_parser.add_argument("--pid", type=int, help="only what process PID owns or serves")
+    ls_parser.set_defaults(func=_ls)
     args = parser.parse_args(argv)
     whole_lines()
     code: int = args.func(args)

@@ -17,7 +17,15 @@ from typing import Any
 
 from llm_datadist._shm.space import format_nbytes
 from llm_datadist._shm.stats import StatsReading, list_stats
-from llm_datadist._stats import BUCKETS, GENERATIONS, OPERATIONS, bucket_names, operation_totals, role_name
+from llm_datadist._stats import (
+    BUCKETS,
+    GENERATIONS,
+    OPERATIONS,
+    ROLE_HIXL,
+    bucket_names,
+    operation_totals,
+    role_name,
+)
 
 from .output import say
 
@@ -64,8 +72,10 @@ def table(readings: Sequence[StatsReading], previous: Previous | None = None) ->
                 rate = f"{(transfers - before) / elapsed:.0f}"
                 gbps = f"{(nbytes - before_bytes) / elapsed / 1e9:.2f}"
         gauges = reading.gauges
+        # A hixl engine's cluster id is drawn from its address, not given: it means nothing to read.
+        cluster = "-" if reading.role == ROLE_HIXL else reading.cluster_id
         line = (
-            f"{reading.pid:>8} {role_name(reading.role):<8} {reading.cluster_id:>8} "
+            f"{reading.pid:>8} {role_name(reading.role):<8} {cluster:>8} "
             f"{gauges.get('links', 0):>5} {gauges.get('caches', 0):>6} "
             f"{format_nbytes(gauges.get('pool_used_bytes', 0)):>10} "
             f"{transfers:>10} {format_nbytes(nbytes):>10} {failures:>8}"
@@ -101,15 +111,25 @@ def _warn(line: str) -> None:
     print(f"llm-datadist stats: {line}", file=sys.stderr)
 
 
+def _readings(args: argparse.Namespace) -> list[StatsReading]:
+    """The live instances, those of `--pid` and `--cluster` only when given."""
+    return [
+        reading
+        for reading in list_stats(say=_warn)
+        if (args.pid is None or reading.pid == args.pid)
+        and (args.cluster is None or reading.cluster_id == args.cluster)
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot and args.watch is None:
         print("llm-datadist stats: --plot draws what a --watch saw; give --watch SECONDS", file=sys.stderr)
         return 2
     if args.json:
-        say(as_json(list_stats(say=_warn)))
+        say(as_json(_readings(args)))
         return 0
     if args.watch is None:
-        for line in table(list_stats(say=_warn)):
+        for line in table(_readings(args)):
             say(line)
         return 0
     previous: Previous = {}
@@ -120,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         while args.count is None or shown < args.count:
             if shown:
                 time.sleep(args.watch)
-            readings = list_stats(say=_warn)
+            readings = _readings(args)
             lines = table(readings, previous)
             if args.count is None:
                 say("\033[H\033[2J" + lines[0])  # clear the screen, as top does
@@ -224,6 +244,8 @@ def _count(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print every instance's figures as JSON")
+    parser.add_argument("--pid", type=int, help="only the instances of process PID")
+    parser.add_argument("--cluster", type=int, metavar="ID", help="only the instances of cluster ID")
     parser.add_argument(
         "--watch",
         type=_positive,
