@@ -1,5 +1,5 @@
-"""The report of `llm-datadist bench` (`suite`): the table of a run's rows, SPEC.md's performance targets
-judged against them, the JSON file and the plot.
+"""The report of `llm-datadist bench` (`suite`): the table of a run's rows, the performance targets (the
+table in bench/README.md) judged against them, the JSON file and the plot.
 
 Rules: it measures nothing and reads only the rows (`proc.Results`); it finds a figure by its row's `id`, so
 the ids `suite` gives are this module's interface. A target whose row is missing is n/a, with the reason.
@@ -114,7 +114,7 @@ def print_report(results: Results, targets: list[dict[str, Any]]) -> None:
             "copy, 2 threads each)"
         )
     print()
-    print("performance targets (SPEC.md), ratios from this run")
+    print("performance targets (the table in bench/README.md), ratios from this run")
     header = f"{'target':<62} {'wanted':>8} {'measured':>9}  result"
     print(header)
     print("-" * (len(header) + 2))
@@ -132,10 +132,10 @@ _COMPARE: dict[str, Callable[[float, float], bool]] = {
 
 
 def judge_targets(results: Results, layer_slices: Sequence[int]) -> list[dict[str, Any]]:
-    """SPEC.md's performance targets against this run's rows (after `with_ratios`): each with a stable
-    `key`, the measured figure, the limit, and PASS or MISS; n/a, with the reason in `detail`, where a row it
-    needs is missing (a peer not installed, a row a quick run leaves out). `layer_slices`: the request sizes
-    whose layer-by-layer pulls the run measured."""
+    """The performance targets (bench/README.md's table) against this run's rows (after `with_ratios`):
+    each with a stable `key`, the measured figure, the limit, and PASS or MISS; n/a, with the reason in
+    `detail`, where a row it needs is missing (a peer not installed, a row a quick run leaves out).
+    `layer_slices`: the request sizes whose layer-by-layer pulls the run measured."""
     rows = {row["id"]: row for row in results.rows if "id" in row and "skipped" not in row}
     skipped = {row["id"]: row["skipped"] for row in results.rows if "id" in row and "skipped" in row}
     targets: list[dict[str, Any]] = []

@@ -4,10 +4,10 @@ Rules: every figure comes from this run on this machine; throughput is reported 
 `numpy.copyto` over two threads between warm buffers measured in the same run; latency as p50/p99 of many
 repetitions. The owner side of every transfer is a real process (spawned), the measuring side is this one.
 Peers (NIXL, Mooncake, `peers`) are measured the same way between two spawned processes when they are
-installed, and reported as skipped, with the reason, when they are not. The report ends with SPEC.md's
-performance targets, each with its ratio from this run and PASS or MISS (`report.py` prints and judges).
-Only the public API is driven; the one internal read is the pull's time breakdown, printed when the core
-offers one.
+installed, and reported as skipped, with the reason, when they are not. The report ends with the
+performance targets of bench/README.md's table, each with its ratio from this run and PASS or MISS
+(`report.py` prints and judges). Only the public API is driven; the one internal read is the pull's time
+breakdown, printed when the core offers one.
 """
 
 from __future__ import annotations
@@ -448,9 +448,9 @@ def _bench_v2(results: Results, port: int, args: argparse.Namespace) -> None:
 
 
 def _targets(results: Results) -> list[dict[str, Any]]:
-    """SPEC.md's performance targets against this run's rows (after `_with_ratios`), for the layer-by-layer
-    request sizes this suite measures (`report.judge_targets`; the bench's tests call it, and `_with_ratios`,
-    here)."""
+    """The performance targets (bench/README.md's table) against this run's rows (after `_with_ratios`), for
+    the layer-by-layer request sizes this suite measures (`report.judge_targets`; the bench's tests call
+    it, and `_with_ratios`, here)."""
     return judge_targets(results, LAYER_SLICES)
 
 
