@@ -45,11 +45,13 @@ class _Source:
     """What fresh pulls over one link read: its mapping of the peer's index, our row there, and the
     peer's segment the last full pull read."""
 
-    index: Index
+    index: weakref.ref[Index]  # weak, as the segment below: a link's mapping of a dead owner's index goes
     row_offset: int
     ticket: int
     regions: tuple[int, int, int, int, int, int]
-    segment: Segment
+    # Weak: a small pull must never keep a mapping alive that the link's mapping cache let go (a peer's
+    # retired or unlinked segment would stay mapped here, and its memory with it).
+    segment: weakref.ref[Segment]
     segment_name: bytes
     segment_address: int  # where it is mapped here: valid while its array is held
     segment_nbytes: int
@@ -69,7 +71,7 @@ class FreshPulls:
         if index is None:
             return
         source = self._sources.get(link)
-        if source is not None and source.index is index and source.segment is segment:
+        if source is not None and source.index() is index and source.segment() is segment:
             return
         name = segment.name.encode("ascii")
         try:
@@ -79,11 +81,11 @@ class FreshPulls:
         if len(name) > 64:
             return
         self._sources[link] = _Source(
-            index,
+            weakref.ref(index),
             index.row_offset(link.index_row),
             link.index_ticket,
             index.regions(),
-            segment,
+            weakref.ref(segment),
             name,
             address,
             segment.nbytes,
@@ -109,17 +111,21 @@ class FreshPulls:
         count, nbytes = ref.tensor_count, ref.nbytes
         if (
             source is None
-            or source.index is not link.index
+            or source.index() is not link.index
             or dst.block is None
             or not 0 < count * nbytes <= MAX_NBYTES
         ):
             return STALE
+        segment = source.segment()
+        if segment is None:
+            return STALE
         try:
             # Held until the call returns: both mappings stay mapped, even if housekeeping closes the
             # segment meanwhile (its mapping goes when the last view does).
-            src_array, dst_array = source.segment.array, dst.block.segment.array
+            src_array, dst_array = segment.array, dst.block.segment.array
         except ShmError:
             return STALE
+        del segment
         link.check_usable()
         link.check_peer_alive()
         caches_offset, caches, names_offset, names, buckets_offset, buckets = source.regions
@@ -147,7 +153,9 @@ class FreshPulls:
             source.segment_name,
         )
         addrs = self._addresses(dst, dst_tensor_start, count)
-        fd, mapping = source.index.handle
+        index = link.index
+        assert index is not None  # it is the remembered one (above)
+        fd, mapping = index.handle
         outcome = kernel.index_pull_key(mapping, fd, plan, addrs, False)
         pause = _LOCK_RETRY_MIN_S
         if outcome == BUSY:
