@@ -19,6 +19,7 @@ from ._stats import Snapshot, own_readings, snapshot
 from .data_type import numpy_dtype
 from .status import LLMStatusCode, make_error
 from .v2.cache import Cache, KvCache
+from .v2.llm_datadist import LLMDataDist
 
 if TYPE_CHECKING:
     from ._owner.records import CacheRecord
@@ -59,8 +60,6 @@ def _live_record(cache: KvCache | Cache) -> CacheRecord | None:
     if not isinstance(cache, Cache):
         return None
     # A v2 Cache names no manager: the process's initialised instance, and the same memory.
-    from .v2.llm_datadist import LLMDataDist
-
     instance = LLMDataDist.llm_engine_instance
     core = instance._core if instance is not None else None
     record = core.table.get(cache.cache_id) if core is not None else None

@@ -9,12 +9,14 @@ import ctypes
 import multiprocessing as mp
 import os
 import signal
+import time
 import traceback
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import psutil
 
 import hixl
 
@@ -139,7 +141,14 @@ class Peer:
         self.process.join(10.0)
 
     def pause(self) -> None:
+        """Stop the process, and return once the kernel says it is stopped: a signal is delivered when
+        the process next runs, and until then its server thread may still answer (a race under load)."""
         os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while psutil.Process(self.pid).status() != psutil.STATUS_STOPPED:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"process {self.pid} did not stop")
+            time.sleep(0.001)
 
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
