@@ -105,6 +105,10 @@ class _TCPWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
 
+class _TCP6WSGIServer(_TCPWSGIServer):
+    address_family = socket.AF_INET6
+
+
 def _unix_server(path: Path, app: _App) -> WSGIServer:
     """A server at `path`, a socket of mode 0600 (made so before anyone can connect)."""
     with contextlib.suppress(FileNotFoundError):
@@ -153,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
             server = _unix_server(path, app)
             where = f"unix:{path} (mode 0600: this user only)"
         else:
-            server = make_server(args.address, args.port, app, _TCPWSGIServer, _QuietHandler)
+            tcp = _TCP6WSGIServer if ":" in args.address else _TCPWSGIServer
+            server = make_server(args.address, args.port, app, tcp, _QuietHandler)
             where = f"http://{args.address}:{server.server_port}/metrics"
     except OSError as exc:
         target = args.unix_socket or f"{args.address}:{args.port}"
