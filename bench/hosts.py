@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -44,9 +44,13 @@ SMALL_NBYTES = 4 << 10
 _WAIT_S = 120.0  # a child's start-up (engines included), and the longest one measuring step may take
 _HEADER = struct.Struct("!Q")  # a TCP request: the number of bytes wanted back
 
-# The row kinds and the rows each of ours is compared with (ids `hosts.<group>.<kind>`).
-KINDS = ("whole", "layers", "blocks", "small")
-BASELINE_KIND = {"whole": "bulk", "layers": "bulk", "blocks": "bulk", "small": "small"}
+# The row kinds and the rows each of ours is compared with (ids `hosts.<group>.<kind>`). "fresh" is the
+# small pull as a serving framework makes it: a new req key per request, consumed; Mooncake has no keys, so
+# its 4 KiB read stands for both.
+KINDS = ("whole", "layers", "blocks", "small", "fresh")
+MOONCAKE_KINDS = ("whole", "layers", "blocks", "small")
+MOONCAKE_KIND = {"fresh": "small"}
+BASELINE_KIND = {"whole": "bulk", "layers": "bulk", "blocks": "bulk", "small": "small", "fresh": "small"}
 GROUPS = ("ours", "mooncake", "tcp", "memcpy")
 
 
@@ -133,6 +137,12 @@ def _ours_kind(manager: Any, kind: str, plan: Plan) -> list[float]:
         cache = manager.allocate_cache(CacheDesc(1, shape, DataType.DT_FLOAT16))
         pull = functools.partial(manager.pull_cache, key, cache)
         repeats = plan.small_repeats
+    elif kind == "fresh":  # the owner bound req ids 0 .. small_repeats to its slots ("requests")
+        shape = [1, SMALL_NBYTES // 2]
+        cache = manager.allocate_cache(CacheDesc(1, shape, DataType.DT_FLOAT16))
+        keys = iter([CacheKey(OWNER, req_id) for req_id in range(plan.small_repeats + 1)])
+        pull = functools.partial(_fresh, manager, keys, cache)
+        repeats = plan.small_repeats
     else:
         shape = [1, plan.slice_nbytes // 2]
         cache = manager.allocate_cache(CacheDesc(TENSORS, shape, DataType.DT_FLOAT16))
@@ -151,6 +161,11 @@ def _ours_kind(manager: Any, kind: str, plan: Plan) -> list[float]:
     samples = timed(pull, repeats)
     manager.deallocate_cache(cache)
     return samples
+
+
+def _fresh(manager: Any, keys: Iterator[Any], cache: Any) -> None:
+    """The next request, by a key object of its own (made before the clock starts), consumed."""
+    manager.pull_cache(next(keys), cache)
 
 
 def _by_layer(manager: Any, key: Any, cache: Any) -> None:
@@ -193,6 +208,9 @@ def _ours(results: Results, pair: Any, plan: Plan, port: int, env: dict[str, str
             name = f"pull_cache 1 tensor x {fmt_nbytes(SMALL_NBYTES)}"
             results.add("ours", name, SMALL_NBYTES, measure("small"), id="hosts.ours.small")
             owner.call("free")
+            owner.call("requests", (1, SMALL_NBYTES, range(plan.small_repeats + 1), True))
+            name = f"pull_cache fresh 1 x {fmt_nbytes(SMALL_NBYTES)} by req key, consumed"
+            results.add("ours", name, SMALL_NBYTES, measure("fresh"), id="hosts.ours.fresh")
         finally:
             measurer.close()
     finally:
@@ -300,7 +318,7 @@ def _mooncake(results: Results, pair: Any, plan: Plan) -> None:
         session, remote = owner.reply(_WAIT_S)
         reader = Child(in_netns(pair.ns_b, _mooncake_reader), pair.ip_b, session, remote, plan)
         try:
-            measured: dict[str, list[float]] = reader.reply(_WAIT_S * len(KINDS))
+            measured: dict[str, list[float]] = reader.reply(_WAIT_S * len(MOONCAKE_KINDS))
         finally:
             reader.close()
     finally:
@@ -420,7 +438,7 @@ def _with_ratios(results: Results) -> None:
         if ours is None:
             continue
         for group, other_id in (
-            ("mooncake", f"hosts.mooncake.{kind}"),
+            ("mooncake", f"hosts.mooncake.{MOONCAKE_KIND.get(kind, kind)}"),
             ("tcp", f"hosts.tcp.{BASELINE_KIND[kind]}"),
             ("memcpy", f"hosts.memcpy.{BASELINE_KIND[kind]}"),
         ):

@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--port",
         type=int,
         default=0,
-        help="v1 owner's listen port, v2's is the next (default: two free ones, from the pid)",
+        help="v1 owner's listen port; v2's and the serving group's two are the next three (default: four "
+        "free ones, from the pid)",
     )
     parser.add_argument(
         "--timeout-ms", type=int, default=60000, help="sync_kv_timeout of both sides (default 60000)"

@@ -48,8 +48,32 @@ def fill_value(tensor_index: int, row: np.ndarray[Any, Any]) -> np.ndarray[Any, 
     return unit_bytes(tensor_index * 31 + row)
 
 
-def _owner(pipe: Connection, mode: str, port: int, timeout_ms: int, ip: str = IP) -> None:
-    """Owns the caches; answers commands until told to stop."""
+def fixed_pool(pool_nbytes: int) -> dict[str, str]:
+    """The options of a fixed v1 pool of `pool_nbytes` (one segment, as a serving deployment configures it;
+    without them the pool grows by new segments, which a puller maps on first use); none for 0."""
+    if not pool_nbytes:
+        return {}
+    return {"ge.flowGraphMemMaxSize": str(pool_nbytes), "llm.MemoryUtilization": "1.0"}
+
+
+def private_arrays(count: int, nbytes: int) -> list[np.ndarray[Any, Any]]:
+    """`count` arrays of `nbytes` of plain private numpy memory, every page touched (ones, as the owner's
+    registered memory always held)."""
+    return [np.ones(nbytes // 2, dtype=np.float16) for _ in range(count)]
+
+
+def library_arrays(count: int, nbytes: int) -> list[np.ndarray[Any, Any]] | str:
+    """`count` arrays of `nbytes` from the library's allocator of shareable memory (issue 30), or why there
+    are none. The hook for it: once `llm_datadist.ext` hands out such memory, return its arrays here (every
+    page touched) and the serving group's v2 paged rows over library memory measure it on both sides."""
+    del count, nbytes
+    return "llm_datadist has no allocator of shareable memory yet (issue 30): nothing to register"
+
+
+def _owner(
+    pipe: Connection, mode: str, port: int, timeout_ms: int, ip: str = IP, pool_nbytes: int = 0
+) -> None:
+    """Owns the caches; answers commands until told to stop. `pool_nbytes`: a fixed v1 pool of that size."""
     datadist = LLMDataDist(LLMRole.PROMPT, OWNER)
     config = LLMConfig()
     config.device_id = 0
@@ -58,7 +82,10 @@ def _owner(pipe: Connection, mode: str, port: int, timeout_ms: int, ip: str = IP
     options = dict(config.generate_options())
     if mode == "v2":
         options.update({"llm.EnableCacheManager": "1", "llm.EnableRemoteCacheAccessible": "1"})
+    else:
+        options.update(fixed_pool(pool_nbytes))
     keep: list[Any] = []
+    requests: list[tuple[Any, range]] = []  # the "requests" cache and its req ids, at most one
     try:
         datadist.init(options)
         pipe.send(("ok", os.getpid()))
@@ -93,9 +120,22 @@ def _owner(pipe: Connection, mode: str, port: int, timeout_ms: int, ip: str = IP
                     manager.deallocate_cache(cache)
                 keep.clear()
                 pipe.send(("ok", None))
-            elif command == "register_blocks":  # v2: memory this process owns, registered
-                num_tensors, shape, model_id = args
-                arrays = [np.ones(int(np.prod(shape)), dtype=np.float16) for _ in range(num_tensors)]
+            elif command == "requests":
+                pipe.send(("ok", _requests(datadist.kv_cache_manager, requests, *args)))
+            elif command in ("register_blocks", "register_paged"):  # v2: memory this process owns
+                # register_paged: (memory "private" | "library") as the 4th argument, and block b of tensor
+                # t holds fill_value(t, b); register_blocks: private memory of ones.
+                num_tensors, shape, model_id, *memory = args
+                nbytes = 2 * int(np.prod(shape))
+                got = library_arrays(num_tensors, nbytes) if memory == ["library"] else None
+                if isinstance(got, str):
+                    pipe.send(("error", got))
+                    continue
+                arrays = got if got is not None else private_arrays(num_tensors, nbytes)
+                if command == "register_paged":
+                    for t, array in enumerate(arrays):
+                        rows = array.view(np.uint8).reshape(shape[0], -1)
+                        rows[:] = fill_value(t, np.arange(shape[0]))[:, None]
                 desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)
                 registered = datadist.cache_manager.register_blocks_cache(
                     desc, [a.ctypes.data for a in arrays], BlocksCacheKey(OWNER, model_id)
@@ -108,13 +148,42 @@ def _owner(pipe: Connection, mode: str, port: int, timeout_ms: int, ip: str = IP
         pipe.send(("error", traceback.format_exc()))
     finally:
         keep.clear()
+        requests.clear()
         datadist.finalize()
+
+
+def _requests(
+    manager: Any,
+    requests: list[tuple[Any, range]],
+    tensors: int,
+    slot_nbytes: int,
+    req_ids: range,
+    fill: bool,
+) -> int:
+    """A serving Prompt's next batch of requests: the previous batch's keys removed (those its puller did
+    not consume) and its cache freed, then one cache of `len(req_ids)` batch slots of `slot_nbytes` per
+    tensor, slot i bound to `CacheKey(OWNER, req_ids[i])`; with `fill`, row i of tensor t holds
+    `fill_value(t, i)`. In a fixed pool the new cache reuses the old one's (touched) memory. Its cache id."""
+    for cache, old_ids in requests:
+        for req_id in old_ids:
+            manager.remove_cache_key(CacheKey(OWNER, req_id))
+        manager.deallocate_cache(cache)
+    requests.clear()
+    desc = CacheDesc(tensors, [len(req_ids), slot_nbytes // 2], DataType.DT_FLOAT16)
+    cache = manager.allocate_cache(desc, [CacheKey(OWNER, req_id) for req_id in req_ids])
+    requests.append((cache, req_ids))
+    if fill:
+        for t, view in enumerate(tensor_views(cache)):
+            rows = view.view(np.uint8).reshape(view.shape[0], -1)
+            rows[:] = fill_value(t, np.arange(rows.shape[0]))[:, None]
+    return int(cache.cache_id)
 
 
 class Owner(Child):
     """The spawned process that owns the caches a benchmark pulls from (`_owner`), listening on `ip`; with
     `netns`, it enters that network namespace first, with `env` added to its environment; `quiet` sends its
-    stdout and stderr to /dev/null (its engine's log lines; failures come through the pipe)."""
+    stdout and stderr to /dev/null (its engine's log lines; failures come through the pipe); `pool_nbytes`
+    gives a v1 owner a fixed pool of that size."""
 
     def __init__(
         self,
@@ -126,9 +195,11 @@ class Owner(Child):
         netns: str = "",
         env: dict[str, str] | None = None,
         quiet: bool = False,
+        pool_nbytes: int = 0,
     ) -> None:
         target: Callable[..., None] = functools.partial(peers.quietly, _owner) if quiet else _owner
-        super().__init__(in_netns(netns, target, env) if netns else target, mode, port, timeout_ms, ip)
+        target = in_netns(netns, target, env) if netns else target
+        super().__init__(target, mode, port, timeout_ms, ip, pool_nbytes)
         self.port = port
         self.reply(600)
 
@@ -137,13 +208,17 @@ class Owner(Child):
         return self.reply(600)
 
 
-def measurer(mode: str, timeout_ms: int) -> Any:
+def measurer(mode: str, timeout_ms: int, pool_nbytes: int = 0) -> Any:
+    """The measuring side, in this process: a v1 Decoder (with a fixed pool of `pool_nbytes`, if given) or
+    a v2 instance with remote access and a pool."""
     datadist = LLMDataDist(LLMRole.DECODER, MEASURER)
     config = LLMConfig()
     config.device_id = 0
     config.sync_kv_timeout = timeout_ms
     options = dict(config.generate_options())
-    if mode == "v2":
+    if mode != "v2":
+        options.update(fixed_pool(pool_nbytes))
+    else:
         options.update(
             {
                 "llm.EnableCacheManager": "1",

@@ -45,7 +45,7 @@ def _reference_gbps(results: Results) -> float | None:
 
 # The report's order: rows of one group together, in this order; a group's rows in the order measured,
 # except "blocks", where each of our pull_blocks rows is followed by the peers' rows of the same pattern.
-GROUPS = ("memcpy", "baseline", "peer", "pull_cache", "layers", "latency", "blocks", "one-sided")
+GROUPS = ("memcpy", "baseline", "peer", "serving", "pull_cache", "layers", "latency", "blocks", "one-sided")
 
 
 def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -166,8 +166,10 @@ def judge_targets(results: Results, layer_slices: Sequence[int]) -> list[dict[st
             detail = f"{row['group']} {row['name']}, {fmt_nbytes(row['nbytes'])}"
         target(key, text, ">=", limit, measured, detail)
 
+    _serving_targets(rows, skipped, target, x_memcpy)
+    # The microbenchmark: the same small pull repeated with the same objects (the identity memos answer it).
     small, rtt = rows.get("latency.small"), rows.get("baseline.msgpack")
-    text = "small pull (1 x 4 KiB) p50 / bare msgpack round trip p50"
+    text = "microbenchmark: repeated small pull p50 / msgpack round trip"
     if small and rtt:
         detail = f"{small['p50_us']:.1f} us against {rtt['p50_us']:.1f} us"
         target("small_pull", text, "<=", 0.25, small["p50_us"] / rtt["p50_us"], detail)
@@ -175,15 +177,15 @@ def judge_targets(results: Results, layer_slices: Sequence[int]) -> list[dict[st
         target("small_pull", text, "<=", 0.25, None, "not measured in this run")
     target(
         "small_pull_us",
-        "small pull (1 x 4 KiB) p50, us (on an idle machine)",
+        "microbenchmark: repeated small pull p50, us",
         "<=",
         8,
         small["p50_us"] if small else None,
         "pull_cache by a prefix key, the same pull repeated" if small else "not measured in this run",
     )
     for key, who, text, cpu_limit in (
-        ("puller_cpu", "this process", "puller's CPU per small pull, us", 8),
-        ("owner_cpu", "the other", "owner's CPU per small pull, us", 1),
+        ("puller_cpu", "this process", "microbenchmark: puller's CPU per repeated small pull, us", 8),
+        ("owner_cpu", "the other", "microbenchmark: owner's CPU per repeated small pull, us", 1),
     ):
         cpu = small.get("cpu_us", {}).get(who) if small else None
         detail = "all its threads, from the scheduler's counters" if cpu is not None else "not measured"
@@ -233,6 +235,68 @@ def judge_targets(results: Results, layer_slices: Sequence[int]) -> list[dict[st
 
 
 OURS = ("pull_cache", "layers", "latency", "one-sided")  # and our rows of "blocks" (too few samples for p99)
+_SERVING_P99_SAMPLES = 20  # below this a row's p99 is its maximum
+
+
+def _serving_targets(
+    rows: dict[str, dict[str, Any]],
+    skipped: dict[str, str],
+    target: Callable[[str, str, str, float, float | None, str], None],
+    x_memcpy: Callable[[str, str, str, float], None],
+) -> None:
+    """The targets judged on the `serving` rows (`serving.py`): pulls made as serving frameworks make them."""
+
+    def missing(row_id: str) -> str:
+        return skipped.get(row_id, "not measured in this run")
+
+    small, rtt = rows.get("serving.small"), rows.get("baseline.msgpack")
+    text = "fresh 1 x 4 KiB pull by CacheKey(req_id), consumed: p50, us"
+    detail = "a new key per request, pulled once" if small else missing("serving.small")
+    target("serving.small_us", text, "<=", 10, small["p50_us"] if small else None, detail)
+    text = "the same: p50 / bare msgpack round trip p50"
+    if small and rtt:
+        detail = f"{small['p50_us']:.1f} us against {rtt['p50_us']:.1f} us"
+        target("serving.small_vs_rtt", text, "<=", 0.25, small["p50_us"] / rtt["p50_us"], detail)
+    else:
+        target("serving.small_vs_rtt", text, "<=", 0.25, None, "not measured in this run")
+    for key, who, text, op, cpu_limit in (
+        ("serving.small_puller_cpu", "puller", "the same: puller's CPU per pull, us", "<=", 10.0),
+        ("serving.small_owner_cpu", "owner", "the same: owner's CPU per pull, us", "<", 1.0),
+    ):
+        cpu = small.get("cpu_us", {}).get(who) if small else None
+        detail = "all its threads, from the scheduler's counters" if cpu is not None else "not measured"
+        target(key, text, op, cpu_limit, cpu, detail)
+    for slot_nbytes, ratio in ((32 << 10, 0.6), (256 << 10, 0.85), (2 << 20, 0.9)):
+        nbytes = fmt_nbytes(64 * slot_nbytes)
+        text = f"fresh request, 64 x {fmt_nbytes(slot_nbytes)} ({nbytes}) / best copy"
+        row_id = f"serving.request.{slot_nbytes}"
+        x_memcpy(row_id, text, row_id, ratio)
+    whole = rows.get("serving.layers.whole")
+    for name, key_name in (("cache_key", "CacheKey"), ("by_id", "CacheKeyByIdAndIndex")):
+        row_id = f"serving.layers.{name}"
+        row = rows.get(row_id)
+        text = f"16 MiB by layer, new {key_name} each / whole"
+        if row is None or whole is None:
+            target(row_id, text, ">=", 0.9, None, missing(row_id))
+            continue
+        detail = f"p50 {row['p50_us']:.0f} us against {whole['p50_us']:.0f} us (32 pulls, in turn)"
+        target(row_id, text, ">=", 0.9, row["vs_whole"], detail)
+    library = rows.get("serving.v2_paged.library.1")
+    text = "v2 paged, library memory, 1 block x 64 tensors: p50, us"
+    detail = "one-sided, a new BlocksCacheKey" if library else missing("serving.v2_paged.library.1")
+    target("serving.v2_paged.library.1", text, "<=", 150, library["p50_us"] if library else None, detail)
+    for memory, table, ratio in (("library", 8, 0.7), ("library", 64, 0.8), ("private", 8, 0.5)):
+        row_id = f"serving.v2_paged.{memory}.{table}"
+        text = f"v2 paged, {memory} memory, {table} blocks x 64 tensors / best copy"
+        x_memcpy(row_id, text, row_id, ratio)
+    serving = [r for r in rows.values() if r["group"] == "serving" and r["samples"] >= _SERVING_P99_SAMPLES]
+    text = f"p99 / p50, worst serving row (>= {_SERVING_P99_SAMPLES} samples)"
+    if serving:
+        worst = max(serving, key=lambda r: r["p99_us"] / r["p50_us"])
+        detail = f"{worst['name']}: {worst['p99_us']:.0f} / {worst['p50_us']:.0f} us"
+        target("serving.p99", text, "<=", 3, worst["p99_us"] / worst["p50_us"], detail)
+    else:
+        target("serving.p99", text, "<=", 3, None, "not measured in this run")
 
 
 def plot(results: Results, path: Path) -> str:

@@ -1,6 +1,7 @@
 """`llm-datadist bench` as a user runs it (the quick sweep, JSON out), its peer rows (measured when the peer
-is installed, otherwise a skipped row that says how to install it), its summary of SPEC.md's targets, and
-`bench --hosts` at a tiny size. No timing is asserted: rows exist, ratios are numbers, skips carry reasons."""
+is installed, otherwise a skipped row that says how to install it), its serving group, its summary of the
+targets (bench/README.md's table), and `bench --hosts` at a tiny size. No timing is asserted: rows exist,
+ratios are numbers, skips carry reasons."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from llm_datadist._bench import peers, suite
+from llm_datadist._bench import peers, serving, suite
 from llm_datadist._bench.proc import BLOCK_SIZES, Results, block_patterns, copy_kernel
 
 CLI = [sys.executable, "-m", "llm_datadist._tools.cli"]
@@ -30,7 +31,21 @@ TARGET_KEYS = {
     "one_sided_16m",
     f"large.pull.whole.{16 << 20}",
     "p99",
+    "serving.small_us",
+    "serving.small_vs_rtt",
+    "serving.small_puller_cpu",
+    "serving.small_owner_cpu",
+    *(f"serving.request.{n}" for n in serving.REQUEST_SLOTS),
+    "serving.layers.cache_key",
+    "serving.layers.by_id",
+    "serving.v2_paged.library.1",
+    "serving.v2_paged.library.8",
+    "serving.v2_paged.library.64",
+    "serving.v2_paged.private.8",
+    "serving.p99",
 }
+# Targets that need what this machine may not have: NIXL, the library's allocator of shareable memory.
+MAY_BE_NA = {"one_sided_64k_vs_nixl", *(f"serving.v2_paged.library.{n}" for n in serving.PAGED_TABLES)}
 
 
 def _number(value: object) -> bool:
@@ -52,7 +67,17 @@ def test_quick_bench_reports_every_group_and_leaves_nothing(tmp_path: Path) -> N
     report = json.loads(out.read_text())
     rows: list[dict[str, Any]] = report["rows"]
     groups = {row["group"] for row in rows}
-    assert groups >= {"memcpy", "baseline", "peer", "pull_cache", "layers", "latency", "blocks", "one-sided"}
+    assert groups >= {
+        "memcpy",
+        "baseline",
+        "peer",
+        "serving",
+        "pull_cache",
+        "layers",
+        "latency",
+        "blocks",
+        "one-sided",
+    }
     for row in rows:
         if "skipped" in row:
             assert row["skipped"].strip(), row
@@ -78,6 +103,7 @@ def test_quick_bench_reports_every_group_and_leaves_nothing(tmp_path: Path) -> N
             row = by_id[f"blocks.{peer}.{pattern.block_nbytes}"]
             assert row["group"] == "blocks"
             assert row.get("skipped") or (row["nbytes"] == pattern.nbytes and _number(row["x_memcpy"]))
+    _check_serving_rows(by_id)
     # The summary of the targets, in the JSON and at the end of the report.
     targets = {target["key"]: target for target in report["targets"]}
     assert set(targets) == TARGET_KEYS
@@ -87,7 +113,7 @@ def test_quick_bench_reports_every_group_and_leaves_nothing(tmp_path: Path) -> N
             assert target["measured"] is None
         else:  # a figure of 0 is possible (the owner spends no CPU on a pull that needs no RPC)
             assert math.isfinite(target["measured"]) and target["measured"] >= 0, target
-    for key in TARGET_KEYS - {"one_sided_64k_vs_nixl"}:  # needs NIXL
+    for key in TARGET_KEYS - MAY_BE_NA:
         assert targets[key]["result"] != "n/a", targets[key]
     assert "x memcpy: ratio to the best copy of this run" in result.stdout
     # The yardstick is the faster of the two 2-thread copies: numpy.copyto and, where built, the kernel.
@@ -101,6 +127,40 @@ def test_quick_bench_reports_every_group_and_leaves_nothing(tmp_path: Path) -> N
         1
     ]
     assert all(target["target"] in summary for target in targets.values())
+
+
+def _check_serving_rows(by_id: dict[str, dict[str, Any]]) -> None:
+    """The serving group: every row a real client's call sequence, with p50, p99, the puller's CPU per pull
+    and the owner's, measured or skipped with the reason."""
+    measured = [
+        "serving.small",
+        *(f"serving.request.{n}" for n in serving.REQUEST_SLOTS),
+        "serving.layers.whole",
+        "serving.layers.cache_key",
+        "serving.layers.by_id",
+        *(f"serving.v1_blocks.{n}" for n in serving.PAGED_TABLES),
+        *(f"serving.v2_paged.private.{n}" for n in serving.PAGED_TABLES),
+    ]
+    for row_id in measured:
+        row = by_id[row_id]
+        assert row["group"] == "serving" and "skipped" not in row, row
+        assert set(row["cpu_us"]) == {"puller", "owner"}, row
+        assert all(math.isfinite(v) and v >= 0 for v in row["cpu_us"].values()), row
+        assert row["cpu_us"]["puller"] > 0, row
+    assert by_id["serving.small"]["nbytes"] == serving.SMALL_NBYTES
+    for n in serving.REQUEST_SLOTS:
+        assert by_id[f"serving.request.{n}"]["nbytes"] == serving.TENSORS * n
+    for name in ("cache_key", "by_id"):
+        row = by_id[f"serving.layers.{name}"]
+        assert row["nbytes"] == by_id["serving.layers.whole"]["nbytes"] == 16 << 20
+        assert _number(row["vs_whole"])
+    for n in serving.PAGED_TABLES:
+        assert by_id[f"serving.v1_blocks.{n}"]["nbytes"] == serving.TENSORS * n * serving.PAGED_BLOCK
+        assert by_id[f"serving.v2_paged.private.{n}"]["nbytes"] == serving.TENSORS * n * serving.PAGED_BLOCK
+        library = by_id[f"serving.v2_paged.library.{n}"]
+        assert library["group"] == "serving"
+        assert library.get("skipped") or library["nbytes"] == serving.TENSORS * n * serving.PAGED_BLOCK
+    assert by_id["serving.hosts"]["skipped"].startswith("measured by `llm-datadist bench --hosts`")
 
 
 def test_each_peer_is_measured_or_skipped_with_the_way_to_install_it() -> None:
@@ -159,10 +219,46 @@ def test_the_targets_judge_each_ratio_and_say_what_is_missing() -> None:
     assert targets["one_sided_64k_vs_nixl"]["result"] == "n/a"
     assert targets["one_sided_1m"]["result"] == "n/a" and targets["one_sided_16m"]["result"] == "n/a"
     assert targets["p99"]["result"] == "PASS" and targets["p99"]["measured"] == 1.0
+    # The serving targets: none of their rows is here, so each is n/a and says so.
+    assert all(
+        target["result"] == "n/a" and target["detail"]
+        for key, target in targets.items()
+        if key.startswith("serving.")
+    )
+
+
+def test_the_serving_targets_are_judged_on_the_serving_rows() -> None:
+    results = Results(quiet=True)
+    results.add("memcpy", "numpy.copyto, 2 threads", 1 << 30, [0.1])  # the reference: 10.7 GB/s
+    _row(results, "baseline", "baseline.msgpack", 0, 30e-6)
+    cpu = {"puller": 12.0, "owner": 0.0}
+    _row(results, "serving", "serving.small", 4096, 9e-6, cpu_us=cpu)
+    _row(results, "serving", f"serving.request.{2 << 20}", 128 << 20, (128 << 20) / 5.4e9)  # 0.5 x
+    _row(results, "serving", "serving.layers.whole", 16 << 20, 0.002)
+    _row(results, "serving", "serving.layers.cache_key", 16 << 20, 0.004, vs_whole=0.5)
+    _row(results, "serving", "serving.layers.by_id", 16 << 20, 0.0021, vs_whole=0.95)
+    results.skip("serving", "library", "no allocator", id="serving.v2_paged.library.8")
+    _row(results, "serving", "serving.v2_paged.private.8", 16 << 20, (16 << 20) / 6.4e9)  # 0.6 x
+    # A row with a long tail: p99 / p50 = 4.
+    results.add("serving", "tail", 2 << 20, [1e-3] * 90 + [4e-3] * 10, id="serving.v1_blocks.1")
+    suite._with_ratios(results)
+    targets = {target["key"]: target for target in suite._targets(results)}
+    assert targets["serving.small_us"]["result"] == "PASS" and targets["serving.small_us"]["measured"] == 9.0
+    assert targets["serving.small_vs_rtt"]["result"] == "MISS"
+    assert targets["serving.small_puller_cpu"]["result"] == "MISS"
+    assert targets["serving.small_owner_cpu"]["result"] == "PASS"
+    assert targets[f"serving.request.{2 << 20}"]["result"] == "MISS"
+    assert targets[f"serving.request.{32 << 10}"]["result"] == "n/a"
+    assert targets["serving.layers.cache_key"]["result"] == "MISS"
+    assert targets["serving.layers.by_id"]["result"] == "PASS"
+    assert targets["serving.v2_paged.library.8"]["result"] == "n/a"
+    assert targets["serving.v2_paged.library.8"]["detail"] == "no allocator"
+    assert targets["serving.v2_paged.private.8"]["result"] == "PASS"
+    assert targets["serving.p99"]["result"] == "MISS" and targets["serving.p99"]["measured"] == 4.0
 
 
 def test_hosts_bench_reports_every_kind_with_its_ratios(tmp_path: Path) -> None:
-    from llm_datadist._bench.hosts import GROUPS, KINDS
+    from llm_datadist._bench.hosts import GROUPS, KINDS, MOONCAKE_KINDS
     from llm_datadist._tools.netns import hosts_unavailable, netns_list
 
     reason = hosts_unavailable()
@@ -180,7 +276,7 @@ def test_hosts_bench_reports_every_kind_with_its_ratios(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["hosts"]["ip_a"] != report["hosts"]["ip_b"]
     by_id = {row["id"]: row for row in report["rows"]}
-    wanted = {f"hosts.{group}.{kind}" for group in ("ours", "mooncake") for kind in KINDS}
+    wanted = {f"hosts.ours.{kind}" for kind in KINDS} | {f"hosts.mooncake.{kind}" for kind in MOONCAKE_KINDS}
     wanted |= {f"hosts.{group}.{kind}" for group in ("tcp", "memcpy") for kind in ("bulk", "small")}
     assert set(by_id) == wanted
     for row in report["rows"]:
@@ -193,5 +289,6 @@ def test_hosts_bench_reports_every_kind_with_its_ratios(tmp_path: Path) -> None:
     assert by_id["hosts.ours.whole"]["nbytes"] == by_id["hosts.mooncake.whole"]["nbytes"] == 2 << 20
     assert by_id["hosts.ours.blocks"]["nbytes"] == by_id["hosts.mooncake.blocks"]["nbytes"] == 2 << 20
     assert by_id["hosts.ours.small"]["nbytes"] == by_id["hosts.tcp.small"]["nbytes"] == 4096
+    assert by_id["hosts.ours.fresh"]["nbytes"] == 4096
     assert "two network namespaces joined by a veth pair" in stdout
     assert not [name for name in netns_list() if name.startswith(f"llmdd-{process.pid}-")]
