@@ -1,17 +1,21 @@
-"""This process's side of links across hosts: the shared secret, its transfer engine and the memory it
-exposes to it, and where peers on other hosts keep their segments.
+"""This process's side of links across hosts: the shared secret, the transfer engine it serves and the
+memory it exposes to it, the engines its own transfers go through, and where peers on other hosts keep
+their segments.
 
-Rules: the engine starts on first use (a TCP link made or served, `_remote.shared_engine`). Memory is
-exposed to the engine only when a peer on another host was granted it (our pool segments, registered
-caches), over RDMA also our own side of a transfer, and withdrawn before it is unmapped or handed back to
-the user (`segment_released`, `registered_released`); `close` withdraws the rest once the engine drained.
-A transfer that fails or times out breaks its link: whatever the engine still does, our memory stays
-pinned (`table.hold`) until it ended.
+Rules: the served engine starts on first use (a TCP link made or served, `_remote.shared_engine`). Memory
+is exposed to it only when a peer on another host was granted it (our pool segments, registered caches),
+and withdrawn before it is unmapped or handed back to the user (`segment_released`,
+`registered_released`); `close` withdraws the rest. Our transfers go through an engine per peer
+incarnation (`_peer_engine.PeerEngine`, over RDMA with our side of the transfer registered with it), which
+ends when no live link uses it any more: so do its connections to that peer. A transfer that fails or
+times out breaks its link: whatever the engine still does, our memory stays pinned (`pins.hold`) until it
+ended, and only transfers into that memory wait for it.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from llm_datadist._protocol.messages import MAX_ADDRESS_NAMES, Addresses, AddressRequest
@@ -21,10 +25,12 @@ from ._errors import PeerGone, StatusError
 from ._owner.pins import LocalPins
 from ._owner.records import CacheRecord
 from ._owner.table import CacheTable
+from ._peer_engine import ORPHANS, PeerEngine, progress_timeout_s
 from ._remote import MissingExtra, RemoteEngine, engine_available, shared_engine
 from ._wire import auth
 from ._wire.client import ClientLink
 from .status import LLMStatusCode
+from .utils.log import log
 
 
 class CrossHost:
@@ -47,6 +53,10 @@ class CrossHost:
             self.secret_unusable = True
         self._engine: RemoteEngine | None = None
         self._exposed: dict[int, int] = {}  # address -> nbytes registered with the engine
+        # The engines our transfers go through, by (our ip, the peer engine's address): one per peer
+        # incarnation, retired when no live link uses it (`_idle`).
+        self._peer_engines: dict[tuple[str, str], PeerEngine] = {}
+        self._closed = False
         self._lock = threading.Lock()
         self._tcp_callbacks: dict[str, int] = {}  # our ip -> the port we serve TCP callbacks on
         # Serves TCP at (ip, port 0: any) and returns the port: the server's, once it runs.
@@ -140,12 +150,24 @@ class CrossHost:
         """A pool segment is about to be unmapped: no engine may reach it afterwards."""
         if self._exposed:
             self._withdraw(segment.address)
+        self._withdraw_local([segment.address])
 
     def registered_released(self, record: CacheRecord) -> None:
         """A registered cache is forgotten: its memory goes back to the user, out of every engine's reach."""
         if self._exposed:
             for addr in record.addrs:
                 self._withdraw(addr)
+        self._withdraw_local(record.addrs)
+
+    def _withdraw_local(self, addrs: list[int] | tuple[int, ...]) -> None:
+        """Over RDMA our side of a transfer is registered with the peer engines too."""
+        if not self._peer_engines:
+            return
+        with self._lock:
+            engines = [engine for engine in self._peer_engines.values() if engine.protocol != "tcp"]
+        for engine in engines:
+            for addr in addrs:
+                engine.unregister(addr)
 
     # ----------------------------------------------------------------- transfers
 
@@ -176,19 +198,20 @@ class CrossHost:
     ) -> None:
         """Move runs between `local` and the remote peer's memory through the transfer engines. A failure
         or a timeout breaks the link (whatever the engine still does, the local memory stays pinned)."""
-        engine = self.engine(link.local_ip)
+        # Waiting for a transfer that outlived its call, into the same memory, is not this link's failure.
+        ORPHANS.wait_clear(local_addrs, lengths, deadline, self._timeout_code)
+        engine = self.peer_engine(link)
         if engine.protocol != "tcp":
             # RDMA reads and writes only registered local memory; over TCP the engine copies to and from
             # the local side itself, and registering it would only open it to the engine's port.
             if local.block is not None:
                 segment = local.block.segment
-                self._expose(engine, segment.address, segment.nbytes)
+                engine.register(segment.address, segment.nbytes)
             else:
                 for addr in local.addrs:
-                    self._expose(engine, addr, local.tensor_nbytes)
+                    engine.register(addr, local.tensor_nbytes)
         try:
             engine.transfer(
-                link.peer.engine,
                 local_addrs,
                 remote_addrs,
                 lengths,
@@ -204,12 +227,52 @@ class CrossHost:
             link.fail(exc.detail)
             raise
 
+    def peer_engine(self, link: ClientLink) -> PeerEngine:
+        """The engine our transfers with `link`'s peer go through (started on first use), `link` noted as
+        one that uses it."""
+        key = (link.local_ip, link.peer.engine)
+        with self._lock:
+            if self._closed:
+                raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "this instance is finalizing")
+            engine = self._peer_engines.get(key)
+            if engine is None or engine.retired:
+                engine = PeerEngine(link.local_ip, link.peer.engine, self._idle)
+                self._peer_engines[key] = engine
+            engine.links.add(link)
+            return engine
+
+    def _idle(self, engine: PeerEngine) -> None:
+        """`engine`'s worker is idle: retire it when no live link uses it (its peer is gone, or we are not
+        linked to it any more), so that its connections close."""
+        with self._lock:
+            if any(link.broken is None for link in engine.links):
+                return
+            key = (engine.local_ip, engine.peer)
+            if self._peer_engines.get(key) is engine:
+                del self._peer_engines[key]
+            engine.retire()
+
+    def peer_engines(self) -> tuple[int, int]:
+        """(engines our transfers go through now, one per peer incarnation still linked; transfers queued
+        or running in them)."""
+        with self._lock:
+            engines = list(self._peer_engines.values())
+        return len(engines), sum(engine.pending for engine in engines)
+
     # ----------------------------------------------------------------- teardown
 
     def drain(self) -> None:
-        """Wait for transfers that outlived their calls (they may still write into our pool)."""
-        if self._engine is not None:
-            self._engine.drain()
+        """End the engines of our transfers, once the transfers that outlived their calls ended (they may
+        still write into our pool); bounded by the engines' progress timeout."""
+        with self._lock:
+            self._closed = True
+            engines, self._peer_engines = list(self._peer_engines.values()), {}
+        for engine in engines:
+            engine.retire()
+        deadline = time.monotonic() + progress_timeout_s() + 2.0
+        for engine in engines:
+            if not engine.join(max(deadline - time.monotonic(), 0.0)):
+                log.warning("the transfer engine for %s did not end in time", engine.peer)
 
     def close(self) -> None:
         """Registered memory goes back to the user out of the engine's reach."""

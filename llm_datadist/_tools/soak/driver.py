@@ -24,7 +24,7 @@ from llm_datadist._shm.index import Index
 
 from ..netns import Hosts
 from .crew import INCARNATION_SAMPLE_AFTER_S, Crew
-from .figures import MOONCAKE_LANES_PER_PEER, Figures, sample, segment_pid, shm_entries
+from .figures import Figures, sample, segment_pid, shm_entries
 from .spec import IP, PULLER_CLUSTER_BASE, START_TIMEOUT_S, OwnerRef, PullerSpec
 
 WARM_TIMEOUT_S = 60.0
@@ -293,29 +293,6 @@ class Soak(Crew):
         for child in self.pullers:
             if child.summary is not None and child.summary.verified == 0:
                 self.failure(f"{child.label} verified no pull at all")
-        if self.hosts is None:
-            return
-        # Mooncake keeps its connections to an engine that is gone: bounded by its lanes a peer for each
-        # owner incarnation a puller read from that ended during the churn; anything more is a leak.
-        for child in self.pullers:
-            end = child.samples.get("end")
-            if end is None or child.puller is None:
-                continue
-            mode = child.puller.mode
-            ended = sum(
-                1
-                for c in self.incarnations
-                if c.ref is not None
-                and mode.startswith(c.ref.mode)
-                and c.down_at is not None
-                and c.down_at <= self.churn_until
-            )
-            if end.stale_engine_sockets > MOONCAKE_LANES_PER_PEER * ended:
-                self.failure(
-                    f"{child.label} holds {end.stale_engine_sockets} connections to engines that are "
-                    f"gone, more than {MOONCAKE_LANES_PER_PEER} for each of the {ended} owner incarnations "
-                    "that ended"
-                )
 
 
 def _without_rss(figures: Figures) -> tuple[object, ...]:

@@ -43,9 +43,9 @@ class Figures:
     shm_deleted_nbytes: int  # /dev/shm files mapped after they were unlinked
     segments: int  # /dev/shm entries this process created (its pid in the name)
     fd_kinds: tuple[str, ...] = ()  # what each fd is ("socket", "pipe", a path...), to explain a change
-    # Across hosts: the transfer engine's TCP connections (Mooncake pools up to MOONCAKE_LANES_PER_PEER a
-    # peer), counted apart from the fds that are ours; of those, the ones to engines that are gone
-    # (CLOSE_WAIT), which Mooncake never closes.
+    # Across hosts: the transfer engines' TCP connections (Mooncake pools up to 4 a peer engine), counted
+    # apart from the fds that are ours; of those, the ones to engines that are gone (CLOSE_WAIT: the peer
+    # closed its end, ours is still open).
     engine_sockets: int = 0
     stale_engine_sockets: int = 0
 
@@ -100,14 +100,12 @@ def sample(pid: int, entries: list[str], *, engine_sockets: bool) -> Figures:
 
 
 _TCP_CLOSE_WAIT = "08"  # the state column of /proc/net/tcp
-# Mooncake 0.3.13's TCP transport keeps up to this many pooled connections to each peer engine.
-MOONCAKE_LANES_PER_PEER = 4
 
 
 def _engine_sockets(pid: int) -> tuple[int, int]:
     """The connected TCP sockets of `pid` with neither end on one of the soak's listen ports: the transfer
     engine's connections (our links always have an owner's listen port at one end); and of those, the ones
-    in CLOSE_WAIT (the peer engine went, Mooncake's pool never closes its end). Read from the tables of the
+    in CLOSE_WAIT (the peer engine went and our end is still open). Read from the tables of the
     process's own network namespace; (0, 0) on one host, where no engine runs."""
     inodes = set()
     with contextlib.suppress(OSError):
@@ -163,8 +161,11 @@ RULES = (
     Rule("shm del MiB", "shm_deleted_nbytes", MIB, 0, zero=True),
     Rule("own segs", "segments", 1, 0),
 )
-# Across hosts: Mooncake's connections to engines that are gone, bounded at the end (docs/soak.md).
-STALE_ENGINE_SOCKETS = Rule("stale conns", "stale_engine_sockets", 1, 0)
+# Across hosts: the engines' connections, no more at the end than at the start (a peer engine's pool is
+# opened by the warm-up's pulls), and none to an engine that is gone, at either checkpoint (docs/soak.md).
+ENGINE_SOCKETS = Rule("engine conns", "engine_sockets", 1, 0)
+STALE_ENGINE_SOCKETS = Rule("stale conns", "stale_engine_sockets", 1, 0, zero=True)
+HOST_RULES = (ENGINE_SOCKETS, STALE_ENGINE_SOCKETS)
 
 
 def value(figures: Figures, attribute: str) -> int:
@@ -183,7 +184,7 @@ class Series:
     """One process's samples through the churn, kept compact (8 bytes a figure: a long run's driver must
     not grow by what it measures): seconds since the churn began, and each rule's figure."""
 
-    ATTRIBUTES = tuple(dict.fromkeys([*(r.attribute for r in RULES), STALE_ENGINE_SOCKETS.attribute]))
+    ATTRIBUTES = tuple(dict.fromkeys(r.attribute for r in (*RULES, *HOST_RULES)))
 
     def __init__(self) -> None:
         self.times_s = array("d")

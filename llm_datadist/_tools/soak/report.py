@@ -14,6 +14,7 @@ from typing import Any
 
 from .driver import Soak
 from .figures import (
+    HOST_RULES,
     MEMORY_TREND,
     RSS_TOLERANCE_NBYTES,
     RULES,
@@ -82,22 +83,31 @@ def report(run: Soak) -> list[str]:
     if run.hosts is not None:
         print("", file=out)
         print(
-            "Across hosts, not in fds above: the transfer engine's TCP connections, and of those the "
-            "ones to engines of owners that are gone (CLOSE_WAIT: Mooncake never closes them), start -> "
-            "end:",
+            "Across hosts, not in fds above: the transfer engines' TCP connections (no more at the end than "
+            "at the start), and of those the ones to engines of owners that are gone (CLOSE_WAIT; none at "
+            "either checkpoint), start -> end:",
             file=out,
         )
         for child in [*long_lived, *run.pullers]:
             start, end = child.samples.get("start"), child.samples.get("end")
-            if start is not None and end is not None:
-                trend = run.sampler.series.get(child.label, Series()).trend(STALE_ENGINE_SOCKETS, churn_s)
-                rate = "" if trend.slope is None else f" trend {_slope(trend, STALE_ENGINE_SOCKETS)} an hour"
-                print(
-                    f"  {child.label:<26} {start.engine_sockets:>4} -> {end.engine_sockets:<4} of which "
-                    f"to engines gone {start.stale_engine_sockets:>4} -> {end.stale_engine_sockets:<4}"
-                    + rate,
-                    file=out,
-                )
+            if start is None or end is None:
+                continue
+            series = run.sampler.series.get(child.label, Series())
+            trend = series.trend(STALE_ENGINE_SOCKETS, churn_s)
+            rate = "" if trend.slope is None else f" trend {_slope(trend, STALE_ENGINE_SOCKETS)} an hour"
+            flat = all(is_flat(rule, start, end) for rule in HOST_RULES)
+            print(
+                f"  {child.label:<26} {start.engine_sockets:>4} -> {end.engine_sockets:<4} of which "
+                f"to engines gone {start.stale_engine_sockets:>4} -> {end.stale_engine_sockets:<4}"
+                + rate
+                + ("" if flat else "  NOT FLAT"),
+                file=out,
+            )
+            for rule in HOST_RULES:
+                if not is_flat(rule, start, end):
+                    a, b = getattr(start, rule.attribute), getattr(end, rule.attribute)
+                    want = "0 at both" if rule.zero else f"at most {a}"
+                    not_flat.append(f"{child.label}: {rule.title} {a} -> {b} (want {want})")
     restarted = [c for c in run.incarnations if c.ref is not None and c.ref.restarting]
     if restarted:
         print("", file=out)

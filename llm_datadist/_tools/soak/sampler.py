@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from .figures import RULES, STALE_ENGINE_SOCKETS, Rule, Series, sample, shm_entries
+from .figures import HOST_RULES, RULES, Rule, Series, sample, shm_entries
 
 SAMPLE_EVERY_S = 5.0  # 12 samples a minute: a 30-minute run pins a noisy slope to a few MiB an hour
 PROGRESS_EVERY_S = 5.0
@@ -60,7 +60,7 @@ class Growth:
 class RunSampler:
     def __init__(self, *, engine_sockets: bool) -> None:
         self.engine_sockets = engine_sockets
-        rules = (*RULES, STALE_ENGINE_SOCKETS) if engine_sockets else RULES
+        rules = (*RULES, *HOST_RULES) if engine_sockets else RULES
         self.rules = tuple(r for r in rules if r.attribute not in _FOLLOW_THE_POOLS)
         self.series: dict[str, Series] = {}
         self.churn_from = math.inf
