@@ -6,12 +6,16 @@ Below those, the rule that fails a long soak on growing memory, on synthetic ser
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import subprocess
 import sys
 
 import numpy as np
+import psutil
 import pytest
 
+from llm_datadist._shm.names import parse_segment_name
 from llm_datadist._tools.soak.figures import MEMORY_TREND, Figures, Series
 from llm_datadist._tools.soak.sampler import SAMPLE_EVERY_S, RunSampler
 from llm_datadist._tools.soak.trend import Trend, judge, theil_sen
@@ -65,6 +69,50 @@ def test_short_churn_soak_across_hosts_passes(seed: int) -> None:
     out = _soak_passes(seed, "--hosts", timeout_s=150)
     assert "across hosts: owners in network namespace" in out, out
     assert "Across hosts, not in fds above" in out, out
+
+
+def test_sigterm_ends_the_soak_and_every_child() -> None:
+    """SIGTERM to a running soak (what `timeout` or a CI runner sends) ends it as Ctrl-C does: every owner
+    and puller it started ends, no segment of theirs and no runtime directory of the run is left."""
+    env = {key: value for key, value in os.environ.items() if key != "LLM_DATADIST_RUNTIME_DIR"}
+    soak = subprocess.Popen(  # in a runtime directory of its own, which it must remove
+        [*CLI, "soak", "--seconds", "60", "--seed", "5"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    children: list[psutil.Process] = []
+    try:
+        assert soak.stdout is not None
+        runtime = None
+        for line in soak.stdout:  # the churn starts once every owner and puller is up
+            if runtime is None and "runtime dir " in line:
+                runtime = line.split("runtime dir ", 1)[1].split(",", 1)[0]
+            if "churn for" in line:
+                break
+        else:
+            raise AssertionError("the soak ended before its churn began")
+        assert runtime is not None
+        children = psutil.Process(soak.pid).children(recursive=True)
+        assert len(children) >= 7, children  # four owners, three pullers
+        soak.send_signal(signal.SIGTERM)
+        soak.communicate(timeout=60)
+        assert soak.returncode != 0
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"children left running after SIGTERM: {[p.pid for p in alive]}"
+        pids = {child.pid for child in children}
+        owners = (parse_segment_name(name) for name in os.listdir("/dev/shm"))
+        left = [owner for owner in owners if owner is not None and owner.pid in pids]
+        assert not left, f"segments of the soak's children left: {left}"
+        assert not os.path.exists(os.path.dirname(runtime)), f"the run's runtime directory {runtime} is left"
+    finally:
+        if soak.poll() is None:
+            soak.kill()
+            soak.wait(30)
+        for child in children:
+            if child.is_running():
+                child.kill()
 
 
 # ---------------------------------------------------------------------------------------------- trend rule

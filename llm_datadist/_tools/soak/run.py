@@ -89,9 +89,10 @@ def soak(
     run in one fresh network namespace and the pullers in another (deleted before this returns)."""
     with contextlib.ExitStack() as stack:
         runtime = stack.enter_context(_environment())
+        # SIGTERM ends the run as Ctrl-C does: children killed, namespaces deleted, segments checked.
+        stack.enter_context(sigterm_as_exit())
         where: Hosts | None = None
         if hosts:
-            stack.enter_context(sigterm_as_exit())
             where = Hosts.of(stack.enter_context(NamespacePair()))
         ports = _pick_ports(random.Random(f"{seed}:{os.getpid()}"), 4, where.prompt_ip if where else IP)
         log_dir = tempfile.mkdtemp(prefix="llmdd-soak-logs-")
