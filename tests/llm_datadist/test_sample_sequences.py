@@ -3,7 +3,8 @@
 arguments, in two (or three) real processes that meet at barriers where the samples call
 `torch.distributed.barrier()`; numpy arrays where the samples use NPU tensors. Each checks the bytes the
 sample prints or checks, and the status codes the samples treat as failure. `docs/porting.md` lists, sample
-by sample, what a user changes to run the originals here."""
+by sample, what a user changes to run the originals here. One test more pins, over the same processes, the
+layer mapping the vendor's 2026 `test_transfer_layer_range.py` pins."""
 
 from __future__ import annotations
 
@@ -412,11 +413,14 @@ def test_push_cache_sample() -> None:
 # --------------------------------------------------------------------------- transfer_cache_async_sample.py
 
 
-def _async_prompt(group: _Group) -> str:
+def _async_prompt(group: _Group, layers: int = 1, src_layers: range = range(0, 1)) -> tuple[str, list[int]]:
     from llm_datadist import BlocksCacheKey, LayerSynchronizer, LLMRole, TransferWithCacheKeyConfig
+
+    asked: list[int] = []
 
     class LayerSynchronizerImpl(LayerSynchronizer):
         def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+            asked.append(layer_index)
             return True
 
     datadist = _datadist(
@@ -428,20 +432,20 @@ def _async_prompt(group: _Group) -> str:
         enable_remote_cache_accessible=True,
     )
     cache_manager = datadist.cache_manager
-    tensors = [np.ones((3, 10), np.float32), np.ones((3, 10), np.float32)]
+    tensors = [np.full((3, 10), t + 1, np.float32) for t in range(2 * layers)]
     cache = cache_manager.register_blocks_cache(
-        _desc(2, [3, 10], "DT_FLOAT"), [t.ctypes.data for t in tensors], BlocksCacheKey(0, 0)
+        _desc(2 * layers, [3, 10], "DT_FLOAT"), [t.ctypes.data for t in tensors], BlocksCacheKey(0, 0)
     )
     group.barrier()  # register end
     _succeeds(lambda: datadist.link_clusters([_cluster(1, 26000, 26001)], 5000))
-    config = TransferWithCacheKeyConfig(BlocksCacheKey(1, 0), range(0, 1), range(0, 1))
+    config = TransferWithCacheKeyConfig(BlocksCacheKey(1, 0), src_layers, range(0, len(src_layers)))
     task = cache_manager.transfer_cache_async(cache, LayerSynchronizerImpl(), [config])
     results = task.get_results()
     group.barrier()  # transfer cache end
     _succeeds(lambda: datadist.unlink_clusters([_cluster(1, None)], 5000, force=True))
     cache_manager.unregister_cache(cache.cache_id)
     datadist.finalize()
-    return ",".join(result.name for result in results)
+    return ",".join(result.name for result in results), asked
 
 
 def _async_decoder(group: _Group) -> list[list[float]]:
@@ -472,9 +476,18 @@ def _async_decoder(group: _Group) -> list[list[float]]:
 def test_transfer_cache_async_sample() -> None:
     """A blocks cache pushed layer by layer with no block indices: the cache-to-cache path with batch index
     0, block 0 of both; layer 0 is both tensors (K and V: two tensors a layer)."""
-    results, rows = _run((_async_prompt, ()), (_async_decoder, ()))
-    assert results == "LLM_SUCCESS"
-    assert rows == [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
+    (results, asked), rows = _run((_async_prompt, ()), (_async_decoder, ()))
+    assert (results, asked) == ("LLM_SUCCESS", [0])
+    assert rows == [[1.0, 0.0, 0.0], [2.0, 0.0, 0.0]]
+
+
+def test_a_source_layer_range_not_from_0_lands_at_the_destination_range_start() -> None:
+    """What the vendor's 2026 `test_transfer_layer_range.py` (hixl 49b96c6) pins: source layer l goes to
+    destination layer `dst_layer_range[l - src_layer_range.start]`, and the synchronizer is asked for the
+    source's layer. Layer 1 of a 2-layer source (tensors 2 and 3) lands in layer 0 of the destination."""
+    (results, asked), rows = _run((_async_prompt, (2, range(1, 2))), (_async_decoder, ()))
+    assert (results, asked) == ("LLM_SUCCESS", [1])
+    assert rows == [[3.0, 0.0, 0.0], [4.0, 0.0, 0.0]]
 
 
 # --------------------------------------------------------------------------- switch_role_sample.py
