@@ -2,9 +2,9 @@
 request value and the one location value of the puller, the owner and the protocol adapters.
 
 Rules: both are frozen. A `SourceRef` is checked by the public faces before it is built; the owner and the
-puller check it against the cache it names (`_keys`). `to_message`/`from_message` are the only places a
-ref is spelled as a protocol request, `Location.from_pin`/`from_message` the only places a pin or a grant
-becomes a location. `tensor_bases[i]` is where tensor i's named bytes start: the slot and source offset of
+puller check it against the cache it names (`_keys`). `to_message` is the only place a ref is spelled as
+a protocol request, `Location.from_pin`/`from_message` the only places a pin or a grant becomes a
+location. `tensor_bases[i]` is where tensor i's named bytes start: the slot and source offset of
 a v1 pull already added (`slot` is then 0), the tensor's first unit otherwise (`slot` is the unit a key is
 bound to). With a `segment`, bases are offsets in it; with segment "", addresses in process `pid`.
 """
@@ -98,37 +98,6 @@ class SourceRef:
         if self.rules == V2:
             return LocationMessage
         return BlocksGrant if self.key_kind == KEY_BLOCKS else PullGrant
-
-    @classmethod
-    def from_message(cls, msg: SourceRequest) -> SourceRef:
-        """The ref a peer's request names (the owner's side)."""
-        if isinstance(msg, ResolveRequest):
-            return cls(
-                msg.key_kind,
-                msg.key_id,
-                msg.model_id,
-                msg.batch_index,
-                msg.tensor_start,
-                msg.tensor_count,
-                msg.whole,
-                consume=msg.consume and not msg.for_write,
-                for_write=msg.for_write,
-                rules=V2,
-            )
-        if isinstance(msg, BlocksRequest):
-            return cls(KEY_BLOCKS, 0, msg.model_id, 0, msg.tensor_start, msg.tensor_count, msg.whole)
-        return cls(
-            msg.key_kind,
-            msg.key_id,
-            msg.model_id,
-            msg.batch_index,
-            msg.tensor_start,
-            msg.tensor_count,
-            msg.whole,
-            msg.nbytes,
-            msg.src_offset,
-            msg.consume,
-        )
 
 
 @dataclass(frozen=True, slots=True)

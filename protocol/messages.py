@@ -79,7 +79,6 @@ __all__ = [
     "Notify",
     "Ping",
     "Pong",
-    "PullDone",
     "PullGrant",
     "PullRequest",
     "Release",
@@ -93,7 +92,7 @@ __all__ = [
     "encode_message",
 ]
 
-PROTOCOL_VERSION = 6  # 6: Notify
+PROTOCOL_VERSION = 7  # 6: Notify; 7: PullDone (type 5) gone, Release ends every lease
 
 # PullRequest.key_kind: what key_id names at the owner.
 KEY_REQ = 1  # key_id is a req_id
@@ -252,7 +251,7 @@ class PullRequest(Message):
     """Client -> server: resolve a key and pin its source tensors for a one-copy pull.
 
     whole=True means the source must have exactly tensor_count tensors (no layer range on the source side).
-    consume asks the owner to consume the key's pulled tensors when the pull ends ok (see PullDone).
+    consume asks the owner to consume the key's pulled tensors when the pull ends ok (see Release).
     """
 
     TYPE: ClassVar[int] = 3
@@ -290,18 +289,6 @@ class PullGrant(Message):
                 f"PullGrant: tensor_offsets entry {last_offset} + nbytes {self.nbytes} exceeds "
                 f"segment_nbytes {self.segment_nbytes}"
             )
-
-
-@_register
-@dataclass(frozen=True, slots=True)
-class PullDone(Message):
-    """Client -> server: releases the lease; when ok and the request said consume, the owner consumes the
-    key's pulled tensors."""
-
-    TYPE: ClassVar[int] = 5
-    seq: Annotated[int, U32]
-    lease_id: Annotated[int, U64]
-    ok: Annotated[bool, BOOL]
 
 
 @_register
@@ -536,8 +523,8 @@ class Table(Message):
 @dataclass(frozen=True, slots=True)
 class Release(Message):
     """Client -> server, one way (no reply): the transfer under lease_id is over; ok=False gives back what
-    the lease consumed. Unlike PullDone it costs the client no round trip; the server handles it in order
-    with the connection's other messages."""
+    the lease consumed. It costs the client no round trip; the server handles it in order with the
+    connection's other messages."""
 
     TYPE: ClassVar[int] = 20
     lease_id: Annotated[int, U64]

@@ -21,7 +21,6 @@ from llm_datadist._protocol.messages import (
     BlocksRequest,
     Message,
     Notify,
-    PullDone,
     PullRequest,
     ResolveRequest,
     Table,
@@ -138,9 +137,6 @@ class CacheService:
             return leases.resolve_write(msg, conn)
         if isinstance(msg, TableRequest):
             return self._table_page(msg)
-        if isinstance(msg, PullDone):
-            leases.release(msg.lease_id, ok=msg.ok, owner=conn)
-            return Ack(msg.seq)
         if isinstance(msg, Notify):
             self.hooks.notified(peer, msg.name, msg.message)
             return Ack(msg.seq)

@@ -21,7 +21,6 @@ from llm_datadist._protocol.messages import (
     Message,
     Ping,
     Pong,
-    PullDone,
     Release,
 )
 
@@ -88,9 +87,7 @@ class Requests:
     def forget(self, sconn: ServerConn) -> frozenset[int]:
         """`sconn` closed: drop what it had waiting. Returns the leases whose release was among it (their
         transfers ended well)."""
-        released = frozenset(
-            msg.lease_id for msg in sconn.parked if isinstance(msg, Release | PullDone) and msg.ok
-        )
+        released = frozenset(msg.lease_id for msg in sconn.parked if isinstance(msg, Release) and msg.ok)
         sconn.parked.clear()
         self.parked.discard(sconn)
         return released
@@ -131,7 +128,7 @@ class Requests:
             # The connection state machine admits nothing but Hello before Welcome; never trust it alone.
             raise ProtocolError(f"{type(msg).__name__} before the handshake")
         seq = getattr(msg, "seq", 0)
-        if sconn.draining and not isinstance(msg, PullDone):
+        if sconn.draining:
             sconn.send(self._ended_error(sconn, seq))
             return
         reply: Message

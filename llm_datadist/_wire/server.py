@@ -179,10 +179,6 @@ class Server:
         with self._lock:
             return list(self._conns_of(cluster_id))
 
-    def peer_has_leases(self, cluster_id: int) -> bool:
-        """True while a connection from `cluster_id` holds a lease (a pull from us is in progress)."""
-        return any(self._requests.service.holds_leases(conn) for conn in self.conns_of(cluster_id))
-
     def close(self, timeout_s: float = 5.0, *, drain_s: float = 0.0) -> None:
         """Stop serving. With `drain_s`, first refuse new links and end every connection the way an unlink
         does, waiting up to `drain_s` for those that hold leases to drain (their peers' transfers end)."""

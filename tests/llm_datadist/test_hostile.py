@@ -61,7 +61,6 @@ from llm_datadist._protocol.messages import (
     Notify,
     Ping,
     Pong,
-    PullDone,
     PullGrant,
     PullRequest,
     Release,
@@ -103,7 +102,6 @@ _REPLY_TO: dict[type[Message], type[Message]] = {
     WriteRequest: WriteGrant,
     ResolveRequest: Location,
     TableRequest: Table,
-    PullDone: Ack,
     Ping: Pong,
     AddressRequest: Addresses,  # refused on the Unix socket: only a peer on another host may ask
     Notify: Ack,  # refused by an owner that is no HIXL engine
@@ -413,7 +411,6 @@ def _client_requests(v: _View) -> dict[type[Message], st.SearchStrategy[Message]
             st.booleans(),
         ),
         TableRequest: st.builds(TableRequest, _U32, _plausible([0, 1, *v.cache_ids], _U64)),
-        PullDone: st.builds(PullDone, _U32, leases, st.booleans()),
         Release: st.builds(Release, leases, st.booleans()),
         Announce: st.builds(Announce, _U32, _CALLBACK, st.integers(0, 65535)),
         Ping: st.builds(Ping, _U32),
@@ -427,7 +424,6 @@ def _client_requests(v: _View) -> dict[type[Message], st.SearchStrategy[Message]
         BlocksRequest: _aimed_blocks(v),
         WriteRequest: _aimed_write(v),
         ResolveRequest: _aimed_resolve(v),
-        PullDone: st.builds(PullDone, _U32, _held(v), st.booleans()),
         Release: st.builds(Release, _held(v), st.booleans()),
     }
     return {
@@ -863,8 +859,6 @@ class _Owner:
             assert not isinstance(msg, _NEVER_REFUSED), (msg, reply)
             assert reply.status_code in _STATUS_NAMES, reply
             assert reply.status_code != LLMStatusCode.LLM_SUCCESS, reply
-            if isinstance(msg, PullDone):
-                assert msg.lease_id not in conn.held, f"{msg!r} of a lease this connection holds: {reply!r}"
             return
         assert isinstance(reply, _REPLY_TO[type(msg)]), (msg, reply)
         if isinstance(reply, _GRANTS):
@@ -873,9 +867,6 @@ class _Owner:
             conn.held.add(reply.lease_id)
         if isinstance(reply, Location):
             assert reply.pid == self.peer.pid, reply
-        if isinstance(msg, PullDone):
-            assert msg.lease_id in conn.held, f"{msg!r} released a lease this connection does not hold"
-            conn.held.discard(msg.lease_id)
         if isinstance(reply, Table) and isinstance(msg, TableRequest):
             ids = [entry[0] for entry in reply.entries]
             assert ids == sorted(ids) and all(i >= msg.start_cache_id for i in ids), reply
@@ -1167,7 +1158,7 @@ def _one_of_each(owner: _Owner) -> None:
     )
     assert len(conn.held) == 4, "a request with real ids was refused"
     granted = sorted(conn.held)
-    owner.exchange(conn, [PullDone(8, granted[0], False), Release(granted[1], True), Ping(9)])
+    owner.exchange(conn, [Release(granted[0], False), Release(granted[1], True), Ping(9)])
     owner.sync()
     assert len(conn.held) == 2
     seg = owner.segments[0]

@@ -37,7 +37,6 @@ from llm_datadist._protocol.messages import (
     Notify,
     Ping,
     Pong,
-    PullDone,
     PullGrant,
     PullRequest,
     Release,
@@ -53,7 +52,7 @@ HELLO = Hello(PROTOCOL_VERSION, 11, 22, 2, 4242, 1)
 WELCOME = Welcome(PROTOCOL_VERSION, 22, 1, 3333, 2)
 REQUEST = PullRequest(1, KEY_REQ, 7, 0, 0, 0, 3, True, 4097, 0, True)
 GRANT = PullGrant(1, 99, "/llmdd_seg", 3 * 4097, (0, 4097, 8194), 4097)
-DONE = PullDone(1, 99, True)
+DONE = Release(99, True)
 LINK_FAILED = -1  # any I64 status code; the real LLMStatusCode values live in llm_datadist
 SECRET = b"the-secret-of-these-tests"  # what a TCP connection keys its frame tags from
 
@@ -62,7 +61,6 @@ ONE_OF_EACH: dict[type[Message], Message] = {
     Welcome: WELCOME,
     PullRequest: REQUEST,
     PullGrant: GRANT,
-    PullDone: DONE,
     Ack: Ack(1),
     Error: Error(1, LINK_FAILED, "no"),
     Bye: Bye("bye"),
@@ -307,7 +305,6 @@ def test_sendable_tables_as_specified() -> None:
         WriteRequest,
         ResolveRequest,
         TableRequest,
-        PullDone,
         Release,
         Ping,
         AddressRequest,
@@ -498,7 +495,7 @@ def test_odd_sized_texts_cross_the_connection() -> None:
 def test_any_chunking_of_a_conversation(data: st.DataObject) -> None:
     later = data.draw(
         st.lists(
-            st.sampled_from([REQUEST, DONE, Ping(1), Ping(4097), PullDone(3333, 2**64 - 1, False)]),
+            st.sampled_from([REQUEST, DONE, Ping(1), Ping(4097), Release(2**64 - 1, False)]),
             max_size=10,
         )
     )

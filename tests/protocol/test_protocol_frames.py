@@ -36,7 +36,7 @@ def test_golden_hello() -> None:
         "0000001f"  # payload length 31
         "9a"  # array of 10
         "01"  # TYPE 1 (Hello)
-        "06"  # version 6
+        "07"  # version 7
         "cf0102030405060708"  # cluster_id as uint64
         "cfffffffffffffffff"  # remote_cluster_id 2**64-1
         "02"  # role DECODER

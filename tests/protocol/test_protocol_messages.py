@@ -33,7 +33,6 @@ from llm_datadist._protocol.messages import (
     Notify,
     Ping,
     Pong,
-    PullDone,
     PullGrant,
     PullRequest,
     Release,
@@ -151,7 +150,6 @@ MESSAGES: dict[type[Message], st.SearchStrategy[Message]] = {
         st.booleans(),
     ),
     PullGrant: pull_grants(),
-    PullDone: st.builds(PullDone, u32, u64, st.booleans()),
     Ack: st.builds(Ack, u32),
     Error: st.builds(Error, u32, st.integers(I64_MIN, I64_MAX), texts),
     Bye: st.builds(Bye, texts),
@@ -202,7 +200,6 @@ VALID: list[Message] = [
     Addresses(4097, (0, U64_MAX)),
     PullRequest(3333, KEY_CACHE_ID, 7, 0, 4097, 1, 3333, True, 4097, 3333, False),
     PullGrant(1, 2, "llmdd_0_3333.x", 3333 * 4097, tuple(range(0, 3333 * 4097, 4097)), 4097),
-    PullDone(3333, U64_MAX, True),
     Ack(U32_MAX),
     Error(0, -(2**63), "é" * 4096),
     Bye("x" * 3333),
@@ -232,7 +229,8 @@ def _through_the_wire(msg: Message) -> Message:
 
 def test_registry_is_complete() -> None:
     assert {cls.TYPE: cls for cls in MESSAGES} == MESSAGE_TYPES
-    assert [Hello.TYPE, Welcome.TYPE, PullRequest.TYPE, PullGrant.TYPE, PullDone.TYPE] == [1, 2, 3, 4, 5]
+    assert [Hello.TYPE, Welcome.TYPE, PullRequest.TYPE, PullGrant.TYPE] == [1, 2, 3, 4]
+    assert 5 not in MESSAGE_TYPES  # PullDone's, gone in protocol 7: never reused
     assert [Ack.TYPE, Error.TYPE, Bye.TYPE, Ping.TYPE, Pong.TYPE] == [6, 7, 8, 9, 10]
     assert [ResolveRequest.TYPE, Location.TYPE, TableRequest.TYPE, Table.TYPE, Release.TYPE] == [
         16,
@@ -249,7 +247,7 @@ def test_registry_is_complete() -> None:
         15,
     ]
     assert {type(msg) for msg in VALID} == set(MESSAGE_TYPES.values())
-    assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 6)
+    assert (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, PROTOCOL_VERSION) == (1, 2, 3, 7)
     assert Notify.TYPE == 24
 
 
@@ -377,7 +375,6 @@ BAD_VALUES: dict[type[Message], dict[str, list[Any]]] = {
         "tensor_offsets": [*BAD_OFFSETS, [3333 * 4097 - 4096], [0, U64_MAX]],
         "nbytes": [0, 4098, *BAD_U64],
     },
-    PullDone: {"seq": BAD_U32, "lease_id": BAD_U64, "ok": BAD_BOOL},
     Ack: {"seq": BAD_U32},
     Error: {"seq": BAD_U32, "status_code": BAD_I64, "message": BAD_TEXT},
     Bye: {"reason": BAD_TEXT},
