@@ -21,7 +21,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from llm_datadist._shm.copyplan import (
     BlockPlan,
@@ -39,11 +38,11 @@ from llm_datadist._shm.copyplan import (
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.segment import Segment
 
+from ._native import Column, CopyRuns, kernel_function, load_copy_kernel, vm_columns
 from ._signals import held
 from ._vm import VmError, VmNotPermitted, VmRun, read_from, read_from_arrays, write_to_arrays
 
 ENV_COPY_THREADS = "LLM_DATADIST_COPY_THREADS"
-ENV_NO_EXTENSION = "LLM_DATADIST_NO_EXTENSION"
 # Below this much per thread a hand-off to another thread costs more than it saves.
 _MIN_PART_NBYTES = 4 << 20
 # Without the C kernel, paged copies with units at least this large take one numpy call per unit (one pass,
@@ -75,29 +74,6 @@ _PER_UNIT_MIN_NBYTES = 128 << 10
 _STREAMING_MIN_NBYTES = 1 << 20
 
 
-_Column = npt.NDArray[np.uint64]
-_CopyRuns = Callable[[int, int, _Column, _Column, _Column, bool], None]
-
-
-def load_copy_kernel() -> _CopyRuns | None:
-    """The C kernel's copy_runs, or None when it was not built or LLM_DATADIST_NO_EXTENSION=1 (any value
-    but empty or 0) asks for the pure-Python path."""
-    copy_runs: _CopyRuns | None = kernel_function("copy_runs")
-    return copy_runs
-
-
-def kernel_function(name: str) -> Any:
-    """The C kernel's function `name`, or None: not built, not in this build (the index functions of a
-    big-endian one), or LLM_DATADIST_NO_EXTENSION set."""
-    if os.environ.get(ENV_NO_EXTENSION, "") not in ("", "0"):
-        return None
-    try:
-        import llm_datadist._shm._copykernel as kernel
-    except ImportError:
-        return None
-    return getattr(kernel, name, None)
-
-
 # Module-level so that tests can swap it (None: the pure-Python path).
 _copy_runs = load_copy_kernel()
 _copy_run: Callable[[int, int, int, bool], None] | None = (
@@ -123,36 +99,6 @@ def load_word(address: int) -> int:
     except VmError as exc:
         raise ShmError(f"reading the word at {address:#x} failed: {exc}") from exc
     return int(word.value)
-
-
-def address_view(address: int, nbytes: int) -> np.ndarray[Any, Any]:
-    """A uint8 array over `nbytes` of this process's memory at `address` (memory the user registered).
-
-    The caller guarantees the range is mapped where it is touched: only the planned runs are.
-    """
-    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(address))
-
-
-def vm_columns(
-    local_bases: Sequence[int],
-    local_offsets: Sequence[int],
-    remote_bases: Sequence[int],
-    remote_offsets: Sequence[int],
-    lengths: Sequence[int],
-) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """Cross-memory runs as the uint64 columns `_vm` takes: run k of tensor t moves lengths[k] bytes between
-    local_bases[t] + local_offsets[k] and remote_bases[t] + remote_offsets[k] (tensor-major). ValueError
-    when an address would pass 2**64 (a hostile table entry; numpy would wrap silently)."""
-    end = max(lengths)
-    if (
-        max(local_bases) + max(local_offsets) + end >= 1 << 64
-        or max(remote_bases) + max(remote_offsets) + end >= 1 << 64
-    ):
-        raise ValueError("a cross-memory run passes the end of the address space")
-    local = np.asarray(local_bases, dtype=np.uint64)[:, None] + np.asarray(local_offsets, dtype=np.uint64)
-    remote = np.asarray(remote_bases, dtype=np.uint64)[:, None] + np.asarray(remote_offsets, dtype=np.uint64)
-    nbytes = np.broadcast_to(np.asarray(lengths, dtype=np.uint64), local.shape)
-    return local.ravel(), remote.ravel(), nbytes.ravel()
 
 
 def _kernel_can_copy(src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> bool:
@@ -216,7 +162,7 @@ class PreparedCopy:
         dst: Segment,
         strided: StridedCopy | None,
         runs: list[Run] | None,
-        columns: tuple[_Column, _Column, _Column] | None,
+        columns: tuple[Column, Column, Column] | None,
         streaming: bool,
     ) -> None:
         self._copier = copier
@@ -235,7 +181,7 @@ class PreparedCopy:
             return None
         return src.array, dst.array
 
-    def kernel_runs(self) -> tuple[int, int, _Column, _Column, _Column, bool] | None:
+    def kernel_runs(self) -> tuple[int, int, Column, Column, Column, bool] | None:
         """The C kernel's arguments for this copy (both bases, the three columns, streaming), when the
         kernel copies it in one call on this thread; valid while the caller holds `arrays()`."""
         if _copy_runs is None:
@@ -576,7 +522,7 @@ class Copier:
 
     def _c_copy(
         self,
-        copy_runs: _CopyRuns,
+        copy_runs: CopyRuns,
         src_address: int,
         dst_address: int,
         src_offsets: np.ndarray[Any, Any],

@@ -25,8 +25,9 @@ from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.names import parse_segment_name
 from llm_datadist._shm.segment import Segment
 
-from ._copy import Copier, PreparedCopy, address_view, vm_columns
+from ._copy import Copier, PreparedCopy
 from ._errors import PeerGone, StatusError
+from ._native import address_view, vm_columns
 from ._owner.records import CacheRecord
 from ._source import Location
 from ._vm import FEW_RUNS, PreparedRuns, VmBadAddress, VmError, VmNotPermitted, VmProcessGone, VmRun

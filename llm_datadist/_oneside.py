@@ -26,11 +26,12 @@ from llm_datadist._shm.index import CACHE_REMOTE, CACHE_WITHDRAWN, FLAG_CACHES_U
 from llm_datadist._shm.segment import Segment
 
 from ._acquire import Acquirer
-from ._copy import kernel_function, load_word
+from ._copy import load_word
 from ._dataplane import index_not_open, peer_index, raise_index_error
 from ._errors import PeerGone, StatusError
 from ._links import Links, mover_of
 from ._movers import RangeUnmapped, UnitRun, peer_segment
+from ._native import kernel_function
 from ._owner.pins import LocalPins
 from ._owner.records import CacheRecord
 from ._source import RemoteCache, RemoteTable

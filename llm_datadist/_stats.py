@@ -23,7 +23,7 @@ from typing import Any, Final
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.stats import DEFAULT_ROWS, BadStats, StatsReading, StatsSegment, read_stats
 
-from ._copy import kernel_function
+from ._native import kernel_function
 from ._wire.door import REFUSAL_CAUSES
 from .configs import LLMRole
 from .status import LLMStatusCode

@@ -194,11 +194,24 @@ PULLER = {
     "_remote",
     "_local",
     "_pushplan",
+    "_peer_engine",
+    "_fresh",
 }
 # Leaves both sides use: _errors, _keys, _runtime, _unpins (the owed unpins a link's index mapping waits
 # for), status, utils. They import none of the layers above.
 NODE = {"_core", "_comm", "_hixl"}
-LEAVES = {"_errors", "_keys", "_runtime", "_unpins", "_procmaps", "_signals", "status", "utils"}
+LEAVES = {
+    "_errors",
+    "_keys",
+    "_runtime",
+    "_unpins",
+    "_procmaps",
+    "_signals",
+    "_native",
+    "_alarms",
+    "status",
+    "utils",
+}
 FACES = {"v1", "v2"}
 
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_datadist import _copy
+from llm_datadist import _copy, _native
 from llm_datadist._copy import Copier
 from llm_datadist._shm.copyplan import BlockPlan, Run, StridedCopy
 from llm_datadist._shm.errors import InvalidRange
@@ -289,7 +289,7 @@ def test_the_c_kernel_takes_every_copy_between_two_arrays(
 def test_the_environment_variable_turns_the_extension_off() -> None:
     probe = "from llm_datadist import _copy; print(_copy._copy_runs is None)"
     for value, off in (("1", True), ("0", built_kernel is None), ("", built_kernel is None)):
-        env = {**os.environ, _copy.ENV_NO_EXTENSION: value}
+        env = {**os.environ, _native.ENV_NO_EXTENSION: value}
         result = subprocess.run(
             [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=True
         )

@@ -29,7 +29,7 @@ from llm_datadist import (
     LLMStatusCode,
     TransferConfig,
 )
-from llm_datadist._copy import load_copy_kernel
+from llm_datadist._native import load_copy_kernel
 from llm_datadist._shm.segment import Segment
 from llm_datadist._shm.space import format_nbytes
 from llm_datadist.ext import tensor_views
