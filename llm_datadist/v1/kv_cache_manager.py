@@ -98,6 +98,24 @@ def _param_invalid(api: str, context: str) -> NoReturn:
     raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, context)
 
 
+def _select(api: str, core: Core, layers: LayerArgs, record: CacheRecord) -> TensorSelection:
+    if len(core.settings.device_ids) > 1 and (layers.src_range is not None or layers.dst_range is not None):
+        _param_invalid(api, "layer ranges are not supported with several devices in one process")
+    return layers.select(api, record.num_tensors)
+
+
+def _run_pull(
+    api: str, core: Core, transfer: Callable[[_Spec, CacheRecord], None], spec: _Spec, record: CacheRecord
+) -> None:
+    """`transfer` (`Transfers.pull`, `pull_blocks`) of `spec` into `record`, pinned; failures counted."""
+    try:
+        with api_errors(api), core.pins.pinned(record.cache_id) as pinned:
+            transfer(spec, pinned)
+    except LLMException as exc:
+        core.stats.failed(GEN_V1, PULL, exc.status_code)
+        raise
+
+
 class KvCacheManager:
     """The v1 manager, reached through `LLMDataDist.kv_cache_manager`.
 
@@ -290,7 +308,7 @@ class KvCacheManager:
                     and kv_cache._is_valid
                     and core.table.get(kv_cache.cache_id) is record
                 ):
-                    self._run_pull(api, core, core.transfers.pull, spec, record)
+                    _run_pull(api, core, core.transfers.pull, spec, record)
                     return
         core = self._require_core(api)
         self._check_role(api, LLMRole.DECODER)
@@ -310,7 +328,7 @@ class KvCacheManager:
         record = self._record_of(api, core, kv_cache)
         if batch_index >= record.batch_size:
             _param_invalid(api, f"batch_index {batch_index} out of range for batch size {record.batch_size}")
-        selection = self._select(api, core, layers, record)
+        selection = _select(api, core, layers, record)
 
         slot_nbytes = record.slot_nbytes
         dst_base = dst_offset or 0
@@ -339,27 +357,7 @@ class KvCacheManager:
             if len(self._prepared) >= _MAX_PREPARED:
                 self._prepared.clear()
             self._prepared[memo_key] = (core, self._role, spec, record)
-        self._run_pull(api, core, core.transfers.pull, spec, record)
-
-    @staticmethod
-    def _select(api: str, core: Core, layers: LayerArgs, record: CacheRecord) -> TensorSelection:
-        if len(core.settings.device_ids) > 1 and (
-            layers.src_range is not None or layers.dst_range is not None
-        ):
-            _param_invalid(api, "layer ranges are not supported with several devices in one process")
-        return layers.select(api, record.num_tensors)
-
-    @staticmethod
-    def _run_pull(
-        api: str, core: Core, transfer: Callable[[_Spec, CacheRecord], None], spec: _Spec, record: CacheRecord
-    ) -> None:
-        """`transfer` (`Transfers.pull`, `pull_blocks`) of `spec` into `record`, pinned; failures counted."""
-        try:
-            with api_errors(api), core.pins.pinned(record.cache_id) as pinned:
-                transfer(spec, pinned)
-        except LLMException as exc:
-            core.stats.failed(GEN_V1, PULL, exc.status_code)
-            raise
+        _run_pull(api, core, core.transfers.pull, spec, record)
 
     def _not_yet(self, api: str) -> NoReturn:
         self._require_core(api)
@@ -402,7 +400,7 @@ class KvCacheManager:
             _param_invalid(
                 api, f"decoder block {max(decoder_blocks)} >= the cache's {record.batch_size} blocks"
             )
-        selection = self._select(api, core, layers, record)
+        selection = _select(api, core, layers, record)
         spec = BlocksSpec(
             remote_cluster_id=prompt_cache_key.cluster_id,
             model_id=prompt_cache_key.model_id,
@@ -413,7 +411,7 @@ class KvCacheManager:
             src_blocks=tuple(prompt_blocks),
             dst_blocks=tuple(decoder_blocks),
         )
-        self._run_pull(api, core, core.transfers.pull_blocks, spec, record)
+        _run_pull(api, core, core.transfers.pull_blocks, spec, record)
 
     def copy_cache(
         self,
