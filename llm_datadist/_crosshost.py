@@ -58,6 +58,7 @@ class CrossHost:
         self._peer_engines: dict[tuple[str, str], PeerEngine] = {}
         self._closed = False
         self._lock = threading.Lock()
+        self._starting = threading.Lock()  # held while a peer engine starts (`peer_engine`)
         self._tcp_callbacks: dict[str, int] = {}  # our ip -> the port we serve TCP callbacks on
         # Serves TCP at (ip, port 0: any) and returns the port: the server's, once it runs.
         self.listen_tcp: Callable[[str, int], int] | None = None
@@ -229,17 +230,33 @@ class CrossHost:
 
     def peer_engine(self, link: ClientLink) -> PeerEngine:
         """The engine our transfers with `link`'s peer go through (started on first use), `link` noted as
-        one that uses it."""
+        one that uses it. An engine starts outside the table's lock (Mooncake takes milliseconds, the
+        first time in a process a second): transfers to other peers go on meanwhile."""
         key = (link.local_ip, link.peer.engine)
         with self._lock:
-            if self._closed:
-                raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "this instance is finalizing")
+            self._check_open()
             engine = self._peer_engines.get(key)
-            if engine is None or engine.retired:
-                engine = PeerEngine(link.local_ip, link.peer.engine, self._idle)
-                self._peer_engines[key] = engine
-            engine.links.add(link)
-            return engine
+            if engine is not None and not engine.retired:
+                engine.links.add(link)
+                return engine
+        with self._starting:  # one start at a time, and a second caller for the same peer waits for it
+            with self._lock:
+                self._check_open()
+                engine = self._peer_engines.get(key)
+                if engine is not None and not engine.retired:
+                    engine.links.add(link)
+                    return engine
+            started = PeerEngine(link.local_ip, link.peer.engine, self._idle, link)
+            with self._lock:
+                if self._closed:
+                    started.retire()
+                    self._check_open()
+                self._peer_engines[key] = started
+                return started
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StatusError(LLMStatusCode.LLM_LINK_FAILED, "this instance is finalizing")
 
     def _idle(self, engine: PeerEngine) -> None:
         """`engine`'s worker is idle: retire it when no live link uses it (its peer is gone, or we are not

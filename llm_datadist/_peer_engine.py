@@ -146,15 +146,19 @@ ORPHANS = Orphans()
 
 class PeerEngine:
     """Our engine for the transfers to one peer incarnation's engine at `peer` ("ip:port"), started on
-    `local_ip`, with its worker thread. `links` are the links that use it (weakly held); `on_idle(self)`
-    is asked when the worker has been idle for a while, and retires the engine when none is live."""
+    `local_ip`, with its worker thread. `links` are the links that use it (weakly held), `first_link` the
+    one it is started for; `on_idle(self)` is asked when the worker has been idle for a while, and retires
+    the engine when none is live."""
 
-    def __init__(self, local_ip: str, peer: str, on_idle: Callable[[PeerEngine], None]) -> None:
+    def __init__(
+        self, local_ip: str, peer: str, on_idle: Callable[[PeerEngine], None], first_link: Any
+    ) -> None:
         self._engine: Any
         self._engine, self.address, self.protocol, self._quick_from = start_engine(local_ip, quick_end=True)
         self.local_ip = local_ip
         self.peer = peer
-        self.links: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Noted before the worker starts: its first idle check must see the link it was started for.
+        self.links: weakref.WeakSet[Any] = weakref.WeakSet([first_link])
         self._on_idle = on_idle
         self._cond = threading.Condition()
         self._queue: deque[tuple[_Ticket, Callable[[], None]]] = deque()
