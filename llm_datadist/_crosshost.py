@@ -233,19 +233,13 @@ class CrossHost:
         one that uses it. An engine starts outside the table's lock (Mooncake takes milliseconds, the
         first time in a process a second): transfers to other peers go on meanwhile."""
         key = (link.local_ip, link.peer.engine)
-        with self._lock:
-            self._check_open()
-            engine = self._peer_engines.get(key)
-            if engine is not None and not engine.retired:
-                engine.links.add(link)
-                return engine
+        engine = self._serving_engine(key, link)
+        if engine is not None:
+            return engine
         with self._starting:  # one start at a time, and a second caller for the same peer waits for it
-            with self._lock:
-                self._check_open()
-                engine = self._peer_engines.get(key)
-                if engine is not None and not engine.retired:
-                    engine.links.add(link)
-                    return engine
+            engine = self._serving_engine(key, link)
+            if engine is not None:
+                return engine
             started = PeerEngine(link.local_ip, link.peer.engine, self._idle, link)
             with self._lock:
                 if self._closed:
@@ -253,6 +247,17 @@ class CrossHost:
                     self._check_open()
                 self._peer_engines[key] = started
                 return started
+
+    def _serving_engine(self, key: tuple[str, str], link: ClientLink) -> PeerEngine | None:
+        """The engine at `key` that still takes transfers, `link` noted as one that uses it; None when
+        there is none."""
+        with self._lock:
+            self._check_open()
+            engine = self._peer_engines.get(key)
+            if engine is None or engine.retired:
+                return None
+            engine.links.add(link)
+            return engine
 
     def _check_open(self) -> None:
         if self._closed:
