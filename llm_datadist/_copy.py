@@ -264,6 +264,16 @@ class Copier:
 
         self._in_parts(len(parts), len(parts), work)
 
+    def copy_addresses(self, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], nbytes: int) -> bool:
+        """`nbytes` from each address of uint64 column `src` to the same row of `dst` (addresses the caller
+        checked and keeps mapped), through the C kernel, cut over the copy threads when large; False when
+        there is no kernel (nothing done)."""
+        if _copy_runs is None:
+            return False
+        lengths = np.full(src.size, nbytes, np.uint64)
+        self._c_copy(_copy_runs, 0, 0, src, dst, lengths, "a fresh pull")
+        return True
+
     # Every copy between two mappings goes through the C kernel or through process_vm_readv on this very
     # process: either turns memory vanishing under a mapping (a peer's segment, or ours, truncated by
     # another process) into an error for that copy, where numpy would die of SIGBUS. Only arrays that

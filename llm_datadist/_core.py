@@ -133,7 +133,7 @@ class Core(NodeHooks):
             on_linked=self.stats.linked,
         )
         self.acquirer = Acquirer(settings.cluster_id, self.incarnation, settings.timeout_code)
-        self.transfers = Transfers(self.links, self.acquirer, timeout_s, self.stats)
+        self.transfers = Transfers(self.links, self.acquirer, timeout_s, self.copier, self.stats)
         self.oneside = OneSided(self.links, self.acquirer, self.transfers, self.pins, timeout_s, self.stats)
         self.public_path: Path | None = None
         try:

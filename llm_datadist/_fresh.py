@@ -1,15 +1,19 @@
-"""A small pull of a key as real clients make it (a new key object each request, pulled once, consumed) in
-one call of the C kernel: look the key up in the peer's index, check it as the full way's pin would, copy
-and consume, all in one hold of the index lock with the GIL released (`index_pull_key` in
-shm/_copykernel.c). Nothing is written to our row: nothing the owner does can come between the lookup and
-the copy, which is at most `MAX_NBYTES`.
+"""A pull of a key as real clients make it (a new key object each request, pulled once, consumed) through
+the C kernel, with no Python per tensor: look the key up in the peer's index, check it as the full way's
+pin would, copy and consume (`index_pull_key` in shm/_copykernel.c, the GIL released). A pull of at most
+`MAX_NBYTES` is all one hold of the index lock, with nothing written to our row: nothing the owner does can
+come between the lookup and the copy. A larger one is pinned through our row as the full way pins (the key
+reserved, the cache and the key named), copied by the copy threads with the lock free, and unpinned
+(`index_unpin_key`), crediting what it pulled.
 
 Rules: what it does not handle (no kernel, fault injection armed, a lease pull, registered memory, a
-segment not mapped here yet, more than `MAX_NBYTES`, a key partly reserved by another pull, anything
-refused or odd) comes back STALE with nothing done, and the caller takes the full way, which raises what it
-calls for and maps what it needs. A pull of the full way out of a segment makes that segment the one the
-next fresh pulls of the link read (`remember`). The only memo is the destination's addresses by value:
-the cache, its tensor range.
+segment not mapped here yet, a key partly reserved by another pull, anything refused or odd) comes back
+STALE with nothing done, and the caller takes the full way, which raises what it calls for and maps what it
+needs. Once pinned, it is the full way's pin: a copy that fails gives back what it reserved, and an unpin
+that cannot be done at once is the full way's (`_dataplane.unpin`: it waits, or fails the transfer and
+says why). A pull of the full way out of a segment makes that segment the one the next fresh pulls of the
+link read (`remember`). The only memo is the destination's addresses by value: the cache, its tensor
+range.
 """
 
 from __future__ import annotations
@@ -19,18 +23,22 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
+
 from llm_datadist._shm import repin as _repin
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.index import _LOCK_RETRY_MAX_S, _LOCK_RETRY_MIN_S, Index, count_lock_wait
 from llm_datadist._shm.segment import Segment
 
 from . import _faults
+from ._copy import Copier
+from ._dataplane import unpin
 from ._keys import KEY_PREFIX, KEY_REQ
 from ._owner.records import CacheRecord
 from ._source import SourceRef
 from ._wire.client import ClientLink
 
-DONE, BUSY, STALE, FAULTED = 0, 1, 2, 3
+DONE, BUSY, STALE, FAULTED, PINNED = 0, 1, 2, 3, 4
 MAX_NBYTES = 64 << 10  # the kernel's HOLD_MAX_NBYTES: copies this small are made under the index lock
 _CHECK_BUSY, _WHOLE = 1, 2
 # row offset, ticket, caches, names and buckets offsets, key id, model id, source offset, bytes per tensor,
@@ -57,10 +65,50 @@ class _Source:
     segment_nbytes: int
 
 
+def pack_plan(
+    row_offset: int,
+    ticket: int,
+    regions: tuple[int, int, int, int, int, int],
+    segment: tuple[bytes, int, int],
+    ref: SourceRef,
+    dst_offset: int,
+    check_busy: bool,
+) -> bytes:
+    """The kernel's plan: our row (its offset in the index, our ticket), the index's `regions`
+    (`Index.regions`), the peer's segment we mapped (its name, where it is mapped here, its size), the
+    request."""
+    caches_offset, caches, names_offset, names, buckets_offset, buckets = regions
+    segment_name, segment_address, segment_nbytes = segment
+    return _PLAN.pack(
+        row_offset,
+        ticket,
+        caches_offset,
+        names_offset,
+        buckets_offset,
+        ref.key_id,
+        ref.model_id,
+        ref.src_offset,
+        ref.nbytes,
+        dst_offset,
+        segment_address,
+        segment_nbytes,
+        caches,
+        names,
+        buckets,
+        ref.key_kind,
+        int(ref.consume and not ref.for_write),
+        (_CHECK_BUSY if check_busy else 0) | (_WHOLE if ref.whole else 0),
+        ref.tensor_start,
+        ref.tensor_count,
+        segment_name,
+    )
+
+
 class FreshPulls:
     """The fresh small pulls of one instance."""
 
-    def __init__(self) -> None:
+    def __init__(self, copier: Copier) -> None:
+        self._copier = copier
         self._sources: weakref.WeakKeyDictionary[ClientLink, _Source] = weakref.WeakKeyDictionary()
         self._dst: dict[tuple[int, int, int, int], bytes] = {}
         self.done = 0  # pulls made here
@@ -109,12 +157,7 @@ class FreshPulls:
             return STALE
         source = self._sources.get(link)
         count, nbytes = ref.tensor_count, ref.nbytes
-        if (
-            source is None
-            or source.index() is not link.index
-            or dst.block is None
-            or not 0 < count * nbytes <= MAX_NBYTES
-        ):
+        if source is None or source.index() is not link.index or dst.block is None or not count * nbytes:
             return STALE
         segment = source.segment()
         if segment is None:
@@ -128,35 +171,21 @@ class FreshPulls:
         del segment
         link.check_usable()
         link.check_peer_alive()
-        caches_offset, caches, names_offset, names, buckets_offset, buckets = source.regions
-        plan = _PLAN.pack(
+        plan = pack_plan(
             source.row_offset,
             source.ticket,
-            caches_offset,
-            names_offset,
-            buckets_offset,
-            ref.key_id,
-            ref.model_id,
-            ref.src_offset,
-            nbytes,
+            source.regions,
+            (source.segment_name, source.segment_address, source.segment_nbytes),
+            ref,
             dst_offset,
-            source.segment_address,
-            source.segment_nbytes,
-            caches,
-            names,
-            buckets,
-            ref.key_kind,
-            int(ref.consume and not ref.for_write),
-            (_CHECK_BUSY if check_busy else 0) | (_WHOLE if ref.whole else 0),
-            ref.tensor_start,
-            count,
-            source.segment_name,
+            check_busy,
         )
         addrs = self._addresses(dst, dst_tensor_start, count)
         index = link.index
         assert index is not None  # it is the remembered one (above)
         fd, mapping = index.handle
-        outcome = kernel.index_pull_key(mapping, fd, plan, addrs, False)
+        sources = bytearray(8 * count) if count * nbytes > MAX_NBYTES else None
+        outcome = kernel.index_pull_key(mapping, fd, plan, addrs, False, sources)
         pause = _LOCK_RETRY_MIN_S
         if outcome == BUSY:
             count_lock_wait()
@@ -164,7 +193,11 @@ class FreshPulls:
             # Held for microseconds (the owner, another puller): wait as the full way's lock would.
             time.sleep(pause)
             pause = min(pause * 2, _LOCK_RETRY_MAX_S)
-            outcome = kernel.index_pull_key(mapping, fd, plan, addrs, False)
+            outcome = kernel.index_pull_key(mapping, fd, plan, addrs, False, sources)
+        if outcome == PINNED:
+            assert sources is not None
+            self._copy_pinned(link, index, plan, sources, addrs, dst_offset, nbytes)
+            outcome = DONE
         del src_array, dst_array
         if outcome == FAULTED:
             raise ShmError("a fresh pull met a page that vanished under a mapping: nothing was consumed")
@@ -172,6 +205,34 @@ class FreshPulls:
             return STALE
         self.done += 1
         return DONE
+
+    def _copy_pinned(
+        self,
+        link: ClientLink,
+        index: Index,
+        plan: bytes,
+        sources: bytearray,
+        addrs: bytes,
+        dst_offset: int,
+        nbytes: int,
+    ) -> None:
+        """Copy what the kernel pinned (each tensor's source address in `sources`), then unpin."""
+        kernel = _repin.kernel
+        assert kernel is not None
+        src = np.frombuffer(sources, dtype=np.uint64)
+        dst = np.frombuffer(addrs, dtype=np.uint64) + np.uint64(dst_offset)
+        try:
+            if not self._copier.copy_addresses(src, dst, nbytes):
+                raise ShmError("a fresh pull pinned a key with no copy kernel")
+        except BaseException:
+            unpin(link, index, ok=False)  # what it reserved goes back: the key can be pulled again
+            raise
+        try:
+            unpinned = kernel.index_unpin_key(index.handle[1], index.handle[0], plan)
+        except OSError:
+            unpinned = BUSY
+        if unpinned != DONE:
+            unpin(link, index, ok=True)  # waits for a busy lock, or fails the transfer and says why
 
     def _addresses(self, dst: CacheRecord, start: int, count: int) -> bytes:
         """The addresses of `dst`'s tensors [start, start + count), packed (a memo by value: the cache's

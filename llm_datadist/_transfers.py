@@ -26,7 +26,7 @@ from llm_datadist._shm.repin import RepinPlan
 
 from . import _faults
 from ._acquire import Acquirer, WriteLease
-from ._copy import PreparedCopy
+from ._copy import Copier, PreparedCopy
 from ._dataplane import repin, unpin, unpin_again
 from ._errors import StatusError
 from ._fresh import DONE as FRESH_DONE
@@ -132,7 +132,12 @@ class Transfers:
     """The pinning transfers of one initialised instance."""
 
     def __init__(
-        self, links: Links, acquirer: Acquirer, timeout_s: float, stats: Stats | None = None
+        self,
+        links: Links,
+        acquirer: Acquirer,
+        timeout_s: float,
+        copier: Copier,
+        stats: Stats | None = None,
     ) -> None:
         self._links = links
         self._acquirer = acquirer
@@ -145,7 +150,7 @@ class Transfers:
         # At most _MAX_REPEATS: a connector repeats a few.
         self._repeats: dict[int, Repeat] = {}
         self.repeated = 0  # pulls that ran as a Repeat
-        self.fresh = FreshPulls()
+        self.fresh = FreshPulls(copier)
 
     def pull(self, spec: PullSpec, dst: CacheRecord) -> None:
         """Pin the source in the owner's published index (or, for what it could not publish, ask it), copy

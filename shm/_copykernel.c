@@ -761,10 +761,10 @@ done:
  * owner does can come between the lookup and the copy). Anything it does not handle, or finds changed, odd
  * or refused, is FRESH_STALE with nothing done: the caller takes the full way, which raises what it calls
  * for. shm/index.py has the layout; the checks are those of the full way's pin (`_dataplane._pin_locked`). */
-enum { FRESH_DONE = 0, FRESH_BUSY = 1, FRESH_STALE = 2, FRESH_FAULTED = 3 };
+enum { FRESH_DONE = 0, FRESH_BUSY = 1, FRESH_STALE = 2, FRESH_FAULTED = 3, FRESH_PINNED = 4 };
 enum { FRESH_CHECK_BUSY = 1, FRESH_WHOLE = 2 }; /* plan flags: v1's busy rule; the source must have exactly the tensors */
 enum { NAME_NBYTES = 192, NAME_MASK_OFFSET = 64, NAME_PULLED_OFFSET = 128, NAME_CONSUMED = 2 };
-enum { KIND_REQ = 1, CACHE_REGISTERED = 8, SEGMENT_NAME_OFFSET = 64, SEGMENT_NAME_NBYTES = 64 };
+enum { KIND_REQ = 1, CACHE_REGISTERED = 8, SEGMENT_NAME_OFFSET = 64, SEGMENT_NAME_NBYTES = 64, ROW_RANGE_OFFSET = 40 };
 #define MASK_TENSORS 512u
 
 /* llm_datadist/_fresh.py's _PLAN, "<12Q8I64s": what the caller asks and where things lie, packed. */
@@ -782,6 +782,7 @@ struct fresh_call {
     const struct fresh_plan *plan;
     const uint64_t *dst_addrs;
     int nontemporal;
+    uint64_t *src_out; /* a pin instead of a copy: each tensor's source address goes here */
 };
 
 static uint64_t key_hash(uint64_t kind, uint64_t key_id, uint64_t model_id)
@@ -871,6 +872,32 @@ static int fresh_locked(void *arg)
     if (consume && (start + want > MASK_TENSORS || !mask_has(name + NAME_MASK_OFFSET, start, want)))
         return FRESH_STALE; /* some of it is reserved or pulled by another pull: the full way credits */
     const char *src = (const char *)(uintptr_t)plan->seg_base + base + batch_slot * slot_nbytes + plan->src_offset;
+    if (call->src_out != NULL) {
+        /* The full way's pin (`_dataplane._pin_locked`): reserve what we pull of the key, name the key and
+         * the cache in our row (the owner frees neither while it does), and leave the copy to the caller. */
+        uint64_t name_number = consume ? (name_offset - plan->names_offset) / NAME_NBYTES + 1 : 0;
+        char *pin = index + plan->row_offset;
+        memset(pin + ROW_MASK_OFFSET, 0, MASK_NBYTES);
+        if (consume) {
+            for (uint32_t t = start; t < start + want; t++) {
+                name[NAME_MASK_OFFSET + t / 8] &= (char)~(1u << (t % 8));
+                pin[ROW_MASK_OFFSET + t / 8] |= (char)(1u << (t % 8));
+            }
+            if (mask_empty(name + NAME_MASK_OFFSET)) {
+                put_u32(name, NAME_CONSUMED);
+                put_u64(index + EPOCH_OFFSET, get_u64(index + EPOCH_OFFSET) + 1);
+            }
+        }
+        put_u32(pin + 8, 1);
+        put_u32(pin + 12, cache_slot);
+        put_u64(pin + 16, generation);
+        put_u32(pin + 24, (uint32_t)name_number);
+        put_u32(pin + ROW_RANGE_OFFSET, start);
+        put_u32(pin + ROW_RANGE_OFFSET + 4, want);
+        for (uint32_t i = 0; i < want; i++)
+            call->src_out[i] = (uint64_t)(uintptr_t)(src + (uint64_t)(start + i) * pitch);
+        return FRESH_PINNED;
+    }
     for (uint32_t i = 0; i < want; i++) {
         char *dst = (char *)(uintptr_t)(call->dst_addrs[i] + plan->dst_offset);
         const char *from = src + (uint64_t)(start + i) * pitch;
@@ -895,25 +922,29 @@ static int fresh_locked(void *arg)
 }
 
 PyDoc_STRVAR(index_pull_key_doc,
-"index_pull_key(mapping, fd, plan, dst_addrs, nontemporal)\n--\n\n"
+"index_pull_key(mapping, fd, plan, dst_addrs, nontemporal, src_out=None)\n--\n\n"
 "A pull of a key looked up afresh, in one hold of the index lock (GIL released): 0 done, 1 the lock is\n"
 "busy, 2 stale (not handled here: nothing done), 3 faulted (memory vanished mid-copy: the key is left\n"
-"as it was). plan: llm_datadist._fresh's plan; dst_addrs: one native uint64 address per tensor.");
+"as it was). plan: llm_datadist._fresh's plan; dst_addrs: one native uint64 address per tensor, at most\n"
+"64 KiB in all. With src_out (a writable buffer of one uint64 per tensor), any size: the key is pinned\n"
+"through the row instead of copied, each tensor's source address written to src_out, and 4 returned\n"
+"(the caller copies, then index_unpin_key).");
 
 static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "index_pull_key takes 5 arguments");
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "index_pull_key takes 5 or 6 arguments");
         return NULL;
     }
+    int pin = nargs == 6 && args[5] != Py_None;
     long fd = PyLong_AsLong(args[1]);
     if (fd == -1 && PyErr_Occurred())
         return NULL;
     int nontemporal = PyObject_IsTrue(args[4]);
     if (nontemporal < 0)
         return NULL;
-    Py_buffer plan_view, addrs_view, view;
+    Py_buffer plan_view, addrs_view, out_view = {0}, view;
     if (PyObject_GetBuffer(args[2], &plan_view, PyBUF_SIMPLE) < 0)
         return NULL;
     struct fresh_plan plan;
@@ -927,9 +958,14 @@ static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssiz
     if (PyObject_GetBuffer(args[3], &addrs_view, PyBUF_SIMPLE) < 0)
         return NULL;
     PyObject *result = NULL;
+    if (pin && PyObject_GetBuffer(args[5], &out_view, PyBUF_WRITABLE) < 0)
+        goto release_addrs;
     if (addrs_view.len != (Py_ssize_t)(8 * (uint64_t)plan.tensor_count) ||
-        plan.nbytes * plan.tensor_count > HOLD_MAX_NBYTES || plan.buckets_cap == 0) {
-        PyErr_SetString(PyExc_ValueError, "a fresh pull names one address per tensor, at most 64 KiB in all");
+        (pin && out_view.len != addrs_view.len) || plan.buckets_cap == 0 ||
+        (!pin && (plan.tensor_count > HOLD_MAX_NBYTES || plan.nbytes * plan.tensor_count > HOLD_MAX_NBYTES))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "a fresh pull names one address per tensor (and one source slot when it pins), at most "
+                        "64 KiB in all unless it pins");
         goto release_addrs;
     }
     /* Every region the plan names must lie in the mapping (the entries read inside are bounded by the caps). */
@@ -939,7 +975,8 @@ static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssiz
         end = plan.buckets_offset + 4 * (uint64_t)plan.buckets_cap;
     if (get_index(args[0], &view, end) < 0)
         goto release_addrs;
-    struct fresh_call call = {view.buf, (uint64_t)view.len, &plan, addrs_view.buf, nontemporal};
+    struct fresh_call call = {view.buf, (uint64_t)view.len, &plan, addrs_view.buf, nontemporal,
+                              pin ? out_view.buf : NULL};
     int outcome, error = 0;
     Py_BEGIN_ALLOW_THREADS
     outcome = lock_index((int)fd, F_WRLCK);
@@ -962,8 +999,92 @@ static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssiz
         result = PyLong_FromLong(outcome);
     }
 release_addrs:
+    if (pin && out_view.obj != NULL)
+        PyBuffer_Release(&out_view);
     PyBuffer_Release(&addrs_view);
     return result;
+}
+
+/* Under the lock and the fault guard: end the pin index_pull_key took through the row, after a copy that
+ * went well (`_dataplane._unpin_locked` with ok): what it pulled is credited to the key it names, whoever
+ * reserved it. Anything unexpected is FRESH_STALE with nothing done: the caller's full unpin says why. */
+static int fresh_unpin_locked(void *arg)
+{
+    const struct fresh_call *call = arg;
+    const struct fresh_plan *plan = call->plan;
+    char *index = call->index, *row = index + plan->row_offset;
+    if (get_u64(row) != plan->ticket || get_u32(row + 8) == 0)
+        return FRESH_STALE;
+    uint32_t cache_slot = get_u32(row + 12), name_number = get_u32(row + 24);
+    uint32_t start = get_u32(row + ROW_RANGE_OFFSET), want = get_u32(row + ROW_RANGE_OFFSET + 4);
+    uint64_t generation = get_u64(row + 16);
+    if (cache_slot >= plan->caches_cap || name_number > plan->names_cap ||
+        (name_number && (start > MASK_TENSORS || want > MASK_TENSORS - start)))
+        return FRESH_STALE;
+    if (name_number) {
+        char *name = index + plan->names_offset + (uint64_t)(name_number - 1) * NAME_NBYTES;
+        uint32_t state = get_u32(name);
+        if ((state == NAME_LIVE || state == NAME_CONSUMED) && get_u32(name + 4) == KIND_REQ &&
+            get_u32(name + 24) == cache_slot && get_u64(name + 32) == generation &&
+            !mask_has(name + NAME_PULLED_OFFSET, start, want)) {
+            for (uint32_t t = start; t < start + want; t++) {
+                name[NAME_MASK_OFFSET + t / 8] &= (char)~(1u << (t % 8));
+                name[NAME_PULLED_OFFSET + t / 8] |= (char)(1u << (t % 8));
+            }
+            put_u32(name, mask_empty(name + NAME_MASK_OFFSET) ? NAME_CONSUMED : NAME_LIVE);
+        }
+    }
+    const char *cache = index + plan->caches_offset + (uint64_t)cache_slot * ENTRY_NBYTES;
+    if (name_number || (get_u32(cache + CACHE_FLAGS_OFFSET) & CACHE_PENDING))
+        put_u64(index + EPOCH_OFFSET, get_u64(index + EPOCH_OFFSET) + 1);
+    memset(row + 8, 0, 20); /* state, cache slot, generation, name + 1 */
+    return FRESH_DONE;
+}
+
+PyDoc_STRVAR(index_unpin_key_doc,
+"index_unpin_key(mapping, fd, plan)\n--\n\n"
+"End the pin index_pull_key took with src_out, after a copy that went well (GIL released): 0 done, 1 the\n"
+"lock is busy, 2 stale (the row is not as the pin left it: nothing done; the caller's full unpin says\n"
+"why). plan: the same plan.");
+
+static PyObject *index_unpin_key(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *mapping;
+    int fd;
+    Py_buffer plan_view, view;
+    if (!PyArg_ParseTuple(args, "Oiy*:index_unpin_key", &mapping, &fd, &plan_view))
+        return NULL;
+    struct fresh_plan plan;
+    int ok = plan_view.len == (Py_ssize_t)sizeof plan;
+    if (ok)
+        memcpy(&plan, plan_view.buf, sizeof plan);
+    PyBuffer_Release(&plan_view);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "a fresh plan is 192 bytes");
+        return NULL;
+    }
+    uint64_t end = max3(plan.row_offset + ENTRY_NBYTES, plan.caches_offset + (uint64_t)plan.caches_cap * ENTRY_NBYTES,
+                        plan.names_offset + (uint64_t)plan.names_cap * NAME_NBYTES);
+    if (get_index(mapping, &view, end) < 0)
+        return NULL;
+    struct fresh_call call = {view.buf, (uint64_t)view.len, &plan, NULL, 0, NULL};
+    int outcome, error = 0;
+    Py_BEGIN_ALLOW_THREADS
+    outcome = lock_index(fd, F_WRLCK);
+    if (outcome == 0) {
+        outcome = guarded(fresh_unpin_locked, &call, FRESH_STALE);
+        if (lock_index(fd, F_UNLCK) < 0)
+            outcome = -1;
+    }
+    error = errno;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (outcome < 0) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromLong(outcome);
 }
 #endif
 
@@ -1018,6 +1139,7 @@ static PyMethodDef methods[] = {
     {"index_unpin", index_unpin, METH_VARARGS, index_unpin_doc},
     {"index_pull", index_pull, METH_VARARGS, index_pull_doc},
     {"index_pull_key", (PyCFunction)(void (*)(void))index_pull_key, METH_FASTCALL, index_pull_key_doc},
+    {"index_unpin_key", index_unpin_key, METH_VARARGS, index_unpin_key_doc},
     {"vm_read_checked", vm_read_checked, METH_VARARGS, vm_read_checked_doc},
 #endif
     {NULL, NULL, 0, NULL},

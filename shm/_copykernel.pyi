@@ -42,8 +42,15 @@ def index_pull(
     /,
 ) -> tuple[int, bool, int]: ...
 def index_pull_key(
-    mapping: mmap.mmap, fd: int, plan: bytes, dst_addrs: bytes, nontemporal: bool, /
+    mapping: mmap.mmap,
+    fd: int,
+    plan: bytes,
+    dst_addrs: bytes,
+    nontemporal: bool,
+    src_out: bytearray | None = None,
+    /,
 ) -> int: ...
+def index_unpin_key(mapping: mmap.mmap, fd: int, plan: bytes, /) -> int: ...
 def vm_read_checked(
     fd: int,
     pid: int,

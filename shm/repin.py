@@ -106,12 +106,14 @@ class RepinPlan(NamedTuple):
 
 class Kernel(NamedTuple):
     """The C kernel's twins of `repin` and `unpin`, and `index_pull`: repin, copy the caller's runs and
-    unpin, all in one call without the GIL (see shm/_copykernel.c)."""
+    unpin, all in one call without the GIL; `index_pull_key` and `index_unpin_key`: a pull of a key looked
+    up afresh (`llm_datadist._fresh`). See shm/_copykernel.c."""
 
     index_repin: Callable[[mmap.mmap, int, bytes], int]
     index_unpin: Callable[[mmap.mmap, int, int, int, int], int]
     index_pull: Callable[..., tuple[int, bool, int]]
-    index_pull_key: Callable[[mmap.mmap, int, bytes, bytes, bool], int]
+    index_pull_key: Callable[[mmap.mmap, int, bytes, bytes, bool, bytearray | None], int]
+    index_unpin_key: Callable[[mmap.mmap, int, bytes], int]
 
 
 def _load_kernel() -> Kernel | None:
@@ -119,10 +121,10 @@ def _load_kernel() -> Kernel | None:
     if os.environ.get("LLM_DATADIST_NO_EXTENSION", "") not in ("", "0"):
         return None
     try:
-        from ._copykernel import index_pull, index_pull_key, index_repin, index_unpin
+        from ._copykernel import index_pull, index_pull_key, index_repin, index_unpin, index_unpin_key
     except ImportError:
         return None
-    return Kernel(index_repin, index_unpin, index_pull, index_pull_key)
+    return Kernel(index_repin, index_unpin, index_pull, index_pull_key, index_unpin_key)
 
 
 # Module-level so that tests can swap it (None: the Python twins).

@@ -26,6 +26,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from llm_datadist._dataplane import pin, repin, unpin, unpin_again
 from llm_datadist._errors import StatusError
+from llm_datadist._fresh import DONE as FRESH_DONE
+from llm_datadist._fresh import PINNED as FRESH_PINNED
+from llm_datadist._fresh import STALE as FRESH_STALE
+from llm_datadist._fresh import pack_plan
 from llm_datadist._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
 from llm_datadist._owner.leases import Leases
 from llm_datadist._owner.rows import Holder
@@ -33,6 +37,7 @@ from llm_datadist._owner.table import CacheTable
 from llm_datadist._shm.index import Index
 from llm_datadist._shm.pool import Pool
 from llm_datadist._shm.repin import DONE, RepinPlan
+from llm_datadist._shm.repin import kernel as _repin_kernel
 from llm_datadist._source import V2, SourceRef
 from llm_datadist._wire.peer import PeerInfo
 from llm_datadist.status import LLMStatusCode
@@ -507,3 +512,108 @@ RepeatMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_repeated_pulls = RepeatMachine.TestCase
+
+
+class FreshMachine(IndexMachine):
+    """The same machine with pulls of keys looked up afresh by the C kernel (`_fresh`): one hold of the
+    index lock that checks, copies and consumes, or a pin through the row like the full way's, ended by
+    the kernel's unpin. Each takes what the full way would, or nothing (then the caller pins the full way),
+    and what it consumes follows the same rules: the model's checks hold over every path mixed."""
+
+    @precondition(lambda self: self.stalled is None and _repin_kernel is not None)
+    @rule(
+        p=st.integers(0, 1),
+        pick=st.integers(0, 2**16),
+        layer=st.sampled_from([None, 0, 1]),
+        consume=st.booleans(),
+        hold=st.booleans(),
+    )
+    def fresh_pull(self, p: int, pick: int, layer: int | None, consume: bool, hold: bool) -> None:
+        puller = self.pullers[p]
+        if puller.pinned is not None or puller.dropped:
+            return
+        tensors = (0, NUM_TENSORS) if layer is None else (layer, 1)
+        bound = sorted(self.keys)
+        # Mostly keys that are bound (most draws of the others are refused before any pin).
+        key = (
+            bound[pick % len(bound)] if bound and pick % 4 else [*KEYS, (KEY_REQ, 77)][pick % (len(KEYS) + 1)]
+        )
+        request = SourceRef(key[0], key[1], 0, 0, *tensors, layer is None, SLOT_NBYTES, 0, consume)
+        wanted = set(range(tensors[0], tensors[0] + tensors[1]))
+        # Found by the kernel as by the full way's pin, unless another pull reserved or pulled some of what
+        # this one would consume (then the full way credits it) or a push into the cluster runs.
+        live = key in self.keys and not (key[0] == KEY_REQ and not self.keys[key][2])
+        consumes = consume and key[0] == KEY_REQ
+        expected = live and not self.pushing and not (consumes and not wanted <= self.keys[key][2])
+        cache_id, slot = self.keys[key][:2] if key in self.keys else (min(self.caches, default=0), 0)
+        record = self.table.get(cache_id)
+        segment = record.pool_block.segment if record is not None else self.table.index  # any other name
+        name = segment.name.encode("ascii")
+        address = record.pool_block.segment.address if record is not None else 0
+        nbytes = record.pool_block.segment.nbytes if record is not None else 0
+        index = puller.index
+        plan = pack_plan(
+            index.row_offset(puller.link.index_row),
+            puller.link.index_ticket,
+            index.regions(),
+            (name, address, nbytes),
+            request,
+            0,
+            True,
+        )
+        dst = np.zeros((tensors[1], SLOT_NBYTES), dtype=np.uint8)
+        addrs = np.array([dst[i].ctypes.data for i in range(tensors[1])], dtype=np.uint64).tobytes()
+        sources = None if hold else bytearray(8 * tensors[1])
+        fd, mapping = index.handle
+        outcome = _repin_kernel.index_pull_key(mapping, fd, plan, addrs, False, sources)
+        if not expected:
+            assert outcome == FRESH_STALE, f"the kernel took {request}, which the full way would not"
+            return
+        assert outcome == (FRESH_DONE if hold else FRESH_PINNED), outcome
+        puller.pinned = (cache_id, slot, tuple(sorted(wanted)))
+        taken = frozenset(wanted) if consumes else frozenset()
+        if consumes:
+            self.keys[key][2].difference_update(wanted)
+            puller.consumed = (key, taken, frozenset(wanted))
+        if hold:  # copied under the lock: the bytes are the slot's, and the pull ended well
+            assert np.all(dst == self.caches[cache_id].fill), "a fresh pull copied other bytes"
+            self._ended(puller, True)
+            return
+        source = np.frombuffer(sources, dtype=np.uint64)
+        for i, t in enumerate(sorted(wanted)):
+            assert int(source[i]) == address + record.tensor_offset(t) + slot * SLOT_NBYTES
+        self.fresh_plans[p] = plan
+
+    @initialize()
+    def keys_bound(self) -> None:
+        self.fresh_plans: dict[int, bytes] = {}
+        self.alloc([(KEY_REQ, 1), (KEY_REQ, 2)])
+
+    @precondition(lambda self: self.stalled is None)
+    @rule(p=st.integers(0, 1), ok=st.booleans())
+    def pull_unpin(self, p: int, ok: bool) -> None:  # type: ignore[override]
+        """A pin the kernel took ends by the kernel's unpin after a copy that went well (or, when it
+        reports anything else, by the full way's), and by the full way's after a failed one."""
+        plan = self.fresh_plans.pop(p, None)
+        puller = self.pullers[p]
+        if plan is None or puller.pinned is None:
+            super().pull_unpin(p, ok)
+            return
+        if ok:
+            fd, mapping = puller.index.handle
+            if _repin_kernel.index_unpin_key(mapping, fd, plan) != FRESH_DONE:
+                assert puller.dropped, "the kernel could not unpin its own pin"
+                unpin(puller.link, puller.index, ok=True)
+        else:
+            unpin(puller.link, puller.index, ok=False)
+        self._ended(puller, ok)
+        if puller.dropped:
+            self.table.sync()
+            puller.index.close()
+            self.pullers[p] = self._connect(p)
+
+
+FreshMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_fresh_pulls = FreshMachine.TestCase

@@ -44,13 +44,19 @@ def _keys(peer: PromptPeer) -> int:
     return int(peer.call("stats")["keys"])
 
 
-def test_new_key_objects_each_pulled_once_are_copied_and_consumed(linked) -> None:  # type: ignore[no-untyped-def]
+# Elements per slot of a tensor: a request of 4 KiB, copied under the index lock, and one of 256 KiB, pinned
+# through our row and copied with the lock free.
+SIZES = pytest.mark.parametrize("elements", [512, 32768], ids=["held", "pinned"])
+
+
+@SIZES
+def test_new_key_objects_each_pulled_once_are_copied_and_consumed(linked, elements: int) -> None:  # type: ignore[no-untyped-def]
     peer, dd = linked
     manager = dd.kv_cache_manager
     requests = 12
-    caches = [peer.alloc(4, [2, 512], [(P, 100 + r), (P, 200 + r)]) for r in range(requests)]
+    caches = [peer.alloc(4, [2, elements], [(P, 100 + r), (P, 200 + r)]) for r in range(requests)]
     assert _keys(peer) == 2 * requests
-    dst = manager.allocate_cache(CacheDesc(4, [1, 512], DataType.DT_FLOAT16))
+    dst = manager.allocate_cache(CacheDesc(4, [1, elements], DataType.DT_FLOAT16))
     for r, cache_id in enumerate(caches):
         for slot, req in ((0, 100 + r), (1, 200 + r)):
             for raw in _raw(dst):
@@ -70,14 +76,15 @@ def test_new_key_objects_each_pulled_once_are_copied_and_consumed(linked) -> Non
     assert _keys(peer) == 0
 
 
-def test_layer_by_layer_with_new_key_objects_consumes_after_the_last_layer(linked) -> None:  # type: ignore[no-untyped-def]
+@SIZES
+def test_layer_by_layer_with_new_key_objects_consumes_after_the_last_layer(linked, elements: int) -> None:  # type: ignore[no-untyped-def]
     peer, dd = linked
     manager = dd.kv_cache_manager
     layers = 4
     peer.alloc(2, [1, 512], [(P, 1)])  # its pull maps the segment the full way
     manager.pull_cache(CacheKey(P, 1), manager.allocate_cache(CacheDesc(2, [1, 512], DataType.DT_FLOAT16)))
-    cache_id = peer.alloc(2 * layers, [1, 512], [(P, 7)])
-    dst = manager.allocate_cache(CacheDesc(2 * layers, [1, 512], DataType.DT_FLOAT16))
+    cache_id = peer.alloc(2 * layers, [1, elements], [(P, 7)])
+    dst = manager.allocate_cache(CacheDesc(2 * layers, [1, elements], DataType.DT_FLOAT16))
     before = _fresh(dd)
     for layer in range(layers):
         key = CacheKey(P, 7)  # a new object each layer, as a connector builds it

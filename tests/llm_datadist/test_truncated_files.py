@@ -126,13 +126,15 @@ def test_a_shrunk_index_fails_a_pull_and_the_owner_grows_it_back(seed: int, port
         del first
 
 
-def test_a_shrunk_pool_segment_fails_the_pull_not_the_puller(seed: int, port: int) -> None:
+# A small pull copies under the index lock; a larger one pins through the row and copies with it free.
+@pytest.mark.parametrize("shape", [SHAPE, [1, 65536]], ids=["held", "pinned"])
+def test_a_shrunk_pool_segment_fails_the_pull_not_the_puller(seed: int, port: int, shape: list[int]) -> None:
     with PromptPeer(P, port, seed) as peer, decoder(D) as dd:
         assert dd.link_clusters([peer.cluster_info()], 5000)[0] == LLMStatusCode.LLM_SUCCESS
         manager = dd.kv_cache_manager
-        local = manager.allocate_cache(CacheDesc(2, SHAPE, DataType.DT_FLOAT16))
-        peer.alloc(2, SHAPE, [(P, 0)])
-        peer.alloc(2, SHAPE, [(P, 1)])
+        local = manager.allocate_cache(CacheDesc(2, shape, DataType.DT_FLOAT16))
+        peer.alloc(2, shape, [(P, 0)])
+        peer.alloc(2, shape, [(P, 1)])
         manager.pull_cache(CacheKey(P, 0), local, 0)  # maps the pool segment
         (pool,) = peer.call("segments")["pools"]
         _truncate(pool, 0)
