@@ -33,7 +33,7 @@ from llm_datadist._shm.segment import Segment
 from . import _faults
 from ._copy import Copier
 from ._dataplane import unpin
-from ._keys import KEY_PREFIX, KEY_REQ
+from ._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
 from ._owner.records import CacheRecord
 from ._source import SourceRef
 from ._wire.client import ClientLink
@@ -43,8 +43,9 @@ MAX_NBYTES = 64 << 10  # the kernel's HOLD_MAX_NBYTES: copies this small are mad
 _CHECK_BUSY, _WHOLE = 1, 2
 # row offset, ticket, caches, names and buckets offsets, key id, model id, source offset, bytes per tensor,
 # destination offset, segment base and size; then the three capacities, kind, consume, flags, first
-# tensor, tensor count; then the segment's name as the index's cache entry holds it.
-_PLAN = struct.Struct("<12Q8I64s")
+# tensor, tensor count, batch index (a pull by cache id), a spare word; then the segment's name as the
+# index's cache entry holds it.
+_PLAN = struct.Struct("<12Q10I64s")
 _MAX_DST = 1024  # destination address lists kept
 
 
@@ -100,6 +101,8 @@ def pack_plan(
         (_CHECK_BUSY if check_busy else 0) | (_WHOLE if ref.whole else 0),
         ref.tensor_start,
         ref.tensor_count,
+        ref.batch_index,
+        0,
         segment_name,
     )
 
@@ -153,7 +156,7 @@ class FreshPulls:
         or STALE (nothing done: take the full way). The caller holds the link exclusively. A lock that
         stays busy until `deadline` is STALE too (the full way waits and says why)."""
         kernel = _repin.kernel
-        if kernel is None or _faults.hook is not None or ref.key_kind not in (KEY_REQ, KEY_PREFIX):
+        if kernel is None or _faults.hook is not None or ref.key_kind not in (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID):
             return STALE
         source = self._sources.get(link)
         count, nbytes = ref.tensor_count, ref.nbytes

@@ -764,17 +764,19 @@ done:
 enum { FRESH_DONE = 0, FRESH_BUSY = 1, FRESH_STALE = 2, FRESH_FAULTED = 3, FRESH_PINNED = 4 };
 enum { FRESH_CHECK_BUSY = 1, FRESH_WHOLE = 2 }; /* plan flags: v1's busy rule; the source must have exactly the tensors */
 enum { NAME_NBYTES = 192, NAME_MASK_OFFSET = 64, NAME_PULLED_OFFSET = 128, NAME_CONSUMED = 2 };
-enum { KIND_REQ = 1, CACHE_REGISTERED = 8, SEGMENT_NAME_OFFSET = 64, SEGMENT_NAME_NBYTES = 64, ROW_RANGE_OFFSET = 40 };
+enum { KIND_REQ = 1, KIND_CACHE = 3, KIND_SLOT = 5, CACHE_BLOCKS = 1, CACHE_REGISTERED = 8, CACHE_KEYS_UNPUBLISHED = 32 };
+enum { SEGMENT_NAME_OFFSET = 64, SEGMENT_NAME_NBYTES = 64, ROW_RANGE_OFFSET = 40 };
 #define MASK_TENSORS 512u
 
-/* llm_datadist/_fresh.py's _PLAN, "<12Q8I64s": what the caller asks and where things lie, packed. */
+/* llm_datadist/_fresh.py's _PLAN, "<12Q10I64s": what the caller asks and where things lie, packed. */
 struct fresh_plan {
     uint64_t row_offset, ticket, caches_offset, names_offset, buckets_offset, key_id, model_id, src_offset,
         nbytes, dst_offset, seg_base, seg_nbytes;
-    uint32_t caches_cap, names_cap, buckets_cap, kind, consume, flags, tensor_start, tensor_count;
+    uint32_t caches_cap, names_cap, buckets_cap, kind, consume, flags, tensor_start, tensor_count, batch_index,
+        spare;
     char seg_name[SEGMENT_NAME_NBYTES];
 };
-_Static_assert(sizeof(struct fresh_plan) == 12 * 8 + 8 * 4 + 64, "the fresh plan is packed");
+_Static_assert(sizeof(struct fresh_plan) == 12 * 8 + 10 * 4 + 64, "the fresh plan is packed");
 
 struct fresh_call {
     char *index;
@@ -795,18 +797,18 @@ static uint64_t key_hash(uint64_t kind, uint64_t key_id, uint64_t model_id)
 }
 
 /* The offset of live name (kind, key_id, model_id), or 0 when there is none or the chain is odd. */
-static uint64_t fresh_lookup(const struct fresh_call *call)
+static uint64_t fresh_lookup(const struct fresh_call *call, uint32_t kind, uint64_t key_id, uint64_t model_id)
 {
     const struct fresh_plan *plan = call->plan;
-    uint64_t buckets = plan->buckets_cap, bucket = key_hash(plan->kind, plan->key_id, plan->model_id) % buckets;
+    uint64_t buckets = plan->buckets_cap, bucket = key_hash(kind, key_id, model_id) % buckets;
     for (uint64_t probe = 0; probe < buckets; probe++) {
         uint32_t stored = get_u32(call->index + plan->buckets_offset + 4 * bucket);
         if (stored == 0 || stored > plan->names_cap)
             return 0;
         uint64_t offset = plan->names_offset + (uint64_t)(stored - 1) * NAME_NBYTES;
         const char *name = call->index + offset;
-        if (get_u32(name) == NAME_LIVE && get_u32(name + 4) == plan->kind && get_u64(name + 8) == plan->key_id &&
-            get_u64(name + 16) == plan->model_id)
+        if (get_u32(name) == NAME_LIVE && get_u32(name + 4) == kind && get_u64(name + 8) == key_id &&
+            get_u64(name + 16) == model_id)
             return offset;
         bucket = (bucket + 1) % buckets;
     }
@@ -842,7 +844,7 @@ static int fresh_locked(void *arg)
     const char *row = index + plan->row_offset;
     if (get_u64(row) != plan->ticket || get_u32(row + 8) != 0)
         return FRESH_STALE;
-    uint64_t name_offset = fresh_lookup(call);
+    uint64_t name_offset = fresh_lookup(call, plan->kind, plan->key_id, plan->model_id);
     if (name_offset == 0)
         return FRESH_STALE;
     char *name = index + name_offset;
@@ -868,23 +870,40 @@ static int fresh_locked(void *arg)
         plan->src_offset > slot_nbytes ||
         plan->nbytes > slot_nbytes - plan->src_offset)
         return FRESH_STALE;
-    int consume = plan->consume && plan->kind == KIND_REQ;
-    if (consume && (start + want > MASK_TENSORS || !mask_has(name + NAME_MASK_OFFSET, start, want)))
+    /* What the pull consumes: a req key itself; by cache id, the req key bound to the slot, if any. */
+    char *consumed = plan->consume && plan->kind == KIND_REQ ? name : NULL;
+    if (plan->kind == KIND_CACHE) {
+        if ((flags & CACHE_BLOCKS) || plan->batch_index >= batch)
+            return FRESH_STALE; /* refused by v1: the full way says why */
+        batch_slot = plan->batch_index;
+        uint64_t alias = fresh_lookup(call, KIND_SLOT, plan->key_id, batch_slot);
+        if (alias != 0 && plan->consume) {
+            uint32_t target = get_u32(index + alias + 40);
+            if (target == 0 || target > plan->names_cap)
+                return FRESH_STALE;
+            char *bound = index + plan->names_offset + (uint64_t)(target - 1) * NAME_NBYTES;
+            if (get_u32(bound + 24) == cache_slot && get_u64(bound + 32) == generation)
+                consumed = bound;
+        } else if (plan->consume && (flags & CACHE_KEYS_UNPUBLISHED)) {
+            return FRESH_STALE; /* the slot's req key may be one the index does not hold: the owner consumes it */
+        }
+    }
+    if (consumed != NULL && (start + want > MASK_TENSORS || !mask_has(consumed + NAME_MASK_OFFSET, start, want)))
         return FRESH_STALE; /* some of it is reserved or pulled by another pull: the full way credits */
     const char *src = (const char *)(uintptr_t)plan->seg_base + base + batch_slot * slot_nbytes + plan->src_offset;
     if (call->src_out != NULL) {
         /* The full way's pin (`_dataplane._pin_locked`): reserve what we pull of the key, name the key and
          * the cache in our row (the owner frees neither while it does), and leave the copy to the caller. */
-        uint64_t name_number = consume ? (name_offset - plan->names_offset) / NAME_NBYTES + 1 : 0;
+        uint64_t name_number = consumed ? (uint64_t)(consumed - index - plan->names_offset) / NAME_NBYTES + 1 : 0;
         char *pin = index + plan->row_offset;
         memset(pin + ROW_MASK_OFFSET, 0, MASK_NBYTES);
-        if (consume) {
+        if (consumed) {
             for (uint32_t t = start; t < start + want; t++) {
-                name[NAME_MASK_OFFSET + t / 8] &= (char)~(1u << (t % 8));
+                consumed[NAME_MASK_OFFSET + t / 8] &= (char)~(1u << (t % 8));
                 pin[ROW_MASK_OFFSET + t / 8] |= (char)(1u << (t % 8));
             }
-            if (mask_empty(name + NAME_MASK_OFFSET)) {
-                put_u32(name, NAME_CONSUMED);
+            if (mask_empty(consumed + NAME_MASK_OFFSET)) {
+                put_u32(consumed, NAME_CONSUMED);
                 put_u64(index + EPOCH_OFFSET, get_u64(index + EPOCH_OFFSET) + 1);
             }
         }
@@ -908,13 +927,13 @@ static int fresh_locked(void *arg)
 #endif
             memcpy(dst, from, plan->nbytes);
     }
-    if (consume) {
+    if (consumed) {
         for (uint32_t t = start; t < start + want; t++) {
-            name[NAME_MASK_OFFSET + t / 8] &= (char)~(1u << (t % 8));
-            name[NAME_PULLED_OFFSET + t / 8] |= (char)(1u << (t % 8));
+            consumed[NAME_MASK_OFFSET + t / 8] &= (char)~(1u << (t % 8));
+            consumed[NAME_PULLED_OFFSET + t / 8] |= (char)(1u << (t % 8));
         }
-        if (mask_empty(name + NAME_MASK_OFFSET)) {
-            put_u32(name, NAME_CONSUMED); /* every tensor pulled: the owner reclaims it at its next look */
+        if (mask_empty(consumed + NAME_MASK_OFFSET)) {
+            put_u32(consumed, NAME_CONSUMED); /* every tensor pulled: the owner reclaims it at its next look */
             put_u64(index + EPOCH_OFFSET, get_u64(index + EPOCH_OFFSET) + 1);
         }
     }
@@ -950,7 +969,7 @@ static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssiz
     struct fresh_plan plan;
     if (plan_view.len != (Py_ssize_t)sizeof plan) {
         PyBuffer_Release(&plan_view);
-        PyErr_SetString(PyExc_ValueError, "a fresh plan is 192 bytes");
+        PyErr_SetString(PyExc_ValueError, "a fresh plan is 200 bytes");
         return NULL;
     }
     memcpy(&plan, plan_view.buf, sizeof plan);
@@ -1061,7 +1080,7 @@ static PyObject *index_unpin_key(PyObject *module, PyObject *args)
         memcpy(&plan, plan_view.buf, sizeof plan);
     PyBuffer_Release(&plan_view);
     if (!ok) {
-        PyErr_SetString(PyExc_ValueError, "a fresh plan is 192 bytes");
+        PyErr_SetString(PyExc_ValueError, "a fresh plan is 200 bytes");
         return NULL;
     }
     uint64_t end = max3(plan.row_offset + ENTRY_NBYTES, plan.caches_offset + (uint64_t)plan.caches_cap * ENTRY_NBYTES,

@@ -527,25 +527,41 @@ class FreshMachine(IndexMachine):
         layer=st.sampled_from([None, 0, 1]),
         consume=st.booleans(),
         hold=st.booleans(),
+        by_id=st.booleans(),
     )
-    def fresh_pull(self, p: int, pick: int, layer: int | None, consume: bool, hold: bool) -> None:
+    def fresh_pull(
+        self, p: int, pick: int, layer: int | None, consume: bool, hold: bool, by_id: bool
+    ) -> None:
         puller = self.pullers[p]
         if puller.pinned is not None or puller.dropped:
             return
         tensors = (0, NUM_TENSORS) if layer is None else (layer, 1)
-        bound = sorted(self.keys)
-        # Mostly keys that are bound (most draws of the others are refused before any pin).
-        key = (
-            bound[pick % len(bound)] if bound and pick % 4 else [*KEYS, (KEY_REQ, 77)][pick % (len(KEYS) + 1)]
-        )
-        request = SourceRef(key[0], key[1], 0, 0, *tensors, layer is None, SLOT_NBYTES, 0, consume)
         wanted = set(range(tensors[0], tensors[0] + tensors[1]))
+        key: tuple[int, int] | None
+        if by_id:
+            cache_id, slot = [*sorted(self.caches), 99][pick % (len(self.caches) + 1)], pick // 7 % BATCH
+            request = SourceRef(
+                KEY_CACHE_ID, cache_id, 0, slot, *tensors, layer is None, SLOT_NBYTES, 0, consume
+            )
+            # The slot's req key is what the pull consumes.
+            key = next(
+                (k for k, (c, s, *_) in self.keys.items() if (c, s) == (cache_id, slot) and k[0] == KEY_REQ),
+                None,
+            )
+            cache = self.caches.get(cache_id)
+            live = cache is not None and (cache.external or bool(cache.keys))
+            consumes = consume and key is not None
+        else:
+            bound = sorted(self.keys)
+            # Mostly keys that are bound (most draws of the others are refused before any pin).
+            key = bound[pick % len(bound)] if bound and pick % 4 else [*KEYS, (KEY_REQ, 77)][pick % 4]
+            request = SourceRef(key[0], key[1], 0, 0, *tensors, layer is None, SLOT_NBYTES, 0, consume)
+            live = key in self.keys and not (key[0] == KEY_REQ and not self.keys[key][2])
+            consumes = consume and key[0] == KEY_REQ
+            cache_id, slot = self.keys[key][:2] if key in self.keys else (min(self.caches, default=0), 0)
         # Found by the kernel as by the full way's pin, unless another pull reserved or pulled some of what
         # this one would consume (then the full way credits it) or a push into the cluster runs.
-        live = key in self.keys and not (key[0] == KEY_REQ and not self.keys[key][2])
-        consumes = consume and key[0] == KEY_REQ
-        expected = live and not self.pushing and not (consumes and not wanted <= self.keys[key][2])
-        cache_id, slot = self.keys[key][:2] if key in self.keys else (min(self.caches, default=0), 0)
+        expected = live and not self.pushing and not (consumes and not wanted <= self.keys[key][2])  # type: ignore[index]
         record = self.table.get(cache_id)
         segment = record.pool_block.segment if record is not None else self.table.index  # any other name
         name = segment.name.encode("ascii")

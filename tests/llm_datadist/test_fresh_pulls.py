@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from llm_datadist import CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode
+from llm_datadist import CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMException, LLMStatusCode
 from llm_datadist._shm import repin
 from llm_datadist.ext import tensor_views
 from tests._peer import PromptPeer, linked_decoder
@@ -96,6 +96,36 @@ def test_layer_by_layer_with_new_key_objects_consumes_after_the_last_layer(linke
     with pytest.raises(LLMException) as caught:
         manager.pull_cache(CacheKey(P, 7), dst, src_layer_range=range(0, 1), dst_layer_range=range(0, 1))
     assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+
+
+@SIZES
+def test_layer_by_layer_by_cache_id_consumes_the_slots_req_key(linked, elements: int) -> None:  # type: ignore[no-untyped-def]
+    """Connectors pull each layer with a new `CacheKeyByIdAndIndex`: the kernel takes it by the cache's id
+    and the batch index, and consumes the req key bound to that slot once every layer was pulled."""
+    peer, dd = linked
+    manager = dd.kv_cache_manager
+    layers = 4
+    peer.alloc(2, [1, 512], [(P, 1)])  # its pull maps the segment the full way
+    manager.pull_cache(CacheKey(P, 1), manager.allocate_cache(CacheDesc(2, [1, 512], DataType.DT_FLOAT16)))
+    cache_id = peer.alloc(2 * layers, [2, elements], [(P, 30), (P, 31)])
+    dst = manager.allocate_cache(CacheDesc(2 * layers, [1, elements], DataType.DT_FLOAT16))
+    before = _fresh(dd)
+    for layer in range(layers):
+        rng = range(layer, layer + 1)
+        manager.pull_cache(
+            CacheKeyByIdAndIndex(P, cache_id, 1), dst, src_layer_range=rng, dst_layer_range=rng
+        )
+    assert _fresh(dd) == before + (layers if FAST else 0)
+    for t, raw in enumerate(_raw(dst)):
+        whole = peer.expected(cache_id, t, 2 * raw.nbytes)
+        np.testing.assert_array_equal(raw, whole[raw.nbytes :])
+    with pytest.raises(LLMException) as caught:  # slot 1's key went with its last layer; slot 0's stays
+        manager.pull_cache(CacheKey(P, 31), dst)
+    assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    manager.pull_cache(CacheKey(P, 30), dst)
+    with pytest.raises(LLMException) as caught:  # refused as the full way refuses it
+        manager.pull_cache(CacheKeyByIdAndIndex(P, cache_id, 2), dst)
+    assert caught.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
 def test_a_prefix_key_is_never_consumed(linked) -> None:  # type: ignore[no-untyped-def]
