@@ -22,6 +22,7 @@ import struct
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -42,44 +43,75 @@ DONE, BUSY, STALE, FAULTED, PINNED = 0, 1, 2, 3, 4
 MAX_NBYTES = 64 << 10  # the kernel's HOLD_MAX_NBYTES: copies this small are made under the index lock
 _CHECK_BUSY, _WHOLE = 1, 2
 # row offset, ticket, caches, names and buckets offsets, key id, model id, source offset, bytes per tensor,
-# destination offset, segment base and size; then the three capacities, kind, consume, flags, first
-# tensor, tensor count, batch index (a pull by cache id), a spare word; then the segment's name as the
-# index's cache entry holds it.
-_PLAN = struct.Struct("<12Q10I64s")
+# destination offset; then the three capacities, kind, consume, flags, first tensor, tensor count, batch
+# index (a pull by cache id), a spare word.
+_PLAN = struct.Struct("<10Q10I")
+# A peer's segment mapped here: its name as the index's cache entries hold it, its address here, its size.
+_SEGMENT = struct.Struct("<64sQQ")
+_MAX_SEGMENTS = 16  # segments of one peer remembered (a pool grows by a few)
 _MAX_DST = 1024  # destination address lists kept
 
 
 @dataclass(frozen=True, slots=True)
 class _Source:
     """What fresh pulls over one link read: its mapping of the peer's index, our row there, and the
-    peer's segment the last full pull read."""
+    peer's segments full pulls read (mapped here), with their table for the kernel."""
 
-    index: weakref.ref[Index]  # weak, as the segment below: a link's mapping of a dead owner's index goes
+    index: weakref.ref[Index]  # weak, as the segments below: a link's mapping of a dead owner's index goes
     row_offset: int
     ticket: int
     regions: tuple[int, int, int, int, int, int]
-    # Weak: a small pull must never keep a mapping alive that the link's mapping cache let go (a peer's
-    # retired or unlinked segment would stay mapped here, and its memory with it).
-    segment: weakref.ref[Segment]
-    segment_name: bytes
-    segment_address: int  # where it is mapped here: valid while its array is held
-    segment_nbytes: int
+    # Weak: a pull must never keep a mapping alive that the link's mapping cache let go (a peer's retired
+    # or unlinked segment would stay mapped here, and its memory with it).
+    segments: tuple[weakref.ref[Segment], ...]
+    table: bytes  # `segment_table` of them: their addresses are valid while their arrays are held
+
+    def arrays(self) -> list[np.ndarray[Any, Any]] | None:
+        """Every segment's array (holding them keeps the mappings mapped), or None if one was let go."""
+        arrays = []
+        for ref in self.segments:
+            segment = ref()
+            if segment is None:
+                return None
+            try:
+                arrays.append(segment.array)
+            except ShmError:  # closed by housekeeping
+                return None
+        return arrays
+
+    def with_segments(self, segments: list[Segment]) -> _Source:
+        """The same source over `segments` (those still open)."""
+        live, entries = [], []
+        for segment in segments[-_MAX_SEGMENTS:]:
+            try:
+                entries.append((segment.name.encode("ascii"), segment.address, segment.nbytes))
+            except ShmError:
+                continue
+            live.append(weakref.ref(segment))
+        return _Source(
+            self.index, self.row_offset, self.ticket, self.regions, tuple(live), segment_table(entries)
+        )
+
+    def live_segments(self) -> list[Segment]:
+        return [segment for ref in self.segments if (segment := ref()) is not None and not segment.closed]
+
+
+def segment_table(segments: list[tuple[bytes, int, int]]) -> bytes:
+    """The kernel's table of a peer's segments mapped here: (name, address here, size) each."""
+    return b"".join(_SEGMENT.pack(*entry) for entry in segments if len(entry[0]) <= 64)
 
 
 def pack_plan(
     row_offset: int,
     ticket: int,
     regions: tuple[int, int, int, int, int, int],
-    segment: tuple[bytes, int, int],
     ref: SourceRef,
     dst_offset: int,
     check_busy: bool,
 ) -> bytes:
     """The kernel's plan: our row (its offset in the index, our ticket), the index's `regions`
-    (`Index.regions`), the peer's segment we mapped (its name, where it is mapped here, its size), the
-    request."""
+    (`Index.regions`), the request."""
     caches_offset, caches, names_offset, names, buckets_offset, buckets = regions
-    segment_name, segment_address, segment_nbytes = segment
     return _PLAN.pack(
         row_offset,
         ticket,
@@ -91,8 +123,6 @@ def pack_plan(
         ref.src_offset,
         ref.nbytes,
         dst_offset,
-        segment_address,
-        segment_nbytes,
         caches,
         names,
         buckets,
@@ -103,7 +133,6 @@ def pack_plan(
         ref.tensor_count,
         ref.batch_index,
         0,
-        segment_name,
     )
 
 
@@ -117,30 +146,23 @@ class FreshPulls:
         self.done = 0  # pulls made here
 
     def remember(self, link: ClientLink, segment: Segment) -> None:
-        """A full pull over `link` read `segment`: fresh pulls read it next."""
+        """A full pull over `link` read `segment`: fresh pulls read it too from now on."""
         index = link.index
         if index is None:
             return
         source = self._sources.get(link)
-        if source is not None and source.index() is index and source.segment() is segment:
+        if source is None or source.index() is not index:
+            source = _Source(
+                weakref.ref(index),
+                index.row_offset(link.index_row),
+                link.index_ticket,
+                index.regions(),
+                (),
+                b"",
+            )
+        elif any(ref() is segment for ref in source.segments):
             return
-        name = segment.name.encode("ascii")
-        try:
-            address = segment.address
-        except ShmError:  # closed meanwhile (housekeeping unmapped it): nothing to remember
-            return
-        if len(name) > 64:
-            return
-        self._sources[link] = _Source(
-            weakref.ref(index),
-            index.row_offset(link.index_row),
-            link.index_ticket,
-            index.regions(),
-            weakref.ref(segment),
-            name,
-            address,
-            segment.nbytes,
-        )
+        self._sources[link] = source.with_segments([*source.live_segments(), segment])
 
     def pull(
         self,
@@ -156,39 +178,37 @@ class FreshPulls:
         or STALE (nothing done: take the full way). The caller holds the link exclusively. A lock that
         stays busy until `deadline` is STALE too (the full way waits and says why)."""
         kernel = _repin.kernel
-        if kernel is None or _faults.hook is not None or ref.key_kind not in (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID):
+        if (
+            kernel is None
+            or _faults.hook is not None
+            or ref.key_kind not in (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID)
+        ):
             return STALE
         source = self._sources.get(link)
         count, nbytes = ref.tensor_count, ref.nbytes
         if source is None or source.index() is not link.index or dst.block is None or not count * nbytes:
             return STALE
-        segment = source.segment()
-        if segment is None:
-            return STALE
+        # Held until the copy is done: the mappings stay mapped, even if housekeeping closes a segment
+        # meanwhile (its mapping goes when the last view does).
+        src_arrays = source.arrays()
+        if src_arrays is None:  # housekeeping let one go: the others stay
+            self._sources[link] = source = source.with_segments(source.live_segments())
+            src_arrays = source.arrays()
         try:
-            # Held until the call returns: both mappings stay mapped, even if housekeeping closes the
-            # segment meanwhile (its mapping goes when the last view does).
-            src_array, dst_array = segment.array, dst.block.segment.array
+            dst_array = dst.block.segment.array
         except ShmError:
             return STALE
-        del segment
+        if not src_arrays:
+            return STALE
         link.check_usable()
         link.check_peer_alive()
-        plan = pack_plan(
-            source.row_offset,
-            source.ticket,
-            source.regions,
-            (source.segment_name, source.segment_address, source.segment_nbytes),
-            ref,
-            dst_offset,
-            check_busy,
-        )
+        plan = pack_plan(source.row_offset, source.ticket, source.regions, ref, dst_offset, check_busy)
         addrs = self._addresses(dst, dst_tensor_start, count)
         index = link.index
         assert index is not None  # it is the remembered one (above)
         fd, mapping = index.handle
         sources = bytearray(8 * count) if count * nbytes > MAX_NBYTES else None
-        outcome = kernel.index_pull_key(mapping, fd, plan, addrs, False, sources)
+        outcome = kernel.index_pull_key(mapping, fd, plan, addrs, source.table, sources)
         pause = _LOCK_RETRY_MIN_S
         if outcome == BUSY:
             count_lock_wait()
@@ -196,12 +216,12 @@ class FreshPulls:
             # Held for microseconds (the owner, another puller): wait as the full way's lock would.
             time.sleep(pause)
             pause = min(pause * 2, _LOCK_RETRY_MAX_S)
-            outcome = kernel.index_pull_key(mapping, fd, plan, addrs, False, sources)
+            outcome = kernel.index_pull_key(mapping, fd, plan, addrs, source.table, sources)
         if outcome == PINNED:
             assert sources is not None
             self._copy_pinned(link, index, plan, sources, addrs, dst_offset, nbytes)
             outcome = DONE
-        del src_array, dst_array
+        del src_arrays, dst_array
         if outcome == FAULTED:
             raise ShmError("a fresh pull met a page that vanished under a mapping: nothing was consumed")
         if outcome != DONE:

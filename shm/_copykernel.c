@@ -768,22 +768,25 @@ enum { KIND_REQ = 1, KIND_CACHE = 3, KIND_SLOT = 5, CACHE_BLOCKS = 1, CACHE_REGI
 enum { SEGMENT_NAME_OFFSET = 64, SEGMENT_NAME_NBYTES = 64, ROW_RANGE_OFFSET = 40 };
 #define MASK_TENSORS 512u
 
-/* llm_datadist/_fresh.py's _PLAN, "<12Q10I64s": what the caller asks and where things lie, packed. */
+/* llm_datadist/_fresh.py's _PLAN, "<10Q10I": what the caller asks and where things lie, packed. */
 struct fresh_plan {
     uint64_t row_offset, ticket, caches_offset, names_offset, buckets_offset, key_id, model_id, src_offset,
-        nbytes, dst_offset, seg_base, seg_nbytes;
+        nbytes, dst_offset;
     uint32_t caches_cap, names_cap, buckets_cap, kind, consume, flags, tensor_start, tensor_count, batch_index,
         spare;
-    char seg_name[SEGMENT_NAME_NBYTES];
 };
-_Static_assert(sizeof(struct fresh_plan) == 12 * 8 + 10 * 4 + 64, "the fresh plan is packed");
+_Static_assert(sizeof(struct fresh_plan) == 10 * 8 + 10 * 4, "the fresh plan is packed");
+/* The peer's segments the caller mapped, each its name as the index's cache entries hold it, then where it is
+ * mapped here and its size (uint64 each): llm_datadist/_fresh.py's _SEGMENT. */
+enum { FRESH_SEGMENT_NBYTES = SEGMENT_NAME_NBYTES + 16 };
 
 struct fresh_call {
     char *index;
     uint64_t index_nbytes;
     const struct fresh_plan *plan;
     const uint64_t *dst_addrs;
-    int nontemporal;
+    const char *segments;
+    uint64_t segment_count;
     uint64_t *src_out; /* a pin instead of a copy: each tensor's source address goes here */
 };
 
@@ -859,7 +862,14 @@ static int fresh_locked(void *arg)
     if (generation == 0 || get_u64(cache) != generation || (flags & CACHE_REGISTERED) || batch == 0 || count == 0 ||
         tensor_nbytes == 0 || tensor_nbytes % batch || pitch < tensor_nbytes || batch_slot >= batch)
         return FRESH_STALE;
-    if (memcmp(cache + SEGMENT_NAME_OFFSET, plan->seg_name, SEGMENT_NAME_NBYTES) != 0 || seg_nbytes > plan->seg_nbytes)
+    const char *seg_base = NULL;
+    for (uint64_t k = 0; k < call->segment_count && seg_base == NULL; k++) {
+        const char *mapped = call->segments + k * FRESH_SEGMENT_NBYTES;
+        if (memcmp(cache + SEGMENT_NAME_OFFSET, mapped, SEGMENT_NAME_NBYTES) == 0 &&
+            seg_nbytes <= get_u64(mapped + SEGMENT_NAME_NBYTES + 8))
+            seg_base = (const char *)(uintptr_t)get_u64(mapped + SEGMENT_NAME_NBYTES);
+    }
+    if (seg_base == NULL)
         return FRESH_STALE; /* a segment the caller has not mapped (or at another size): the full way maps it */
     if (seg_nbytes < tensor_nbytes || (count > 1 && pitch > (seg_nbytes - tensor_nbytes) / (count - 1)) ||
         base > seg_nbytes - tensor_nbytes - pitch * (count - 1))
@@ -890,7 +900,7 @@ static int fresh_locked(void *arg)
     }
     if (consumed != NULL && (start + want > MASK_TENSORS || !mask_has(consumed + NAME_MASK_OFFSET, start, want)))
         return FRESH_STALE; /* some of it is reserved or pulled by another pull: the full way credits */
-    const char *src = (const char *)(uintptr_t)plan->seg_base + base + batch_slot * slot_nbytes + plan->src_offset;
+    const char *src = seg_base + base + batch_slot * slot_nbytes + plan->src_offset;
     if (call->src_out != NULL) {
         /* The full way's pin (`_dataplane._pin_locked`): reserve what we pull of the key, name the key and
          * the cache in our row (the owner frees neither while it does), and leave the copy to the caller. */
@@ -919,13 +929,7 @@ static int fresh_locked(void *arg)
     }
     for (uint32_t i = 0; i < want; i++) {
         char *dst = (char *)(uintptr_t)(call->dst_addrs[i] + plan->dst_offset);
-        const char *from = src + (uint64_t)(start + i) * pitch;
-#if HAVE_STREAMING
-        if (call->nontemporal)
-            copy_streaming(dst, from, plan->nbytes);
-        else
-#endif
-            memcpy(dst, from, plan->nbytes);
+        memcpy(dst, src + (uint64_t)(start + i) * pitch, plan->nbytes); /* small: left in cache for its reader */
     }
     if (consumed) {
         for (uint32_t t = start; t < start + want; t++) {
@@ -941,35 +945,33 @@ static int fresh_locked(void *arg)
 }
 
 PyDoc_STRVAR(index_pull_key_doc,
-"index_pull_key(mapping, fd, plan, dst_addrs, nontemporal, src_out=None)\n--\n\n"
+"index_pull_key(mapping, fd, plan, dst_addrs, segments, src_out)\n--\n\n"
 "A pull of a key looked up afresh, in one hold of the index lock (GIL released): 0 done, 1 the lock is\n"
 "busy, 2 stale (not handled here: nothing done), 3 faulted (memory vanished mid-copy: the key is left\n"
-"as it was). plan: llm_datadist._fresh's plan; dst_addrs: one native uint64 address per tensor, at most\n"
-"64 KiB in all. With src_out (a writable buffer of one uint64 per tensor), any size: the key is pinned\n"
-"through the row instead of copied, each tensor's source address written to src_out, and 4 returned\n"
-"(the caller copies, then index_unpin_key).");
+"as it was). plan: llm_datadist._fresh's plan; dst_addrs: one native uint64 address per tensor;\n"
+"segments: the peer's segments mapped here (llm_datadist._fresh's table). src_out None: the copy is made\n"
+"under the lock, at most 64 KiB in all. src_out a writable buffer of one uint64 per tensor: any size, the\n"
+"key pinned through the row instead of copied, each tensor's source address written to src_out, and 4\n"
+"returned (the caller copies, then index_unpin_key).");
 
 static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 5 && nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "index_pull_key takes 5 or 6 arguments");
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "index_pull_key takes 6 arguments");
         return NULL;
     }
-    int pin = nargs == 6 && args[5] != Py_None;
+    int pin = args[5] != Py_None;
     long fd = PyLong_AsLong(args[1]);
     if (fd == -1 && PyErr_Occurred())
         return NULL;
-    int nontemporal = PyObject_IsTrue(args[4]);
-    if (nontemporal < 0)
-        return NULL;
-    Py_buffer plan_view, addrs_view, out_view = {0}, view;
+    Py_buffer plan_view, addrs_view, segments_view, out_view = {0}, view;
     if (PyObject_GetBuffer(args[2], &plan_view, PyBUF_SIMPLE) < 0)
         return NULL;
     struct fresh_plan plan;
     if (plan_view.len != (Py_ssize_t)sizeof plan) {
         PyBuffer_Release(&plan_view);
-        PyErr_SetString(PyExc_ValueError, "a fresh plan is 200 bytes");
+        PyErr_SetString(PyExc_ValueError, "a fresh plan is 120 bytes");
         return NULL;
     }
     memcpy(&plan, plan_view.buf, sizeof plan);
@@ -977,15 +979,18 @@ static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssiz
     if (PyObject_GetBuffer(args[3], &addrs_view, PyBUF_SIMPLE) < 0)
         return NULL;
     PyObject *result = NULL;
-    if (pin && PyObject_GetBuffer(args[5], &out_view, PyBUF_WRITABLE) < 0)
+    if (PyObject_GetBuffer(args[4], &segments_view, PyBUF_SIMPLE) < 0)
         goto release_addrs;
+    if (pin && PyObject_GetBuffer(args[5], &out_view, PyBUF_WRITABLE) < 0)
+        goto release_segments;
     if (addrs_view.len != (Py_ssize_t)(8 * (uint64_t)plan.tensor_count) ||
         (pin && out_view.len != addrs_view.len) || plan.buckets_cap == 0 ||
+        segments_view.len % FRESH_SEGMENT_NBYTES != 0 ||
         (!pin && (plan.tensor_count > HOLD_MAX_NBYTES || plan.nbytes * plan.tensor_count > HOLD_MAX_NBYTES))) {
         PyErr_SetString(PyExc_ValueError,
-                        "a fresh pull names one address per tensor (and one source slot when it pins), at most "
-                        "64 KiB in all unless it pins");
-        goto release_addrs;
+                        "a fresh pull names one address per tensor (and one source slot when it pins), whole "
+                        "segment entries, and at most 64 KiB in all unless it pins");
+        goto release_out;
     }
     /* Every region the plan names must lie in the mapping (the entries read inside are bounded by the caps). */
     uint64_t end = max3(plan.row_offset + ENTRY_NBYTES, plan.caches_offset + (uint64_t)plan.caches_cap * ENTRY_NBYTES,
@@ -993,8 +998,13 @@ static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssiz
     if (plan.buckets_offset + 4 * (uint64_t)plan.buckets_cap > end)
         end = plan.buckets_offset + 4 * (uint64_t)plan.buckets_cap;
     if (get_index(args[0], &view, end) < 0)
-        goto release_addrs;
-    struct fresh_call call = {view.buf, (uint64_t)view.len, &plan, addrs_view.buf, nontemporal,
+        goto release_out;
+    struct fresh_call call = {view.buf,
+                              (uint64_t)view.len,
+                              &plan,
+                              addrs_view.buf,
+                              segments_view.buf,
+                              (uint64_t)segments_view.len / FRESH_SEGMENT_NBYTES,
                               pin ? out_view.buf : NULL};
     int outcome, error = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -1005,10 +1015,6 @@ static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssiz
             outcome = -1;
     }
     error = errno;
-#if HAVE_STREAMING
-    if (nontemporal)
-        _mm_sfence();
-#endif
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     if (outcome < 0) {
@@ -1017,9 +1023,12 @@ static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssiz
     } else {
         result = PyLong_FromLong(outcome);
     }
-release_addrs:
-    if (pin && out_view.obj != NULL)
+release_out:
+    if (pin)
         PyBuffer_Release(&out_view);
+release_segments:
+    PyBuffer_Release(&segments_view);
+release_addrs:
     PyBuffer_Release(&addrs_view);
     return result;
 }
@@ -1080,14 +1089,14 @@ static PyObject *index_unpin_key(PyObject *module, PyObject *args)
         memcpy(&plan, plan_view.buf, sizeof plan);
     PyBuffer_Release(&plan_view);
     if (!ok) {
-        PyErr_SetString(PyExc_ValueError, "a fresh plan is 200 bytes");
+        PyErr_SetString(PyExc_ValueError, "a fresh plan is 120 bytes");
         return NULL;
     }
     uint64_t end = max3(plan.row_offset + ENTRY_NBYTES, plan.caches_offset + (uint64_t)plan.caches_cap * ENTRY_NBYTES,
                         plan.names_offset + (uint64_t)plan.names_cap * NAME_NBYTES);
     if (get_index(mapping, &view, end) < 0)
         return NULL;
-    struct fresh_call call = {view.buf, (uint64_t)view.len, &plan, NULL, 0, NULL};
+    struct fresh_call call = {view.buf, (uint64_t)view.len, &plan, NULL, NULL, 0, NULL};
     int outcome, error = 0;
     Py_BEGIN_ALLOW_THREADS
     outcome = lock_index(fd, F_WRLCK);

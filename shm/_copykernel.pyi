@@ -46,8 +46,8 @@ def index_pull_key(
     fd: int,
     plan: bytes,
     dst_addrs: bytes,
-    nontemporal: bool,
-    src_out: bytearray | None = None,
+    segments: bytes,
+    src_out: bytearray | None,
     /,
 ) -> int: ...
 def index_unpin_key(mapping: mmap.mmap, fd: int, plan: bytes, /) -> int: ...

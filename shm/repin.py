@@ -112,7 +112,7 @@ class Kernel(NamedTuple):
     index_repin: Callable[[mmap.mmap, int, bytes], int]
     index_unpin: Callable[[mmap.mmap, int, int, int, int], int]
     index_pull: Callable[..., tuple[int, bool, int]]
-    index_pull_key: Callable[[mmap.mmap, int, bytes, bytes, bool, bytearray | None], int]
+    index_pull_key: Callable[[mmap.mmap, int, bytes, bytes, bytes, bytearray | None], int]
     index_unpin_key: Callable[[mmap.mmap, int, bytes], int]
 
 

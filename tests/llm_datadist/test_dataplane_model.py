@@ -29,7 +29,7 @@ from llm_datadist._errors import StatusError
 from llm_datadist._fresh import DONE as FRESH_DONE
 from llm_datadist._fresh import PINNED as FRESH_PINNED
 from llm_datadist._fresh import STALE as FRESH_STALE
-from llm_datadist._fresh import pack_plan
+from llm_datadist._fresh import pack_plan, segment_table
 from llm_datadist._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
 from llm_datadist._owner.leases import Leases
 from llm_datadist._owner.rows import Holder
@@ -572,7 +572,6 @@ class FreshMachine(IndexMachine):
             index.row_offset(puller.link.index_row),
             puller.link.index_ticket,
             index.regions(),
-            (name, address, nbytes),
             request,
             0,
             True,
@@ -581,7 +580,8 @@ class FreshMachine(IndexMachine):
         addrs = np.array([dst[i].ctypes.data for i in range(tensors[1])], dtype=np.uint64).tobytes()
         sources = None if hold else bytearray(8 * tensors[1])
         fd, mapping = index.handle
-        outcome = _repin_kernel.index_pull_key(mapping, fd, plan, addrs, False, sources)
+        table = segment_table([(name, address, nbytes)])
+        outcome = _repin_kernel.index_pull_key(mapping, fd, plan, addrs, table, sources)
         if not expected:
             assert outcome == FRESH_STALE, f"the kernel took {request}, which the full way would not"
             return

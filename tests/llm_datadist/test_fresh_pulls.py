@@ -143,6 +143,27 @@ def test_a_prefix_key_is_never_consumed(linked) -> None:  # type: ignore[no-unty
     assert _keys(peer) == 1
 
 
+def test_caches_in_several_segments_of_the_owner_are_all_pulled_the_kernels_way(linked) -> None:  # type: ignore[no-untyped-def]
+    """An owner whose pool grew holds caches in more than one segment: once a full pull mapped each, pulls
+    of caches in any of them take the kernel's way, in whatever order they come."""
+    peer, dd = linked
+    manager = dd.kv_cache_manager
+    small = peer.alloc(1, [1, 2048], [(P, U64, 0, 1)])
+    big = peer.alloc(1, [1, 40 << 20], [(P, U64, 0, 2)])  # 80 MiB: more than the pool's first segment
+    assert len(peer.call("segments")["pools"]) == 2
+    dst = manager.allocate_cache(CacheDesc(1, [1, 2048], DataType.DT_FLOAT16))
+    first = {1: small, 2: big}
+    for prefix in (1, 2):  # each maps its segment the full way
+        manager.pull_cache(CacheKey(P, U64, 0, prefix), dst, size=4096)
+    before = _fresh(dd)
+    for prefix in (1, 2, 2, 1, 2, 1, 1):
+        (raw,) = _raw(dst)
+        raw[:] = 0
+        manager.pull_cache(CacheKey(P, U64, 0, prefix), dst, size=4096)
+        np.testing.assert_array_equal(raw, peer.expected(first[prefix], 0, 4096))
+    assert _fresh(dd) == before + (7 if FAST else 0)
+
+
 def test_a_segment_unmapped_here_meanwhile_fails_no_pull(linked) -> None:  # type: ignore[no-untyped-def]
     """Housekeeping unmaps a peer's segment here (its pool let it go, or the mapping cache is full) while
     small pulls remember it: the next pull takes the full way, maps it again, and succeeds."""
