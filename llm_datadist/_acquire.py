@@ -28,7 +28,6 @@ from llm_datadist._protocol.messages import (
 )
 from llm_datadist._protocol.messages import Location as LocationMessage
 from llm_datadist._shm.index import Index
-from llm_datadist._shm.repin import RepinPlan
 
 from . import _faults
 from ._dataplane import peer_index, pin, unpin
@@ -46,10 +45,9 @@ class Acquirer:
         self.incarnation = incarnation
         self.timeout_code = timeout_code
 
-    def acquire(self, link: ClientLink, ref: SourceRef, deadline: float, *, again: bool = False) -> Held:
-        """`with acquirer.acquire(link, ref, deadline) as location:` copy; ended on the way out. `again`:
-        a pin in the index also says how to take it again (`Held.again`), when `ref` allows."""
-        return Held(self, link, ref, deadline, again)
+    def acquire(self, link: ClientLink, ref: SourceRef, deadline: float) -> Held:
+        """`with acquirer.acquire(link, ref, deadline) as location:` copy; ended on the way out."""
+        return Held(self, link, ref, deadline)
 
     def write_lease(
         self, link: ClientLink, addrs: tuple[int, ...], nbytes: tuple[int, ...], deadline: float
@@ -59,11 +57,10 @@ class Acquirer:
         return WriteLease(link, addrs, nbytes, deadline)
 
     def pinned_in_index(
-        self, link: ClientLink, ref: SourceRef, deadline: float, again: bool = False
-    ) -> tuple[Index, Location, RepinPlan | None] | None:
-        """Pin `ref` through the link's row of the owner's index: the index, where the cache is and how to
-        pin it again (`_dataplane.Pin.again`), or None when the owner must be asked. The link's socket says
-        first whether the owner is alive."""
+        self, link: ClientLink, ref: SourceRef, deadline: float
+    ) -> tuple[Index, Location] | None:
+        """Pin `ref` through the link's row of the owner's index: the index and where the cache is, or None
+        when the owner must be asked. The link's socket says first whether the owner is alive."""
         link.check_usable()
         link.check_peer_alive()
         index = peer_index(link, self.incarnation, deadline, self.timeout_code)
@@ -76,11 +73,10 @@ class Acquirer:
             cluster_id=self.cluster_id,
             deadline=deadline,
             timeout_code=self.timeout_code,
-            again=again,
         )
         if pinned is None:
             return None
-        return index, Location.from_pin(link.peer.pid, pinned.cache, pinned.batch_slot, ref), pinned.again
+        return index, Location.from_pin(link.peer.pid, pinned.cache, pinned.batch_slot, ref)
 
 
 class _Holding:
@@ -120,28 +116,21 @@ class _Holding:
 class Held(_Holding):
     """`Acquirer.acquire`: what a `SourceRef` names, pinned in the owner's index or leased."""
 
-    __slots__ = ("_acquirer", "_again", "_deadline", "_index", "_link", "_location", "_ref", "again")
+    __slots__ = ("_acquirer", "_deadline", "_index", "_link", "_location", "_ref")
 
-    def __init__(
-        self, acquirer: Acquirer, link: ClientLink, ref: SourceRef, deadline: float, again: bool = False
-    ) -> None:
+    def __init__(self, acquirer: Acquirer, link: ClientLink, ref: SourceRef, deadline: float) -> None:
         self._acquirer = acquirer
-        self._again = again
         self._link = link
         self._ref = ref
         self._deadline = deadline
         self._index: Index | None = None
         self._location: Location | None = None
-        # A pin in the index that may be taken again the cheap way: the index and the plan.
-        self.again: tuple[Index, RepinPlan] | None = None
 
     def __enter__(self) -> Location:
         link, ref = self._link, self._ref
-        pinned = self._acquirer.pinned_in_index(link, ref, self._deadline, self._again)
+        pinned = self._acquirer.pinned_in_index(link, ref, self._deadline)
         if pinned is not None:
-            self._index, location, plan = pinned
-            if plan is not None:
-                self.again = (self._index, plan)
+            self._index, location = pinned
         else:
             seq = link.next_seq()
             reply = link.request(ref.to_message(seq), seq, self._deadline)

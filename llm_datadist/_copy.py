@@ -32,13 +32,11 @@ from llm_datadist._shm.copyplan import (
     execute_block_runs,
     execute_blocks,
     execute_strided,
-    plan_tensor_copy,
     split_runs,
 )
 from llm_datadist._shm.errors import ShmError
-from llm_datadist._shm.segment import Segment
 
-from ._native import Column, CopyRuns, kernel_function, load_copy_kernel, vm_columns
+from ._native import CopyRuns, kernel_function, load_copy_kernel, vm_columns
 from ._signals import held
 from ._vm import VmError, VmNotPermitted, VmRun, read_from, read_from_arrays, write_to_arrays
 
@@ -137,70 +135,6 @@ def _cut_runs(
         nbytes[-1] -= int(run_starts[stop - 1]) + int(lengths[stop - 1]) - high
         pieces.append((src_part, dst_part, nbytes))
     return pieces
-
-
-class PreparedCopy:
-    """A copy between two mappings, checked and planned once (`Copier.prepare_tensor_copy`) and valid while
-    both stay open (a mapping's size never changes while it is): `arrays` says whether they are and keeps
-    them mapped for as long as the caller holds what it returned; `run` copies."""
-
-    __slots__ = (
-        "_columns",
-        "_copier",
-        "_dst",
-        "_kernel_runs",
-        "_runs",
-        "_src",
-        "_streaming",
-        "_strided",
-    )
-
-    def __init__(
-        self,
-        copier: Copier,
-        src: Segment,
-        dst: Segment,
-        strided: StridedCopy | None,
-        runs: list[Run] | None,
-        columns: tuple[Column, Column, Column] | None,
-        streaming: bool,
-    ) -> None:
-        self._copier = copier
-        self._src = src
-        self._dst = dst
-        self._strided = strided
-        self._runs = runs
-        self._columns = columns
-        self._streaming = streaming
-        self._kernel_runs = None if columns is None else (src.address, dst.address, *columns, streaming)
-
-    def arrays(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | None:
-        """Both mappings' arrays (holding them keeps the mappings mapped), or None if either was closed."""
-        src, dst = self._src, self._dst
-        if src.closed or dst.closed:
-            return None
-        return src.array, dst.array
-
-    def kernel_runs(self) -> tuple[int, int, Column, Column, Column, bool] | None:
-        """The C kernel's arguments for this copy (both bases, the three columns, streaming), when the
-        kernel copies it in one call on this thread; valid while the caller holds `arrays()`."""
-        if _copy_runs is None:
-            return None
-        return self._kernel_runs
-
-    def run(self, arrays: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]) -> None:
-        """Copy, with the `arrays` the caller took (and holds until this returns)."""
-        columns, copy_runs = self._columns, _copy_runs
-        if columns is not None and copy_runs is not None:
-            try:
-                copy_runs(self._src.address, self._dst.address, *columns, self._streaming)
-            except OSError as exc:  # memory vanished under a mapping (see Copier._c_copy)
-                raise ShmError(f"copying rows within this process failed: {exc}") from exc
-        elif self._strided is not None:
-            self._copier.run_strided(self._strided, *arrays)
-        else:
-            assert self._runs is not None
-            self._copier.run(self._runs, *arrays)
 
 
 def _default_threads() -> int:
@@ -351,36 +285,6 @@ class Copier:
             # segment truncated by another process) gets here.
             raise ShmError(f"copying {what} within this process failed: {exc}") from exc
         return True
-
-    def prepare_tensor_copy(
-        self, src_offsets: Sequence[int], dst_offsets: Sequence[int], nbytes: int, src: Segment, dst: Segment
-    ) -> PreparedCopy:
-        """`nbytes` from each src_offsets[i] of `src` to dst_offsets[i] of `dst`, checked and planned once
-        (a pull that repeats); `PreparedCopy.run` copies."""
-        strided = StridedCopy.from_offsets(src_offsets, dst_offsets, nbytes)
-        runs = None if strided is not None else plan_tensor_copy(src_offsets, dst_offsets, nbytes)
-        src_array, dst_array = src.array, dst.array
-        if strided is not None:
-            strided.check(src_array.nbytes, dst_array.nbytes)
-        else:
-            assert runs is not None
-            check_runs(runs, src_array.nbytes, dst_array.nbytes)
-        total = len(src_offsets) * nbytes
-        columns = None
-        # One call of the kernel on this thread when the copy is too small to split over threads.
-        if _copy_runs is not None and total < 2 * _MIN_PART_NBYTES and _kernel_can_copy(src_array, dst_array):
-            pairs = (
-                [(r.src_offset, r.dst_offset, r.nbytes) for r in runs]
-                if runs is not None
-                else list(zip(src_offsets, dst_offsets, [nbytes] * len(src_offsets), strict=True))
-            )
-            table = np.array(pairs, dtype=np.uint64).reshape(-1, 3)
-            columns = (
-                np.ascontiguousarray(table[:, 0]),
-                np.ascontiguousarray(table[:, 1]),
-                np.ascontiguousarray(table[:, 2]),
-            )
-        return PreparedCopy(self, src, dst, strided, runs, columns, total >= _STREAMING_MIN_NBYTES)
 
     def run_strided(self, copy: StridedCopy, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> None:
         """Execute a strided copy: one numpy call, or one per thread over disjoint rows when it is large

@@ -7,9 +7,8 @@ is checked before it is used (`IndexCorrupt` becomes LLM_FAILED for that transfe
 index, so the link stays). A lock not had by the deadline is the transfer's timeout. A name the index does
 not hold while the owner flags keys it could not publish makes `pin` return None: the caller asks the
 owner instead. A pin is ours until we clear it, whatever happens to the link: an unpin that cannot be done
-now is owed, and done later (`settle_owed`); one whose row the owner took back fails the transfer. A pin
-that consumed nothing and never would carries the plan to take it again without a lookup (`repin`, see
-`llm_datadist._shm.repin`): anything changed since, and the caller pins the full way.
+now is owed, and done later (`settle_owed`); one whose row the owner took back fails the transfer. The C
+kernel's pulls (`_fresh`) pin through the same row with the same checks.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from __future__ import annotations
 import time
 from typing import NamedTuple, NoReturn, Protocol
 
-from llm_datadist._shm import repin as _repin
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.index import (
     CACHE_KEYS_UNPUBLISHED,
@@ -33,7 +31,6 @@ from llm_datadist._shm.index import (
     IndexCorrupt,
     IndexLockTimeout,
 )
-from llm_datadist._shm.repin import RepinPlan
 
 from . import _unpins
 from ._errors import StatusError
@@ -58,12 +55,10 @@ _UNPIN_TIMEOUT_S = 5.0
 
 
 class Pin(NamedTuple):
-    """A cache pinned through the link's row: where its tensors are in which segment of the owner, and,
-    for a pin that consumed nothing and never would, how to take the same pin again (`repin`)."""
+    """A cache pinned through the link's row: where its tensors are in which segment of the owner."""
 
     cache: CacheEntry
     batch_slot: int
-    again: RepinPlan | None = None
 
 
 def peer_index(
@@ -121,17 +116,16 @@ def pin(
     cluster_id: int,
     deadline: float,
     timeout_code: LLMStatusCode,
-    again: bool = False,
 ) -> Pin | None:
     """Find what `ref` names in the owner's index, check it as the owner would and pin it through the
     link's row, consuming the pulled tensors of a req key when it asks to; None: ask the owner. The
     cache-manager rules (`ref.rules` V2): a blocks cache may be named by id, a push into our cluster does
     not stop pulls; `ref.for_write`: pin for a push, which only reaches a cache its user still holds (and
-    consumes nothing). `again`: the caller may take the same pin again (`Pin.again`, when `ref` allows)."""
+    consumes nothing)."""
     try:
         index.lock(max(deadline - time.monotonic(), 0.0))
         try:
-            pinned = _pin_locked(link, index, cluster_id, ref, again)
+            pinned = _pin_locked(link, index, cluster_id, ref)
             if pinned is not None and ref.for_write and pinned.cache.flags & CACHE_WITHDRAWN:
                 index.clear_row(link.index_row, link.index_ticket)
                 raise StatusError(
@@ -162,7 +156,7 @@ def raise_index_error(link: RowHolder, exc: ShmError, timeout_code: LLMStatusCod
     raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
 
 
-def _pin_locked(link: RowHolder, index: Index, cluster_id: int, ref: SourceRef, again: bool) -> Pin | None:
+def _pin_locked(link: RowHolder, index: Index, cluster_id: int, ref: SourceRef) -> Pin | None:
     key_kind, key_id, model_id, batch_index = ref.key_kind, ref.key_id, ref.model_id, ref.batch_index
     tensor_start, tensor_count = ref.tensor_start, ref.tensor_count
     v2 = ref.rules == V2
@@ -230,32 +224,7 @@ def _pin_locked(link: RowHolder, index: Index, cluster_id: int, ref: SourceRef, 
         taken,
         range(tensor_start, tensor_start + tensor_count),
     )
-    if not again or not ref.repeatable:
-        return Pin(cache, batch_slot)
-    plan = RepinPlan.make(index, link.index_row, link.index_ticket, name, cache, check_busy=not v2)
-    return Pin(cache, batch_slot, plan)
-
-
-def repin(link: RowHolder, index: Index, plan: RepinPlan) -> int:
-    """Take again the pin `plan` was made from, if nothing it found changed (the link held exclusively,
-    the owner's socket asked first): `shm.repin.DONE`; BUSY (the lock was held) or STALE when nothing was
-    done and the caller pins the full way (which waits for the lock and raises whatever a change calls
-    for)."""
-    try:
-        return _repin.repin(index, plan)
-    except (ShmError, OSError):
-        return _repin.STALE
-
-
-def unpin_again(link: RowHolder, index: Index, plan: RepinPlan) -> None:
-    """End a pin `repin` took after a copy that went well; a busy lock or a row the owner took back takes
-    `unpin`'s way (it waits, or fails the transfer)."""
-    try:
-        if _repin.unpin(index, plan) == _repin.DONE:
-            return
-    except (ShmError, OSError):
-        pass
-    unpin(link, index, ok=True)
+    return Pin(cache, batch_slot)
 
 
 def unpin(link: RowHolder, index: Index, *, ok: bool) -> None:

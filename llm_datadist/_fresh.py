@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from llm_datadist._shm import repin as _repin
+from llm_datadist._shm import indexkernel
 from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.index import _LOCK_RETRY_MAX_S, _LOCK_RETRY_MIN_S, Index, count_lock_wait
 from llm_datadist._shm.segment import Segment
@@ -177,7 +177,7 @@ class FreshPulls:
         """Pull `ref` into `dst` from its tensor `dst_tensor_start` on, at `dst_offset` in each slot: DONE,
         or STALE (nothing done: take the full way). The caller holds the link exclusively. A lock that
         stays busy until `deadline` is STALE too (the full way waits and says why)."""
-        kernel = _repin.kernel
+        kernel = indexkernel.kernel
         if (
             kernel is None
             or _faults.hook is not None
@@ -240,7 +240,7 @@ class FreshPulls:
         nbytes: int,
     ) -> None:
         """Copy what the kernel pinned (each tensor's source address in `sources`), then unpin."""
-        kernel = _repin.kernel
+        kernel = indexkernel.kernel
         assert kernel is not None
         src = np.frombuffer(sources, dtype=np.uint64)
         dst = np.frombuffer(addrs, dtype=np.uint64) + np.uint64(dst_offset)

@@ -25,7 +25,7 @@ from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.names import parse_segment_name
 from llm_datadist._shm.segment import Segment
 
-from ._copy import Copier, PreparedCopy
+from ._copy import Copier
 from ._errors import PeerGone, StatusError
 from ._native import address_view, vm_columns
 from ._owner.records import CacheRecord
@@ -78,13 +78,9 @@ class Mover(Protocol):
         nbytes: int,
         deadline: float,
         marks: list[float] | None = None,
-        *,
-        repeat: bool = False,
-    ) -> PreparedCopy | None:
+    ) -> None:
         """`nbytes` from each `loc.tensor_bases[i]` to `dst`'s segment at `dst_offsets[i]` (a v1 pull).
-        `marks`: the time planning ended is appended to it (the bench's breakdown of a pull). `repeat`:
-        the pull may run again; returns the copy ready to run again, when this mover can repeat it on its
-        own (or None)."""
+        `marks`: the time planning ended is appended to it (the bench's breakdown of a pull)."""
         ...
 
     def read_blocks(
@@ -195,18 +191,8 @@ class HostMover:
         nbytes: int,
         deadline: float,
         marks: list[float] | None = None,
-        *,
-        repeat: bool = False,
-    ) -> PreparedCopy | None:
+    ) -> None:
         src = peer_segment(link, loc.segment, loc.segment_nbytes, writable=False)
-        if repeat:  # planned for the kernel once, to be run again
-            copy = self._copier.prepare_tensor_copy(
-                loc.tensor_bases, dst_offsets, nbytes, src, dst.pool_block.segment
-            )
-            if marks is not None:
-                marks.append(time.perf_counter())
-            copy.run((src.array, dst.pool_block.segment.array))
-            return copy
         # Tensors are a constant pitch apart on each side: one strided copy, else a list of runs.
         strided = StridedCopy.from_offsets(loc.tensor_bases, dst_offsets, nbytes)
         if strided is not None:
@@ -218,7 +204,6 @@ class HostMover:
             if marks is not None:
                 marks.append(time.perf_counter())
             self._copier.run(runs, src.array, dst.pool_block.segment.array)
-        return None
 
     def read_blocks(
         self, link: ClientLink, loc: Location, plan: BlockPlan, dst: CacheRecord, deadline: float
@@ -363,9 +348,7 @@ class EngineMover:
         nbytes: int,
         deadline: float,
         marks: list[float] | None = None,
-        *,
-        repeat: bool = False,
-    ) -> PreparedCopy | None:
+    ) -> None:
         runs = plan_tensor_copy(loc.tensor_bases, dst_offsets, nbytes)
         if marks is not None:
             marks.append(time.perf_counter())
@@ -380,7 +363,6 @@ class EngineMover:
             write=False,
             deadline=deadline,
         )
-        return None
 
     def read_blocks(
         self, link: ClientLink, loc: Location, plan: BlockPlan, dst: CacheRecord, deadline: float

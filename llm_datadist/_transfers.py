@@ -18,16 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llm_datadist._protocol.messages import WriteGrant
-from llm_datadist._shm import repin as _repin
 from llm_datadist._shm.copyplan import BlockPlan
 from llm_datadist._shm.errors import ShmError
-from llm_datadist._shm.index import _LOCK_RETRY_MAX_S, _LOCK_RETRY_MIN_S, Index, count_lock_wait
-from llm_datadist._shm.repin import RepinPlan
 
-from . import _faults
 from ._acquire import Acquirer, WriteLease
-from ._copy import Copier, PreparedCopy
-from ._dataplane import repin, unpin, unpin_again
+from ._copy import Copier
 from ._errors import StatusError
 from ._fresh import DONE as FRESH_DONE
 from ._fresh import FreshPulls
@@ -41,9 +36,6 @@ from ._wire.client import ClientLink
 from .status import LLMStatusCode
 from .utils.log import log
 
-# Repeatable pulls kept per instance; past this many the memo starts over.
-_MAX_REPEATS = 1024
-
 
 @dataclass(frozen=True, slots=True)
 class PullSpec:
@@ -54,64 +46,6 @@ class PullSpec:
     ref: SourceRef
     dst_tensor_start: int
     dst_base_offset: int
-
-
-@dataclass(slots=True, eq=False)
-class Repeat:
-    """A pull to run again without a lookup or a plan: the pin its first run took, to take again through
-    the same link's row of the same mapping of the owner's index, and the copy, ready to run into `dst`."""
-
-    spec: PullSpec
-    link: ClientLink
-    index: Index
-    plan: RepinPlan
-    copy: PreparedCopy
-    dst: CacheRecord
-
-    def run(self, marks: list[float]) -> int:
-        """Pin, copy, unpin, if nothing the first run found changed: `shm.repin.DONE`. BUSY (the index lock
-        was held: the caller may try again) or STALE (anything else: the caller takes the full way, which
-        raises whatever a change calls for): nothing was done. The caller holds the link exclusively; the
-        owner's socket is asked first, as for every pin."""
-        link, index = self.link, self.index
-        link.check_usable()
-        link.check_peer_alive()
-        if link.index is not index or _faults.hook is not None:
-            return _repin.STALE
-        arrays = self.copy.arrays()  # held until the copy ends: the mappings stay mapped
-        if arrays is None:
-            return _repin.STALE
-        kernel, runs = _repin.kernel, self.copy.kernel_runs()
-        if kernel is not None and runs is not None:
-            # Pin, copy, unpin in one call of the C kernel.
-            try:
-                fd, mm = index.handle
-                pinned, faulted, unpinned = kernel.index_pull(mm, fd, self.plan.plan, *runs)
-            except (ShmError, OSError):  # the index closed, or its lock failed: nothing was pinned
-                return _repin.STALE
-            if pinned != _repin.DONE:
-                return pinned
-            if unpinned != _repin.DONE:  # busy, or the owner took the row back: the full way
-                unpin(link, index, ok=not faulted)
-            if faulted:
-                raise ShmError("copying rows within this process failed: a page of a mapping vanished")
-            ended = time.perf_counter()  # one call: its time is the copy's
-            marks.extend((marks[0], marks[0], ended, ended))
-            return _repin.DONE
-        pinned = repin(link, index, self.plan)
-        if pinned != _repin.DONE:
-            return pinned
-        marks.append(time.perf_counter())
-        marks.append(marks[-1])
-        try:
-            self.copy.run(arrays)
-        except BaseException:
-            unpin(link, index, ok=False)
-            raise
-        marks.append(time.perf_counter())
-        unpin_again(link, index, self.plan)
-        marks.append(time.perf_counter())
-        return _repin.DONE
 
 
 @dataclass(frozen=True)
@@ -145,18 +79,12 @@ class Transfers:
         self._stats = stats if stats is not None else Stats.off()
         # The times the last pull passed its phases (`last_pull_breakdown`).
         self._last_marks: list[float] = []
-        # Pulls that may repeat, by the identity of what was asked (the face keeps its checked specs: a
-        # repeat passes the same object; an entry holds its spec, so an id is never reused meanwhile).
-        # At most _MAX_REPEATS: a connector repeats a few.
-        self._repeats: dict[int, Repeat] = {}
-        self.repeated = 0  # pulls that ran as a Repeat
         self.fresh = FreshPulls(copier)
 
     def pull(self, spec: PullSpec, dst: CacheRecord) -> None:
         """Pin the source in the owner's published index (or, for what it could not publish, ask it), copy
-        from its segment into `dst`, unpin (consuming the key if asked). A pull that repeats one whose pin
-        consumed nothing, into the same cache over the same link, takes that pin again and runs the same
-        copy (`Repeat`) while nothing it found changed."""
+        from its segment into `dst`, unpin (consuming the key if asked): in the C kernel when it can
+        (`FreshPulls`), else the full way, which maps what the kernel's way then reads."""
         deadline = time.monotonic() + self._timeout_s
         link = self._links.get(spec.remote_cluster_id)
         marks = [time.perf_counter()]
@@ -173,41 +101,14 @@ class Transfers:
                 GEN_V1, PULL, SHM, ref.nbytes * ref.tensor_count, ref.tensor_count, ended - marks[0]
             )
             return
-        repeat = self._repeats.get(id(spec))
-        if repeat is not None and repeat.spec is spec and repeat.link is link and repeat.dst is dst:
-            with link.exclusive(deadline):
-                outcome = repeat.run(marks)
-                pause = _LOCK_RETRY_MIN_S
-                if outcome == _repin.BUSY:
-                    count_lock_wait()
-                while outcome == _repin.BUSY and time.monotonic() < deadline:
-                    # The lock is held for microseconds (the owner, another puller): wait as a full pin
-                    # would (the pauses of `Index.lock`, until the deadline), so that whether a pull
-                    # repeats depends on what changed, not on timing.
-                    time.sleep(pause)
-                    pause = min(pause * 2, _LOCK_RETRY_MAX_S)
-                    outcome = repeat.run(marks)
-            if outcome == _repin.DONE:
-                self.repeated += 1
-                self._last_marks = marks
-                ref = spec.ref
-                self._stats.transfer(
-                    GEN_V1, PULL, SHM, ref.nbytes * ref.tensor_count, ref.tensor_count, marks[-1] - marks[0]
-                )
-                return
-            del marks[1:]
-        held = self._acquirer.acquire(link, ref, deadline, again=True)
-        with link.exclusive(deadline), held as location:
+        with link.exclusive(deadline), self._acquirer.acquire(link, ref, deadline) as location:
             marks.append(time.perf_counter())
             dst_offsets = [
                 dst.tensor_offset(spec.dst_tensor_start + i) + spec.dst_base_offset
                 for i in range(ref.tensor_count)
             ]
-            again = held.again
             mover = mover_of(link)
-            copy = mover.read_tensors(
-                link, location, dst, dst_offsets, ref.nbytes, deadline, marks, repeat=again is not None
-            )
+            mover.read_tensors(link, location, dst, dst_offsets, ref.nbytes, deadline, marks)
             marks.append(time.perf_counter())
             if mover.sees_peer_memory and location.segment:
                 # Fresh pulls over this link read that segment next (it is mapped now).
@@ -223,10 +124,6 @@ class Transfers:
             ref.tensor_count,
             marks[-1] - marks[0],
         )
-        if copy is not None and again is not None:
-            if len(self._repeats) >= _MAX_REPEATS:
-                self._repeats.clear()
-            self._repeats[id(spec)] = Repeat(spec, link, again[0], again[1], copy, dst)
         self._last_marks = marks
 
     @property

@@ -3,8 +3,8 @@
  * runs over its own copy threads. Addresses are raw: the caller has bounds-checked every run against memory
  * it maps. A page that vanishes under a mapping mid-copy (a segment truncated by its owner) raises
  * OSError(EFAULT) instead of killing the process with SIGBUS; `copy_run` and `load_word` do the same for one
- * run and one word. `index_repin` and `index_unpin`: a puller's repeat pin in an owner's published index,
- * the twins of shm/repin.py (which has the rules). Every read or write of memory another process's file backs
+ * run and one word. `index_pull_key` and `index_unpin_key`: a puller's pull of a key through an owner's
+ * published index (llm_datadist/_fresh.py has the rules). Every read or write of memory another process's file backs
  * (the index, a generation word, a segment) runs under the SIGBUS guard: a file truncated under its mapping
  * fails that call, never the process.
  * `vm_read_checked`: a repeated one-sided read of a peer's registered memory with its liveness and
@@ -385,34 +385,25 @@ static PyObject *load_word(PyObject *module, PyObject *arg)
 }
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-/* The index is little-endian; a big-endian build leaves these out and the Python twins run. */
+/* The index is little-endian; a big-endian build leaves these out and every pull takes the Python way. */
 #define HAVE_INDEX 1
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
-enum { REPIN_DONE = 0, REPIN_BUSY = 1, REPIN_STALE = 2 };
-enum { STATE_OFFSET = 12, EPOCH_OFFSET = 48, BUSY_COUNT_OFFSET = 60, ENTRY_NBYTES = 128 };
+enum { INDEX_BUSY = 1 }; /* lock_index: the lock is held by someone else */
+enum { STATE_OFFSET = 12, EPOCH_OFFSET = 48, BUSY_COUNT_OFFSET = 60, ENTRY_NBYTES = 128, CACHE_FLAGS_OFFSET = 16 };
 enum { STATE_OPEN = 1, NAME_LIVE = 1, CACHE_PENDING = 2, ROW_MASK_OFFSET = 64, MASK_NBYTES = 64 };
-/* index_pull copies this much or less under the index lock instead of through a pin (a few us). */
+/* index_pull_key copies this much or less under the index lock instead of through a pin (a few us). */
 #define HOLD_MAX_NBYTES ((uint64_t)64 << 10)
-
-/* shm/repin.py's _PLAN, "<QQQQQQQIIII128s": the cache entry as the first pin read it, flags zeroed. */
-struct repin_plan {
-    uint64_t row_offset, ticket, name_offset, key_id, model_id, cache_offset, generation;
-    uint32_t kind, cache_slot, batch_slot, check_busy;
-    unsigned char cache_entry[ENTRY_NBYTES];
-};
-_Static_assert(sizeof(struct repin_plan) == 200, "the plan is 200 packed bytes");
-enum { CACHE_FLAGS_OFFSET = 16, CACHE_FLAGS_END = 20 };
 
 static uint32_t get_u32(const char *at) { uint32_t v; memcpy(&v, at, 4); return v; }
 static uint64_t get_u64(const char *at) { uint64_t v; memcpy(&v, at, 8); return v; }
 static void put_u32(char *at, uint32_t v) { memcpy(at, &v, 4); }
 static void put_u64(char *at, uint64_t v) { memcpy(at, &v, 8); }
 
-/* The whole-file OFD lock shm.index takes, without waiting: 0, REPIN_BUSY, or -1 with errno set. */
+/* The whole-file OFD lock shm.index takes, without waiting: 0, INDEX_BUSY, or -1 with errno set. */
 static int lock_index(int fd, short type)
 {
     struct flock lock;
@@ -421,7 +412,7 @@ static int lock_index(int fd, short type)
     lock.l_whence = SEEK_SET;
     if (fcntl(fd, F_OFD_SETLK, &lock) == 0)
         return 0;
-    return (type == F_WRLCK && (errno == EAGAIN || errno == EACCES)) ? REPIN_BUSY : -1;
+    return (type == F_WRLCK && (errno == EAGAIN || errno == EACCES)) ? INDEX_BUSY : -1;
 }
 
 /* The index's writable mapping, at least `end` bytes long. */
@@ -438,231 +429,6 @@ static int get_index(PyObject *mapping, Py_buffer *view, uint64_t end)
 }
 
 static uint64_t max3(uint64_t a, uint64_t b, uint64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
-
-/* The plan from its 200 bytes, its entries' offsets checked against overflow. */
-static int get_plan(struct repin_plan *plan, const Py_buffer *view)
-{
-    if (view->len != (Py_ssize_t)sizeof *plan) {
-        PyErr_SetString(PyExc_ValueError, "a repin plan is 200 bytes");
-        return -1;
-    }
-    memcpy(plan, view->buf, sizeof *plan);
-    if (max3(plan->row_offset, plan->name_offset, plan->cache_offset) > UINT64_MAX - ENTRY_NBYTES) {
-        PyErr_SetString(PyExc_ValueError, "an entry lies past the end of the index");
-        return -1;
-    }
-    return 0;
-}
-
-/* Where the plan's last entry ends: the index must be at least this long. */
-static uint64_t plan_end(const struct repin_plan *plan)
-{
-    return max3(plan->row_offset, plan->name_offset, plan->cache_offset) + ENTRY_NBYTES;
-}
-
-typedef int (*index_step)(char *, const struct repin_plan *);
-
-struct step_call {
-    index_step step;
-    char *index;
-    const struct repin_plan *plan;
-};
-
-static int call_step(void *arg)
-{
-    const struct step_call *call = arg;
-    return call->step(call->index, call->plan);
-}
-
-/* `step` under the SIGBUS guard: an index file truncated under its mapping makes it REPIN_STALE (nothing
- * done that can be trusted: the caller takes the full way, which reads the file and fails the transfer). */
-static int guarded_step(index_step step, char *index, const struct repin_plan *plan)
-{
-    struct step_call call = {step, index, plan};
-    return guarded(call_step, &call, REPIN_STALE);
-}
-
-/* `step` under the index lock (taken without waiting): its result, REPIN_BUSY, or -1 with errno set. No
- * Python object is touched: callable without the GIL. */
-static int locked(int fd, char *index, index_step step, const struct repin_plan *plan)
-{
-    int result = lock_index(fd, F_WRLCK);
-    if (result != 0)
-        return result;
-    result = guarded_step(step, index, plan);
-    if (lock_index(fd, F_UNLCK) < 0)
-        return -1;
-    return result;
-}
-
-static int unpin_locked(char *index, const struct repin_plan *plan)
-{
-    char *row = index + plan->row_offset;
-    if (get_u64(row) != plan->ticket || get_u32(row + 8) == 0)
-        return REPIN_STALE;
-    if (get_u32(index + plan->cache_offset + CACHE_FLAGS_OFFSET) & CACHE_PENDING)
-        put_u64(index + EPOCH_OFFSET, get_u64(index + EPOCH_OFFSET) + 1);
-    memset(row + 8, 0, 20); /* state, cache slot, generation, name + 1 */
-    return REPIN_DONE;
-}
-
-/* Whether everything the plan names still says what it said (the lock held): REPIN_DONE or REPIN_STALE. */
-static int check_locked(char *index, const struct repin_plan *plan)
-{
-    char *row = index + plan->row_offset, *name = index + plan->name_offset, *cache = index + plan->cache_offset;
-    if (get_u32(index + STATE_OFFSET) != STATE_OPEN)
-        return REPIN_STALE;
-    if (plan->check_busy && get_u32(index + BUSY_COUNT_OFFSET) != 0)
-        return REPIN_STALE;
-    if (get_u64(row) != plan->ticket || get_u32(row + 8) != 0)
-        return REPIN_STALE;
-    if (get_u32(name) != NAME_LIVE || get_u32(name + 4) != plan->kind || get_u64(name + 8) != plan->key_id ||
-        get_u64(name + 16) != plan->model_id || get_u32(name + 24) != plan->cache_slot ||
-        get_u32(name + 28) != plan->batch_slot || get_u64(name + 32) != plan->generation)
-        return REPIN_STALE;
-    if (get_u64(cache) != plan->generation)
-        return REPIN_STALE;
-    if (memcmp(cache, plan->cache_entry, CACHE_FLAGS_OFFSET) != 0 ||
-        memcmp(cache + CACHE_FLAGS_END, plan->cache_entry + CACHE_FLAGS_END, ENTRY_NBYTES - CACHE_FLAGS_END) != 0)
-        return REPIN_STALE; /* a stray write into the entry: the full way refuses it */
-    return REPIN_DONE;
-}
-
-static int repin_locked(char *index, const struct repin_plan *plan)
-{
-    int checked = check_locked(index, plan);
-    if (checked != REPIN_DONE)
-        return checked;
-    char *row = index + plan->row_offset;
-    put_u32(row + 8, 1); /* state, cache slot, generation, name + 1 (none), then an empty mask */
-    put_u32(row + 12, plan->cache_slot);
-    put_u64(row + 16, plan->generation);
-    put_u32(row + 24, 0);
-    memset(row + ROW_MASK_OFFSET, 0, MASK_NBYTES);
-    return REPIN_DONE;
-}
-
-/* `step` under the lock of the index `mapping` holds (at least as long as the plan's entries need): its
- * result as an int, or OSError. */
-static PyObject *call_locked(PyObject *mapping, int fd, index_step step, const struct repin_plan *plan)
-{
-    Py_buffer view;
-    if (get_index(mapping, &view, plan_end(plan)) < 0)
-        return NULL;
-    int result = locked(fd, view.buf, step, plan);
-    PyBuffer_Release(&view);
-    if (result < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    return PyLong_FromLong(result);
-}
-
-PyDoc_STRVAR(index_repin_doc,
-"index_repin(mapping, fd, plan)\n--\n\n"
-"shm.repin.repin in one call: 0 pinned, 1 the lock is busy, 2 stale (nothing done either way).");
-
-static PyObject *index_repin(PyObject *module, PyObject *args)
-{
-    (void)module;
-    PyObject *mapping;
-    int fd;
-    Py_buffer plan_view;
-    if (!PyArg_ParseTuple(args, "Oiy*:index_repin", &mapping, &fd, &plan_view))
-        return NULL;
-    struct repin_plan plan;
-    int ok = get_plan(&plan, &plan_view);
-    PyBuffer_Release(&plan_view);
-    if (ok < 0)
-        return NULL;
-    return call_locked(mapping, fd, repin_locked, &plan);
-}
-
-PyDoc_STRVAR(index_unpin_doc,
-"index_unpin(mapping, fd, row_offset, ticket, cache_offset)\n--\n\n"
-"shm.repin.unpin in one call: 0 unpinned, 1 the lock is busy, 2 the row is no longer ours.");
-
-static PyObject *index_unpin(PyObject *module, PyObject *args)
-{
-    (void)module;
-    PyObject *mapping;
-    int fd;
-    unsigned long long row_offset, ticket, cache_offset;
-    if (!PyArg_ParseTuple(args, "OiKKK:index_unpin", &mapping, &fd, &row_offset, &ticket, &cache_offset))
-        return NULL;
-    if (row_offset > UINT64_MAX - ENTRY_NBYTES || cache_offset > UINT64_MAX - ENTRY_NBYTES) {
-        PyErr_SetString(PyExc_ValueError, "an entry lies past the end of the index");
-        return NULL;
-    }
-    struct repin_plan plan = {.row_offset = row_offset, .ticket = ticket, .cache_offset = cache_offset};
-    return call_locked(mapping, fd, unpin_locked, &plan);
-}
-
-PyDoc_STRVAR(index_pull_doc,
-"index_pull(mapping, fd, plan, src_base, dst_base, src_offsets, dst_offsets, lengths, nontemporal)\n--\n\n"
-"index_repin, copy_runs and index_unpin in one call, all with the GIL released (a copy of at most 64 KiB\n"
-"is made under the index lock instead, with the same checks and no pin written): (pinned, faulted, unpinned)\n"
-"with pinned and unpinned as those functions return them (an unpin that failed is 1, busy). Nothing is\n"
-"copied unless pinned is 0; faulted: memory vanished under a mapping mid-copy (the unpin is still done).");
-
-static PyObject *index_pull(PyObject *module, PyObject *args)
-{
-    (void)module;
-    PyObject *mapping, *src_object, *dst_object, *columns[3];
-    int fd, nontemporal;
-    Py_buffer plan_view;
-    if (!PyArg_ParseTuple(args, "Oiy*OOOOOp:index_pull", &mapping, &fd, &plan_view, &src_object, &dst_object,
-                          &columns[0], &columns[1], &columns[2], &nontemporal))
-        return NULL;
-    struct repin_plan plan;
-    int ok = get_plan(&plan, &plan_view);
-    PyBuffer_Release(&plan_view);
-    if (ok < 0)
-        return NULL;
-    struct runs runs;
-    if (get_runs(&runs, src_object, dst_object, columns) < 0) {
-        release_runs(&runs);
-        return NULL;
-    }
-    Py_buffer view;
-    if (get_index(mapping, &view, plan_end(&plan)) < 0) {
-        release_runs(&runs);
-        return NULL;
-    }
-    uint64_t total = 0;
-    for (Py_ssize_t i = 0; i < runs.count; i++)
-        total += runs.lengths[i] < HOLD_MAX_NBYTES ? runs.lengths[i] : HOLD_MAX_NBYTES + 1;
-    int pinned, unpinned = 0, error = 0;
-    Py_ssize_t faulted = -1;
-    Py_BEGIN_ALLOW_THREADS
-    if (total <= HOLD_MAX_NBYTES) {
-        /* A copy of a few microseconds is made under the lock itself: nothing the owner does can come
-         * between the checks and the copy, and no pin need be written or cleared (two syscalls, not four). */
-        pinned = lock_index(fd, F_WRLCK);
-        if (pinned == 0) {
-            pinned = guarded_step(check_locked, view.buf, &plan);
-            if (pinned == REPIN_DONE)
-                faulted = copy_all(&runs, nontemporal);
-            if (lock_index(fd, F_UNLCK) < 0)
-                pinned = -1;
-        }
-    } else {
-        pinned = locked(fd, view.buf, repin_locked, &plan);
-        if (pinned == REPIN_DONE) {
-            faulted = copy_all(&runs, nontemporal);
-            unpinned = locked(fd, view.buf, unpin_locked, &plan);
-            if (unpinned < 0)
-                unpinned = REPIN_BUSY; /* still pinned: the caller's unpin waits, or owes it, and says why */
-        }
-    }
-    error = errno;
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
-    release_runs(&runs);
-    if (pinned < 0) {
-        errno = error;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    return Py_BuildValue("(iOi)", pinned, faulted >= 0 ? Py_True : Py_False, unpinned);
-}
 
 /* vm_read_checked's results (llm_datadist/_oneside.py has the rules). */
 enum { VM_DONE = 0, VM_GONE = 1, VM_STALE = 2, VM_CHANGED = 3, VM_SHORT = 4 };
@@ -1163,9 +929,6 @@ static PyMethodDef methods[] = {
     {"load_word", load_word, METH_O, load_word_doc},
     {"count_transfer", (PyCFunction)(void (*)(void))count_transfer, METH_FASTCALL, count_transfer_doc},
 #ifdef HAVE_INDEX
-    {"index_repin", index_repin, METH_VARARGS, index_repin_doc},
-    {"index_unpin", index_unpin, METH_VARARGS, index_unpin_doc},
-    {"index_pull", index_pull, METH_VARARGS, index_pull_doc},
     {"index_pull_key", (PyCFunction)(void (*)(void))index_pull_key, METH_FASTCALL, index_pull_key_doc},
     {"index_unpin_key", index_unpin_key, METH_VARARGS, index_unpin_key_doc},
     {"vm_read_checked", vm_read_checked, METH_VARARGS, vm_read_checked_doc},

@@ -26,21 +26,7 @@ def count_transfer(
     address: int, kind: int, timing: int, buckets: int, nbytes: int, runs: int, ns: int, /
 ) -> None: ...
 
-# Absent from a big-endian build (shm.repin then runs its Python twins).
-def index_repin(mapping: mmap.mmap, fd: int, plan: bytes, /) -> int: ...
-def index_unpin(mapping: mmap.mmap, fd: int, row_offset: int, ticket: int, cache_offset: int, /) -> int: ...
-def index_pull(
-    mapping: mmap.mmap,
-    fd: int,
-    plan: bytes,
-    src_base: int,
-    dst_base: int,
-    src_offsets: npt.NDArray[np.uint64],
-    dst_offsets: npt.NDArray[np.uint64],
-    lengths: npt.NDArray[np.uint64],
-    nontemporal: bool,
-    /,
-) -> tuple[int, bool, int]: ...
+# Absent from a big-endian build (every pull then takes the Python way).
 def index_pull_key(
     mapping: mmap.mmap,
     fd: int,

@@ -355,7 +355,7 @@ class Index:
 
     @property
     def handle(self) -> tuple[int, mmap.mmap]:
-        """The file descriptor the lock is taken on and the mapping (for `shm.repin`, which locks itself)."""
+        """The file descriptor the lock is taken on and the mapping (for the C kernel, which locks itself)."""
         return self._fd, self._map
 
     @property

@@ -24,7 +24,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llm_datadist._dataplane import pin, repin, unpin, unpin_again
+from llm_datadist._dataplane import pin, unpin
 from llm_datadist._errors import StatusError
 from llm_datadist._fresh import DONE as FRESH_DONE
 from llm_datadist._fresh import PINNED as FRESH_PINNED
@@ -35,9 +35,8 @@ from llm_datadist._owner.leases import Leases
 from llm_datadist._owner.rows import Holder
 from llm_datadist._owner.table import CacheTable
 from llm_datadist._shm.index import Index
+from llm_datadist._shm.indexkernel import kernel as _kernel
 from llm_datadist._shm.pool import Pool
-from llm_datadist._shm.repin import DONE, RepinPlan
-from llm_datadist._shm.repin import kernel as _repin_kernel
 from llm_datadist._source import V2, SourceRef
 from llm_datadist._wire.peer import PeerInfo
 from llm_datadist.status import LLMStatusCode
@@ -75,9 +74,6 @@ class _Puller:
     consumed: tuple[tuple[int, int], frozenset[int], frozenset[int]] | None = None
     alive: bool = True  # the process the row was handed to lives (its pins outlive its connection)
     dropped: bool = False  # the owner ended its connection; it may still unpin, then it reconnects
-    # What each full pin that may be taken again found: its plan, and the cache id and slot it pinned.
-    plans: dict[SourceRef, tuple[RepinPlan, int, int]] = field(default_factory=dict)
-    again: RepinPlan | None = None  # the pin held now was taken again with this plan
 
 
 @dataclass
@@ -231,8 +227,7 @@ class IndexMachine(RuleBasedStateMachine):
         consume=st.booleans(),
     )
     def pull_pin(self, p: int, pick: int, by_id: bool, layer: int | None, consume: bool) -> None:
-        """A pull pins what it names: the cheap way first when the puller pinned the same before, as a
-        repeated pull does (`_pull`)."""
+        """A pull pins what it names (`_pull`)."""
         tensors = (0, NUM_TENSORS) if layer is None else (layer, 1)
         if by_id:
             cache_id = [*sorted(self.caches), 99][pick % (len(self.caches) + 1)]
@@ -244,17 +239,8 @@ class IndexMachine(RuleBasedStateMachine):
             request = SourceRef(key[0], key[1], 0, 0, *tensors, layer is None, 1, 0, consume)
         self._pull(self.pullers[p], request)
 
-    @precondition(lambda self: self.stalled is None and any(p.plans for p in self.pullers))
-    @rule(p=st.integers(0, 1), pick=st.integers(0, 2**16))
-    def pull_again(self, p: int, pick: int) -> None:
-        """A pull repeats one the puller made before."""
-        puller = self.pullers[p]
-        if puller.plans:
-            self._pull(puller, list(puller.plans)[pick % len(puller.plans)])
-
     def _pull(self, puller: _Puller, request: SourceRef) -> None:
-        """Pin with the plan an earlier full pin of the same request left, if that pins; else the full way
-        (which, when it may be taken again, leaves a plan)."""
+        """Pin the full way."""
         if puller.pinned is not None or puller.dropped:
             return
         tensors = tuple(range(request.tensor_start, request.tensor_start + request.tensor_count))
@@ -274,15 +260,6 @@ class IndexMachine(RuleBasedStateMachine):
             live = key in self.keys and not (key[0] == KEY_REQ and not self.keys[key][2])
             if live:
                 cache_id, slot, *_ = self.keys[key]
-        remembered = puller.plans.get(request)
-        if remembered is not None and repin(puller.link, puller.index, remembered[0]) == DONE:
-            # Taken again only where a full pin would have pinned that very cache and slot.
-            assert not self.pushing, "a pull pinned again during a push into its cluster"
-            assert live and (cache_id, slot) == remembered[1:], "pinned again what a full pin would not"
-            puller.pinned = (cache_id, slot, tensors)
-            puller.again = remembered[0]
-            self.repinned = getattr(self, "repinned", 0) + 1
-            return
         try:
             pinned = pin(
                 puller.link,
@@ -291,7 +268,6 @@ class IndexMachine(RuleBasedStateMachine):
                 cluster_id=9,
                 deadline=1e18,
                 timeout_code=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT,
-                again=True,
             )
         except StatusError as exc:
             if self.pushing:
@@ -305,9 +281,6 @@ class IndexMachine(RuleBasedStateMachine):
         assert pinned is not None
         assert pinned.cache.cache_id == cache_id and pinned.batch_slot == slot
         puller.pinned = (cache_id, slot, tensors)
-        assert (pinned.again is not None) == request.repeatable
-        if pinned.again is not None:
-            puller.plans[request] = (pinned.again, cache_id, slot)
         if consume and key is not None and key[0] == KEY_REQ and key in self.keys:
             bound_cache, bound_slot, unclaimed, _ = self.keys[key]
             if (bound_cache, bound_slot) == (cache_id, slot):
@@ -336,10 +309,7 @@ class IndexMachine(RuleBasedStateMachine):
         puller = self.pullers[p]
         if puller.pinned is None:
             return
-        if puller.again is not None and ok:
-            unpin_again(puller.link, puller.index, puller.again)
-        else:
-            unpin(puller.link, puller.index, ok=ok)
+        unpin(puller.link, puller.index, ok=ok)
         self._ended(puller, ok)
         if puller.dropped:  # its connection is gone: it links again for its next pull
             self.table.sync()  # housekeeping frees the orphaned row its holder let go of
@@ -415,7 +385,6 @@ class IndexMachine(RuleBasedStateMachine):
         cache_id, slot = puller.pinned[:2] if puller.pinned else (None, None)
         puller.pinned = None
         puller.consumed = None
-        puller.again = None
         if named is not None and self.keys.get(named[0], (None, None))[:2] == (cache_id, slot):
             key, taken, tensors = named
             _, _, unclaimed, pulled = self.keys[key]
@@ -481,46 +450,13 @@ IndexMachine.TestCase.settings = settings(
 test_index_protocol = IndexMachine.TestCase
 
 
-class RepeatMachine(IndexMachine):
-    """The same machine with pulls drawn from a handful of requests that never consume (a prefix key, a
-    req key read with offsets, caches by id), so that most pulls repeat one the puller made before and
-    take its pin again the cheap way, whatever the owner and the other puller did in between."""
-
-    @initialize()
-    def pulled_once(self) -> None:
-        """Both keys bound, and both pullers pulled every request once (they hold a plan for each)."""
-        self.alloc([(KEY_PREFIX, 3), (KEY_REQ, 1)])
-        for p in range(2):
-            for pick in range(4):
-                self.pull_pin(p, pick)
-                self.pull_unpin(p, ok=True)
-
-    @precondition(lambda self: self.stalled is None)
-    @rule(p=st.integers(0, 1), pick=st.integers(0, 3))
-    def pull_pin(self, p: int, pick: int) -> None:  # type: ignore[override]
-        cache_id = min(self.caches, default=99)
-        requests = [
-            SourceRef(KEY_PREFIX, 3, 0, 0, 0, NUM_TENSORS, True, 1, 0, True),
-            SourceRef(KEY_REQ, 1, 0, 1, 1, 1, False, 1, 0, False),
-            SourceRef(KEY_CACHE_ID, 1, 0, 0, 0, NUM_TENSORS, True, 1, 0, False),
-            SourceRef(KEY_CACHE_ID, cache_id, 0, 1, 0, 1, False, 1, 0, False),
-        ]
-        self._pull(self.pullers[p], requests[pick])
-
-
-RepeatMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-test_repeated_pulls = RepeatMachine.TestCase
-
-
 class FreshMachine(IndexMachine):
     """The same machine with pulls of keys looked up afresh by the C kernel (`_fresh`): one hold of the
     index lock that checks, copies and consumes, or a pin through the row like the full way's, ended by
     the kernel's unpin. Each takes what the full way would, or nothing (then the caller pins the full way),
     and what it consumes follows the same rules: the model's checks hold over every path mixed."""
 
-    @precondition(lambda self: self.stalled is None and _repin_kernel is not None)
+    @precondition(lambda self: self.stalled is None and _kernel is not None)
     @rule(
         p=st.integers(0, 1),
         pick=st.integers(0, 2**16),
@@ -581,7 +517,7 @@ class FreshMachine(IndexMachine):
         sources = None if hold else bytearray(8 * tensors[1])
         fd, mapping = index.handle
         table = segment_table([(name, address, nbytes)])
-        outcome = _repin_kernel.index_pull_key(mapping, fd, plan, addrs, table, sources)
+        outcome = _kernel.index_pull_key(mapping, fd, plan, addrs, table, sources)
         if not expected:
             assert outcome == FRESH_STALE, f"the kernel took {request}, which the full way would not"
             return
@@ -617,7 +553,7 @@ class FreshMachine(IndexMachine):
             return
         if ok:
             fd, mapping = puller.index.handle
-            if _repin_kernel.index_unpin_key(mapping, fd, plan) != FRESH_DONE:
+            if _kernel.index_unpin_key(mapping, fd, plan) != FRESH_DONE:
                 assert puller.dropped, "the kernel could not unpin its own pin"
                 unpin(puller.link, puller.index, ok=True)
         else:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from llm_datadist import CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMException, LLMStatusCode
-from llm_datadist._shm import repin
+from llm_datadist._shm import indexkernel
 from llm_datadist.ext import tensor_views
 from tests._peer import PromptPeer, linked_decoder
 
@@ -23,7 +23,7 @@ P = 1
 U64 = 2**64 - 1
 _PORTS = itertools.count(1)
 # Without the C kernel every pull takes the full way (the pure-Python path): the same outcomes, none fast.
-FAST = repin.kernel is not None
+FAST = indexkernel.kernel is not None
 
 
 @pytest.fixture
