@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from .._errors import FINALIZED, FORK_HINT, api_errors
-from .._keys import KeyId
+from .._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, KeyId
 from .._owner.records import CacheRecord
 from .._source import SourceRef
 from .._stats import GEN_V1, PULL
@@ -62,36 +62,57 @@ if TYPE_CHECKING:
 _MAX_PREPARED = 1024
 
 
-def _pull_memo_key(
+def _pull_plan_key(
     cache_key: object, kv_cache: object, batch_index: object, size: object, kwargs: dict[str, Any]
 ) -> tuple[object, ...] | None:
-    """What makes two `pull_cache` calls the same pull that never consumes, when every argument is of an
-    exact type whose equality is its value (ints, ranges, None; the key types read field by field); None
-    otherwise."""
+    """What makes two `pull_cache` calls the same plan whatever key they name (the kind of key, the local
+    cache, the batch index, the size, the layer ranges and offsets), when every argument is of an exact
+    type whose equality is its value and the key is one the full checks pass; None otherwise (the full
+    checks then run, and say what is wrong)."""
     if type(kv_cache) is not KvCache or type(batch_index) is not int or type(size) is not int:
-        return None
-    # Without offsets a pull of a req key, or by cache id, may consume: it is checked every time.
-    consumes = kwargs.get("src_cache_offset") is None and kwargs.get("dst_cache_offset") is None
-    if consumes and (
-        type(cache_key) is CacheKeyByIdAndIndex
-        or (type(cache_key) is CacheKey and cache_key.prefix_id == U64_MAX)
-    ):
         return None
     for value in kwargs.values():
         if value is not None and type(value) is not int and type(value) is not range:
             return None
     if type(cache_key) is CacheKey:
-        fields: tuple[int, ...] = (
-            cache_key.cluster_id,
-            cache_key.req_id,
-            cache_key.model_id,
-            cache_key.prefix_id,
-        )
+        req_valid = cache_key.req_id != U64_MAX
+        if req_valid == (cache_key.prefix_id != U64_MAX):
+            return None
+        kind = KEY_REQ if req_valid else KEY_PREFIX
     elif type(cache_key) is CacheKeyByIdAndIndex:
-        fields = (cache_key.cluster_id, cache_key.cache_id, cache_key.batch_index)
+        if cache_key.cache_id < 0:
+            return None
+        kind = KEY_CACHE_ID
     else:
         return None
-    return (type(cache_key), fields, kv_cache.cache_id, batch_index, size, tuple(kwargs.items()))
+    return (kind, kv_cache.cache_id, batch_index, size, tuple(kwargs.items()))
+
+
+def _spec_for(key: CacheKey | CacheKeyByIdAndIndex, plan: PullSpec) -> PullSpec:
+    """`plan` (a checked pull of the same plan key) for `key`."""
+    ref = plan.ref
+    if ref.key_kind == KEY_CACHE_ID:
+        cluster, key_id, model_id, batch = key.cluster_id, key.cache_id, 0, key.batch_index  # type: ignore[union-attr]
+    else:
+        cluster, model_id, batch = key.prompt_cluster_id, key.model_id, 0  # type: ignore[union-attr]
+        key_id = key.req_id if ref.key_kind == KEY_REQ else key.prefix_id  # type: ignore[union-attr]
+    return PullSpec(
+        cluster,
+        SourceRef(
+            ref.key_kind,
+            key_id,
+            model_id,
+            batch,
+            ref.tensor_start,
+            ref.tensor_count,
+            ref.whole,
+            ref.nbytes,
+            ref.src_offset,
+            ref.consume,
+        ),
+        plan.dst_tensor_start,
+        plan.dst_base_offset,
+    )
 
 
 def _param_invalid(api: str, context: str) -> NoReturn:
@@ -126,8 +147,9 @@ class KvCacheManager:
     def __init__(self, core: Core, role: LLMRole) -> None:
         self._core: Core | None = core
         self._role = role
-        # Checked pulls that never consume, by their arguments (`_pull_memo_key`): a repeat with equal
-        # arguments into the same live cache skips the checks (at most _MAX_PREPARED, then start over).
+        # Checked pulls by their plan (`_pull_plan_key`: every argument but the key's identity): a pull
+        # of the same plan into the same live cache checks only its key (at most _MAX_PREPARED, then
+        # start over). Serving clients pull requests of a few shapes, each with a new key.
         self._prepared: dict[tuple[object, ...], tuple[Core, LLMRole, PullSpec, CacheRecord]] = {}
 
     # ------------------------------------------------------------------ state
@@ -296,7 +318,7 @@ class KvCacheManager:
         with offsets, or with a prefix key, the key stays.
         """
         api = "pull_cache"
-        memo_key = _pull_memo_key(cache_key, kv_cache, batch_index, size, kwargs)
+        memo_key = _pull_plan_key(cache_key, kv_cache, batch_index, size, kwargs)
         if memo_key is not None:
             entry = self._prepared.get(memo_key)
             if entry is not None:
@@ -308,7 +330,7 @@ class KvCacheManager:
                     and kv_cache._is_valid
                     and core.table.get(kv_cache.cache_id) is record
                 ):
-                    _run_pull(api, core, core.transfers.pull, spec, record)
+                    _run_pull(api, core, core.transfers.pull, _spec_for(cache_key, spec), record)
                     return
         core = self._require_core(api)
         self._check_role(api, LLMRole.DECODER)
@@ -353,7 +375,7 @@ class KvCacheManager:
             consume=src_offset is None and dst_offset is None,
         )
         spec = PullSpec(remote_cluster_id, ref, selection.dst_start, batch_index * slot_nbytes + dst_base)
-        if memo_key is not None and ref.repeatable:
+        if memo_key is not None:
             if len(self._prepared) >= _MAX_PREPARED:
                 self._prepared.clear()
             self._prepared[memo_key] = (core, self._role, spec, record)

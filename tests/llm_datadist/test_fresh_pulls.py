@@ -178,3 +178,34 @@ def test_a_segment_unmapped_here_meanwhile_fails_no_pull(linked) -> None:  # typ
             np.testing.assert_array_equal(raw, peer.expected(cache_id, t, raw.nbytes))
         for name in link.mappings.names():  # as `Links.unmap_retired` does
             link.mappings.drop(name)
+
+
+def test_a_pull_of_a_known_plan_is_refused_as_the_first_pull_of_it_is(linked) -> None:  # type: ignore[no-untyped-def]
+    """The face keeps a checked pull's plan by value (every argument but the key): a later pull of the same
+    plan checks only its own key, and is refused with the code the full checks give."""
+    peer, dd = linked
+    manager = dd.kv_cache_manager
+    dst = manager.allocate_cache(CacheDesc(2, [1, 256], DataType.DT_FLOAT16))
+    cache_id = peer.alloc(2, [2, 256], [(P, 1), (P, 2)])
+    wrong = [CacheKey(77, 1), CacheKey(P, 99), CacheKeyByIdAndIndex(77, cache_id, 0)]
+
+    def codes() -> list[LLMStatusCode]:
+        found = []
+        for key in wrong:
+            with pytest.raises(LLMException) as caught:
+                manager.pull_cache(key, dst)
+            found.append(caught.value.status_code)
+        return found
+
+    first = codes()  # no plan kept yet: the full checks
+    assert first == [
+        LLMStatusCode.LLM_NOT_YET_LINK,
+        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+        LLMStatusCode.LLM_NOT_YET_LINK,
+    ]
+    manager.pull_cache(CacheKey(P, 1), dst)  # keeps the plan
+    manager.pull_cache(CacheKeyByIdAndIndex(P, cache_id, 0), dst)
+    assert codes() == first
+    manager.pull_cache(CacheKey(P, 2), dst)  # a key of its own, with the kept plan: slot 1's bytes
+    for t, raw in enumerate(_raw(dst)):
+        np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 2 * raw.nbytes)[raw.nbytes :])
