@@ -17,7 +17,8 @@ import time
 from typing import NamedTuple, NoReturn, Protocol
 
 from llm_datadist._shm.errors import ShmError
-from llm_datadist._shm.index import (
+from llm_datadist._shm.index import Index, IndexCorrupt, IndexLockTimeout
+from llm_datadist._shm.index_layout import (
     CACHE_KEYS_UNPUBLISHED,
     CACHE_PENDING,
     CACHE_WITHDRAWN,
@@ -27,9 +28,6 @@ from llm_datadist._shm.index import (
     KIND_SLOT,
     STATE_OPEN,
     CacheEntry,
-    Index,
-    IndexCorrupt,
-    IndexLockTimeout,
 )
 
 from . import _unpins

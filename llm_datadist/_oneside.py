@@ -22,7 +22,7 @@ from typing import NamedTuple, cast
 
 from llm_datadist._protocol.messages import Table, TableRequest
 from llm_datadist._shm.errors import ShmError
-from llm_datadist._shm.index import CACHE_REMOTE, CACHE_WITHDRAWN, FLAG_CACHES_UNPUBLISHED, STATE_OPEN
+from llm_datadist._shm.index_layout import CACHE_REMOTE, CACHE_WITHDRAWN, FLAG_CACHES_UNPUBLISHED, STATE_OPEN
 from llm_datadist._shm.segment import Segment
 
 from ._acquire import Acquirer

@@ -21,7 +21,7 @@ from llm_datadist._protocol.messages import (
     ResolveRequest,
 )
 from llm_datadist._protocol.messages import Location as LocationMessage
-from llm_datadist._shm.index import CacheEntry
+from llm_datadist._shm.index_layout import CacheEntry
 
 from ._errors import StatusError
 from ._keys import KEY_BLOCKS, KEY_CACHE_ID, KEY_REQ

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .index import (
+from .index_layout import (
     _NAME,
     _NAME_MASK_OFFSET,
     _NAME_NBYTES,

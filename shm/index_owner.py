@@ -37,7 +37,9 @@ from collections.abc import Iterable
 import numpy as np
 
 from .errors import ShmError
-from .index import (
+from .index import Index, IndexTruncated
+from .index_audit import Regions, find_damage, puller_name_state, put_back
+from .index_layout import (
     _BUSY,
     _BUSY_ALL,
     _BUSY_COUNT_OFFSET,
@@ -66,8 +68,6 @@ from .index import (
     STATE_CLOSED,
     STATE_OPEN,
     CacheEntry,
-    Index,
-    IndexTruncated,
     NameEntry,
     RowEntry,
     _hash,
@@ -76,7 +76,6 @@ from .index import (
     _range_mask,
     _read_mask,
 )
-from .index_audit import Regions, find_damage, puller_name_state, put_back
 from .names import make_segment_name
 from .reaper import SHM_DIR
 from .space import exhausted

@@ -34,7 +34,17 @@ from llm_datadist._protocol.messages import (
 )
 
 from .._errors import IndexBusy, StatusError
-from .._keys import KEY_BLOCKS, KEY_CACHE_ID, KeyId, blocks_by_id, check_source_bytes, check_tensors
+from .._keys import (
+    KEY_BLOCKS,
+    KEY_CACHE_ID,
+    KEY_REQ,
+    KeyId,
+    blocks_by_id,
+    check_batch_index,
+    check_source_bytes,
+    check_tensors,
+    not_found,
+)
 from ..status import LLMStatusCode
 from .mirror import SERVER_LOCK_TIMEOUT_S
 from .records import CacheRecord, Lease
@@ -44,6 +54,32 @@ from .table import CacheTable
 # A well-behaved link holds one lease at a time (one transfer at a time per link); this bounds a peer that
 # asks for leases and never releases them.
 MAX_LEASES_PER_OWNER = 1024
+
+
+def find(
+    table: CacheTable, key_kind: int, key_id: int, model_id: int, batch_index: int
+) -> tuple[CacheRecord, int, KeyId | None]:
+    """The cache a key names in `table`, the slot it is bound to, and the req key a successful pull of that
+    slot consumes (none for prefix and blocks keys: those are never consumed). Both locks held."""
+    if key_kind == KEY_BLOCKS:
+        cache_id = table.blocks_keys.get(model_id)
+        record = table.caches.get(cache_id) if cache_id is not None else None
+        if record is None:
+            raise not_found(KEY_BLOCKS, 0, model_id)
+        return record, 0, None
+    if key_kind == KEY_CACHE_ID:
+        record = table.caches.get(key_id)
+        if record is None or record.pending or (record.registered and not record.external):
+            raise not_found(KEY_CACHE_ID, key_id, 0)
+        check_batch_index(record.batch_size, batch_index)
+        return record, batch_index, table.slot_req_key(record.cache_id, batch_index)
+    key = (key_kind, key_id, model_id)
+    key_record = table.keys.get(key)
+    if key_record is not None and table.mirror.claimed(key_record):
+        key_record = None  # pulled whole, or reserved whole by transfers in flight: gone for now
+    if key_record is None:
+        raise not_found(key_kind, key_id, model_id)
+    return table.caches[key_record.cache_id], key_record.slot, key if key_kind == KEY_REQ else None
 
 
 class Leases:
@@ -116,8 +152,8 @@ class Leases:
         """Find the slot a v1 pull names, check the ranges against it and pin it with a lease."""
         with self.table.lock, self._mirror.locked(SERVER_LOCK_TIMEOUT_S):
             self.table.catch_up()
-            record, slot, consume_key = self.table.find(
-                msg.key_kind, msg.key_id, msg.model_id, msg.batch_index
+            record, slot, consume_key = find(
+                self.table, msg.key_kind, msg.key_id, msg.model_id, msg.batch_index
             )
             if msg.key_kind == KEY_CACHE_ID and record.is_blocks:
                 # v1 pulls a continuous slot by cache id; a paged cache is pulled by its blocks key.
@@ -136,7 +172,7 @@ class Leases:
         """Pin the blocks cache a BlocksCacheKey's model_id names (blocks keys are never consumed)."""
         with self.table.lock, self._mirror.locked(SERVER_LOCK_TIMEOUT_S):
             self.table.catch_up()
-            record, _, _ = self.table.find(KEY_BLOCKS, 0, msg.model_id, 0)
+            record, _, _ = find(self.table, KEY_BLOCKS, 0, msg.model_id, 0)
             check_tensors(record.num_tensors, msg.tensor_start, msg.tensor_count, msg.whole)
             segment = record.segment
             tensors = range(msg.tensor_start, msg.tensor_start + msg.tensor_count)
@@ -195,8 +231,8 @@ class Leases:
         A write (a peer's push) only reaches a cache its user still holds, and consumes nothing."""
         with self.table.lock, self._mirror.locked(SERVER_LOCK_TIMEOUT_S):
             self.table.catch_up()
-            record, slot, consume_key = self.table.find(
-                msg.key_kind, msg.key_id, msg.model_id, msg.batch_index
+            record, slot, consume_key = find(
+                self.table, msg.key_kind, msg.key_id, msg.model_id, msg.batch_index
             )
             if msg.for_write and not record.external:
                 raise StatusError(

@@ -21,7 +21,8 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from llm_datadist._shm.index import (
+from llm_datadist._shm.index import IndexLockTimeout
+from llm_datadist._shm.index_layout import (
     FLAG_CACHES_UNPUBLISHED,
     FLAG_UNPUBLISHED,
     KIND_BLOCKS,
@@ -31,7 +32,6 @@ from llm_datadist._shm.index import (
     NAME_CONSUMED,
     NAME_LIVE,
     CacheEntry,
-    IndexLockTimeout,
 )
 from llm_datadist._shm.index_owner import OwnerIndex
 

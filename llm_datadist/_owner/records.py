@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llm_datadist._shm.index import (
+from llm_datadist._shm.index_layout import (
     CACHE_BLOCKS,
     CACHE_KEYS_UNPUBLISHED,
     CACHE_PENDING,

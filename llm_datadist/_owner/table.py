@@ -23,7 +23,7 @@ from llm_datadist._shm.generations import GenerationTable
 from llm_datadist._shm.pool import Pool
 
 from .._errors import IndexBusy, StatusError
-from .._keys import KEY_BLOCKS, KEY_CACHE_ID, KEY_REQ, KeyId, check_batch_index, key_text, not_found
+from .._keys import KEY_REQ, KeyId, key_text
 from ..status import LLMStatusCode
 from ..utils.log import log
 from .mirror import INDEX_LOCK_TIMEOUT_S, SERVER_LOCK_TIMEOUT_S, IndexMirror
@@ -49,7 +49,7 @@ class CacheTable:
         # Told how many keys were published ("published"), removed by the user ("removed") or consumed by
         # pulls ("consumed"): the instance's stats.
         self.on_keys: Callable[[str, int], None] | None = None
-        self._generations = GenerationTable()
+        self.generations = GenerationTable()  # what one-sided readers check (see shm.generations)
         self._oom_code = oom_code
         # Re-entrant: a KvCache finaliser run by the garbage collector may deallocate from inside a call.
         self.lock = threading.RLock()
@@ -64,7 +64,7 @@ class CacheTable:
         self.blocks_keys: dict[int, int] = {}
         self._pending: dict[int, CacheRecord] = {}  # cache_id -> a record whose free waits for a row
         self.mirror = IndexMirror(
-            incarnation=incarnation, generations=self._generations.name, lock_timeout_s=lock_timeout_s
+            incarnation=incarnation, generations=self.generations.name, lock_timeout_s=lock_timeout_s
         )
         self.index = self.mirror.index
 
@@ -220,7 +220,7 @@ class CacheTable:
 
     def _acquire_generation(self) -> tuple[int, int]:
         try:
-            return self._generations.acquire()
+            return self.generations.acquire()
         except ShmError as exc:
             raise StatusError(self._oom_code, str(exc)) from exc
 
@@ -254,9 +254,9 @@ class CacheTable:
         if self.on_keys is not None:
             self.on_keys("published", 1)
 
-    def slot_bound(self, cache_id: int, slot: int) -> bool:
-        """A req key is bound to this slot."""
-        return (cache_id, slot) in self._slot_req_key
+    def slot_req_key(self, cache_id: int, slot: int) -> KeyId | None:
+        """The req key bound to this slot, if any."""
+        return self._slot_req_key.get((cache_id, slot))
 
     def bind_blocks_key(self, model_id: int, cache_id: int) -> None:
         with self.lock, self.mirror.locked():
@@ -265,7 +265,7 @@ class CacheTable:
     def _bind_blocks_key(self, model_id: int, cache_id: int) -> None:
         if model_id in self.blocks_keys:
             # Peers' copies of the table name the old cache under this model id: make them refetch.
-            self._generations.bump_version()
+            self.generations.bump_version()
         self.blocks_keys[model_id] = cache_id
         self.mirror.publish_blocks_key(model_id, self.caches.get(cache_id))
 
@@ -327,7 +327,7 @@ class CacheTable:
         if self.caches.get(record.cache_id) is record:
             self.mirror.withdraw(record)
             del self.caches[record.cache_id]
-            self._generations.retire(record.gen_slot)
+            self.generations.retire(record.gen_slot)
         if self.on_unregistered is not None:
             self.on_unregistered(record)  # before the user may reuse the memory
 
@@ -388,36 +388,11 @@ class CacheTable:
             self.mirror.withdraw(record)
         del self.caches[record.cache_id]
         # Retire the generation before the memory can be handed out again: readers check it after copying.
-        self._generations.retire(record.gen_slot)
+        self.generations.retire(record.gen_slot)
         if record.block is not None:
             self._pools[record.placement].free(record.block)
 
     # ----------------------------------------------------------------- lookups
-
-    def find(
-        self, key_kind: int, key_id: int, model_id: int, batch_index: int
-    ) -> tuple[CacheRecord, int, KeyId | None]:
-        """The cache a key names, the slot it is bound to, and the req key a successful pull of that slot
-        consumes (none for prefix and blocks keys: those are never consumed). Both locks held."""
-        if key_kind == KEY_BLOCKS:
-            cache_id = self.blocks_keys.get(model_id)
-            record = self.caches.get(cache_id) if cache_id is not None else None
-            if record is None:
-                raise not_found(KEY_BLOCKS, 0, model_id)
-            return record, 0, None
-        if key_kind == KEY_CACHE_ID:
-            record = self.caches.get(key_id)
-            if record is None or record.pending or (record.registered and not record.external):
-                raise not_found(KEY_CACHE_ID, key_id, 0)
-            check_batch_index(record.batch_size, batch_index)
-            return record, batch_index, self._slot_req_key.get((record.cache_id, batch_index))
-        key = (key_kind, key_id, model_id)
-        key_record = self.keys.get(key)
-        if key_record is not None and self.mirror.claimed(key_record):
-            key_record = None  # pulled whole, or reserved whole by transfers in flight: gone for now
-        if key_record is None:
-            raise not_found(key_kind, key_id, model_id)
-        return self.caches[key_record.cache_id], key_record.slot, key if key_kind == KEY_REQ else None
 
     def get(self, cache_id: int) -> CacheRecord | None:
         with self.lock:
@@ -429,11 +404,6 @@ class CacheTable:
             self.catch_up()
             key_record = self.keys.get(key)
             return self.caches[key_record.cache_id] if key_record is not None else None
-
-    @property
-    def generations(self) -> GenerationTable:
-        """The generation table one-sided readers check (see shm.generations)."""
-        return self._generations
 
     def pools(self) -> list[Pool]:
         return list(self._pools.values())
@@ -457,7 +427,7 @@ class CacheTable:
             self._pending.clear()
             for pool in self._pools.values():
                 pool.close()
-            self._generations.close()
+            self.generations.close()
             self.mirror.close()
 
 

@@ -74,6 +74,7 @@ class _Puller:
     consumed: tuple[tuple[int, int], frozenset[int], frozenset[int]] | None = None
     alive: bool = True  # the process the row was handed to lives (its pins outlive its connection)
     dropped: bool = False  # the owner ended its connection; it may still unpin, then it reconnects
+    fresh: bytes | None = None  # the kernel's plan of the pin held now, if the kernel took it
 
 
 @dataclass
@@ -385,6 +386,7 @@ class IndexMachine(RuleBasedStateMachine):
         cache_id, slot = puller.pinned[:2] if puller.pinned else (None, None)
         puller.pinned = None
         puller.consumed = None
+        puller.fresh = None
         if named is not None and self.keys.get(named[0], (None, None))[:2] == (cache_id, slot):
             key, taken, tensors = named
             _, _, unclaimed, pulled = self.keys[key]
@@ -534,11 +536,10 @@ class FreshMachine(IndexMachine):
         source = np.frombuffer(sources, dtype=np.uint64)
         for i, t in enumerate(sorted(wanted)):
             assert int(source[i]) == address + record.tensor_offset(t) + slot * SLOT_NBYTES
-        self.fresh_plans[p] = plan
+        puller.fresh = plan
 
     @initialize()
     def keys_bound(self) -> None:
-        self.fresh_plans: dict[int, bytes] = {}
         self.alloc([(KEY_REQ, 1), (KEY_REQ, 2)])
 
     @precondition(lambda self: self.stalled is None)
@@ -546,8 +547,8 @@ class FreshMachine(IndexMachine):
     def pull_unpin(self, p: int, ok: bool) -> None:  # type: ignore[override]
         """A pin the kernel took ends by the kernel's unpin after a copy that went well (or, when it
         reports anything else, by the full way's), and by the full way's after a failed one."""
-        plan = self.fresh_plans.pop(p, None)
         puller = self.pullers[p]
+        plan = puller.fresh
         if plan is None or puller.pinned is None:
             super().pull_unpin(p, ok)
             return

@@ -234,7 +234,8 @@ def test_a_key_a_pin_consumed_is_gone_for_a_request_too(table: CacheTable, lease
     import os
 
     from llm_datadist._owner.rows import Holder
-    from llm_datadist._shm.index import KIND_REQ, Index
+    from llm_datadist._shm.index import Index
+    from llm_datadist._shm.index_layout import KIND_REQ
 
     record = table.allocate(num_tensors=4, tensor_nbytes=100, batch_size=1, keys=[(KEY_REQ, 9, 0)])
     puller = Index.attach(table.index.name, pid=os.getpid(), incarnation=0)

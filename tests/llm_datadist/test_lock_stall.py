@@ -25,7 +25,8 @@ from llm_datadist import (
     LLMStatusCode,
 )
 from llm_datadist._protocol.messages import KEY_REQ, Ping, PullGrant, PullRequest, Release
-from llm_datadist._shm.index import KIND_REQ, Index
+from llm_datadist._shm.index import Index
+from llm_datadist._shm.index_layout import KIND_REQ
 from llm_datadist._wire.client import ClientLink
 from tests._peer import start_index_holder, start_lease_holder
 

@@ -14,16 +14,14 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from llm_datadist._shm.index import (
+from llm_datadist._shm.index import Index, IndexCorrupt, IndexLockTimeout
+from llm_datadist._shm.index_layout import (
     KIND_BLOCKS,
     KIND_PREFIX,
     KIND_REQ,
     NAME_CONSUMED,
     NAME_LIVE,
     CacheEntry,
-    Index,
-    IndexCorrupt,
-    IndexLockTimeout,
 )
 from llm_datadist._shm.index_owner import OwnerIndex
 
