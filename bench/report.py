@@ -167,7 +167,7 @@ def judge_targets(results: Results, layer_slices: Sequence[int]) -> list[dict[st
         target(key, text, ">=", limit, measured, detail)
 
     _serving_targets(rows, skipped, target, x_memcpy)
-    # The microbenchmark: the same small pull repeated with the same objects (the identity memos answer it).
+    # The microbenchmark: the same small pull repeated with the same objects (a prefix key, never consumed).
     small, rtt = rows.get("latency.small"), rows.get("baseline.msgpack")
     text = "microbenchmark: repeated small pull p50 / msgpack round trip"
     if small and rtt:

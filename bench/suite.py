@@ -295,8 +295,8 @@ def _bench_v1(results: Results, port: int, args: argparse.Namespace) -> None:
         samples, cpu = _timed_with_cpu(
             lambda: manager.pull_cache(key, small), 300 if args.quick else 2000, owner.process.pid
         )
-        # A microbenchmark: one call made again and again with the same objects, which the identity memos
-        # answer; no client pulls that way (the serving group's fresh pulls are what clients do).
+        # A microbenchmark: one call made again and again with the same objects (a prefix key, never
+        # consumed, the same bytes hot in the cache); the serving group's fresh pulls are what clients do.
         name = "microbenchmark: 1 x 4 KiB, the same call repeated"
         results.add("latency", name, 4096, samples, cpu_us=cpu, id="latency.small")
         _counting_cost(results, datadist, key, small, args.quick)

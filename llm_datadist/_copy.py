@@ -198,6 +198,13 @@ class Copier:
 
         self._in_parts(len(parts), len(parts), work)
 
+    def one_call(self, total: int) -> int:
+        """How a copy of `total` bytes runs as one call of the kernel on the caller's thread: 1 with plain
+        stores, 2 with streaming stores; 0 when it is split over the copy threads (`copy_addresses`)."""
+        if min(self.threads, total // _MIN_PART_NBYTES) > 1:
+            return 0
+        return 2 if total >= _STREAMING_MIN_NBYTES else 1
+
     def copy_addresses(self, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], nbytes: int) -> bool:
         """`nbytes` from each address of uint64 column `src` to the same row of `dst` (addresses the caller
         checked and keeps mapped), through the C kernel, cut over the copy threads when large; False when

@@ -39,7 +39,7 @@ from ._owner.records import CacheRecord
 from ._source import SourceRef
 from ._wire.client import ClientLink
 
-DONE, BUSY, STALE, FAULTED, PINNED = 0, 1, 2, 3, 4
+DONE, BUSY, STALE, FAULTED, PINNED, COPIED, PIN_FAULTED = 0, 1, 2, 3, 4, 5, 6
 MAX_NBYTES = 64 << 10  # the kernel's HOLD_MAX_NBYTES: copies this small are made under the index lock
 _CHECK_BUSY, _WHOLE = 1, 2
 # row offset, ticket, caches, names and buckets offsets, key id, model id, source offset, bytes per tensor,
@@ -207,8 +207,11 @@ class FreshPulls:
         index = link.index
         assert index is not None  # it is the remembered one (above)
         fd, mapping = index.handle
-        sources = bytearray(8 * count) if count * nbytes > MAX_NBYTES else None
-        outcome = kernel.index_pull_key(mapping, fd, plan, addrs, source.table, sources)
+        total = count * nbytes
+        sources = bytearray(8 * count) if total > MAX_NBYTES else None
+        # A pin's copy in the same call, unless it is split over the copy threads.
+        one_call = self._copier.one_call(total)
+        outcome = kernel.index_pull_key(mapping, fd, plan, addrs, source.table, sources, one_call)
         pause = _LOCK_RETRY_MIN_S
         if outcome == BUSY:
             count_lock_wait()
@@ -216,11 +219,17 @@ class FreshPulls:
             # Held for microseconds (the owner, another puller): wait as the full way's lock would.
             time.sleep(pause)
             pause = min(pause * 2, _LOCK_RETRY_MAX_S)
-            outcome = kernel.index_pull_key(mapping, fd, plan, addrs, source.table, sources)
+            outcome = kernel.index_pull_key(mapping, fd, plan, addrs, source.table, sources, one_call)
         if outcome == PINNED:
             assert sources is not None
             self._copy_pinned(link, index, plan, sources, addrs, dst_offset, nbytes)
             outcome = DONE
+        elif outcome == COPIED:  # the unpin found the lock busy or the row changed: the full way's unpin
+            unpin(link, index, ok=True)
+            outcome = DONE
+        elif outcome == PIN_FAULTED:
+            unpin(link, index, ok=False)  # what it reserved goes back: the key can be pulled again
+            outcome = FAULTED
         del src_arrays, dst_array
         if outcome == FAULTED:
             raise ShmError("a fresh pull met a page that vanished under a mapping: nothing was consumed")

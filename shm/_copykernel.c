@@ -528,6 +528,9 @@ done:
  * or refused, is FRESH_STALE with nothing done: the caller takes the full way, which raises what it calls
  * for. shm/index.py has the layout; the checks are those of the full way's pin (`_dataplane._pin_locked`). */
 enum { FRESH_DONE = 0, FRESH_BUSY = 1, FRESH_STALE = 2, FRESH_FAULTED = 3, FRESH_PINNED = 4 };
+/* index_pull_key with `copy`: copied, but the unpin found the lock busy or the row changed (the caller's full
+ * unpin waits or says why); or the copy met a vanished page while pinned (the caller ends the pin as failed). */
+enum { FRESH_COPIED = 5, FRESH_PIN_FAULTED = 6 };
 enum { FRESH_CHECK_BUSY = 1, FRESH_WHOLE = 2 }; /* plan flags: v1's busy rule; the source must have exactly the tensors */
 enum { NAME_NBYTES = 192, NAME_MASK_OFFSET = 64, NAME_PULLED_OFFSET = 128, NAME_CONSUMED = 2 };
 enum { KIND_REQ = 1, KIND_CACHE = 3, KIND_SLOT = 5, CACHE_BLOCKS = 1, CACHE_REGISTERED = 8, CACHE_KEYS_UNPUBLISHED = 32 };
@@ -710,26 +713,62 @@ static int fresh_locked(void *arg)
     return FRESH_DONE;
 }
 
+static int fresh_unpin_locked(void *arg);
+
+/* The copy of what a fresh pin pinned: tensor i from src[i] to dst[i] + dst_offset, nbytes each. */
+struct pinned_copy {
+    const uint64_t *src, *dst;
+    uint64_t dst_offset, nbytes;
+    uint32_t count;
+    int nontemporal;
+};
+
+static int pinned_copy_step(void *arg)
+{
+    const struct pinned_copy *copy = arg;
+    for (uint32_t i = 0; i < copy->count; i++) {
+        char *dst = (char *)(uintptr_t)(copy->dst[i] + copy->dst_offset);
+        const char *src = (const char *)(uintptr_t)copy->src[i];
+#if HAVE_STREAMING
+        if (copy->nontemporal)
+            copy_streaming(dst, src, copy->nbytes);
+        else
+#endif
+            memcpy(dst, src, copy->nbytes);
+    }
+#if HAVE_STREAMING
+    if (copy->nontemporal)
+        _mm_sfence();
+#endif
+    return 0;
+}
+
 PyDoc_STRVAR(index_pull_key_doc,
-"index_pull_key(mapping, fd, plan, dst_addrs, segments, src_out)\n--\n\n"
+"index_pull_key(mapping, fd, plan, dst_addrs, segments, src_out, copy)\n--\n\n"
 "A pull of a key looked up afresh, in one hold of the index lock (GIL released): 0 done, 1 the lock is\n"
 "busy, 2 stale (not handled here: nothing done), 3 faulted (memory vanished mid-copy: the key is left\n"
 "as it was). plan: llm_datadist._fresh's plan; dst_addrs: one native uint64 address per tensor;\n"
 "segments: the peer's segments mapped here (llm_datadist._fresh's table). src_out None: the copy is made\n"
 "under the lock, at most 64 KiB in all. src_out a writable buffer of one uint64 per tensor: any size, the\n"
-"key pinned through the row instead of copied, each tensor's source address written to src_out, and 4\n"
-"returned (the caller copies, then index_unpin_key).");
+"key pinned through the row, each tensor's source address written to src_out; then with copy 0, 4\n"
+"returned (the caller copies, then index_unpin_key); with copy 1 (plain stores) or 2 (streaming), the\n"
+"copy and the unpin made here with the lock free between: 0 done, 5 copied but not unpinned (the lock\n"
+"busy or the row changed: the caller unpins), 6 a page vanished mid-copy (still pinned: the caller ends\n"
+"the pin as a failed pull's).");
 
 static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "index_pull_key takes 6 arguments");
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "index_pull_key takes 7 arguments");
         return NULL;
     }
     int pin = args[5] != Py_None;
     long fd = PyLong_AsLong(args[1]);
     if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    long copy = PyLong_AsLong(args[6]);
+    if (copy == -1 && PyErr_Occurred())
         return NULL;
     Py_buffer plan_view, addrs_view, segments_view, out_view = {0}, view;
     if (PyObject_GetBuffer(args[2], &plan_view, PyBUF_SIMPLE) < 0)
@@ -779,6 +818,23 @@ static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssiz
         outcome = guarded(fresh_locked, &call, FRESH_FAULTED);
         if (lock_index((int)fd, F_UNLCK) < 0)
             outcome = -1;
+    }
+    if (outcome == FRESH_PINNED && copy) {
+        /* Copy with the lock free (the pin holds the cache and the key), then unpin, as index_unpin_key. */
+        struct pinned_copy pinned = {call.src_out, call.dst_addrs, plan.dst_offset, plan.nbytes, plan.tensor_count,
+                                     copy == 2};
+        if (guarded(pinned_copy_step, &pinned, -1) < 0) {
+            outcome = FRESH_PIN_FAULTED;
+        } else {
+            outcome = lock_index((int)fd, F_WRLCK);
+            if (outcome == 0) {
+                outcome = guarded(fresh_unpin_locked, &call, FRESH_STALE) == FRESH_DONE ? FRESH_DONE : FRESH_COPIED;
+                if (lock_index((int)fd, F_UNLCK) < 0)
+                    outcome = -1;
+            } else {
+                outcome = FRESH_COPIED; /* busy, or no lock to be had: the caller's unpin waits or says why */
+            }
+        }
     }
     error = errno;
     Py_END_ALLOW_THREADS

@@ -34,6 +34,7 @@ def index_pull_key(
     dst_addrs: bytes,
     segments: bytes,
     src_out: bytearray | None,
+    copy: int,
     /,
 ) -> int: ...
 def index_unpin_key(mapping: mmap.mmap, fd: int, plan: bytes, /) -> int: ...

@@ -19,7 +19,7 @@ __all__ = ["Kernel", "kernel"]
 class Kernel(NamedTuple):
     """The C kernel's calls on an index."""
 
-    index_pull_key: Callable[[mmap.mmap, int, bytes, bytes, bytes, bytearray | None], int]
+    index_pull_key: Callable[[mmap.mmap, int, bytes, bytes, bytes, bytearray | None, int], int]
     index_unpin_key: Callable[[mmap.mmap, int, bytes], int]
 
 

@@ -454,9 +454,10 @@ test_index_protocol = IndexMachine.TestCase
 
 class FreshMachine(IndexMachine):
     """The same machine with pulls of keys looked up afresh by the C kernel (`_fresh`): one hold of the
-    index lock that checks, copies and consumes, or a pin through the row like the full way's, ended by
-    the kernel's unpin. Each takes what the full way would, or nothing (then the caller pins the full way),
-    and what it consumes follows the same rules: the model's checks hold over every path mixed."""
+    index lock that checks, copies and consumes; or a pin through the row like the full way's, with the
+    copy and the kernel's unpin in the same call, or the unpin later. Each takes what the full way would,
+    or nothing (then the caller pins the full way), and what it consumes follows the same rules: the
+    model's checks hold over every path mixed."""
 
     @precondition(lambda self: self.stalled is None and _kernel is not None)
     @rule(
@@ -464,12 +465,10 @@ class FreshMachine(IndexMachine):
         pick=st.integers(0, 2**16),
         layer=st.sampled_from([None, 0, 1]),
         consume=st.booleans(),
-        hold=st.booleans(),
+        how=st.sampled_from(["hold", "pin", "pin and copy"]),
         by_id=st.booleans(),
     )
-    def fresh_pull(
-        self, p: int, pick: int, layer: int | None, consume: bool, hold: bool, by_id: bool
-    ) -> None:
+    def fresh_pull(self, p: int, pick: int, layer: int | None, consume: bool, how: str, by_id: bool) -> None:
         puller = self.pullers[p]
         if puller.pinned is not None or puller.dropped:
             return
@@ -516,20 +515,21 @@ class FreshMachine(IndexMachine):
         )
         dst = np.zeros((tensors[1], SLOT_NBYTES), dtype=np.uint8)
         addrs = np.array([dst[i].ctypes.data for i in range(tensors[1])], dtype=np.uint64).tobytes()
+        hold, copy = how == "hold", how == "pin and copy"
         sources = None if hold else bytearray(8 * tensors[1])
         fd, mapping = index.handle
         table = segment_table([(name, address, nbytes)])
-        outcome = _kernel.index_pull_key(mapping, fd, plan, addrs, table, sources)
+        outcome = _kernel.index_pull_key(mapping, fd, plan, addrs, table, sources, int(copy))
         if not expected:
             assert outcome == FRESH_STALE, f"the kernel took {request}, which the full way would not"
             return
-        assert outcome == (FRESH_DONE if hold else FRESH_PINNED), outcome
+        assert outcome == (FRESH_DONE if hold or copy else FRESH_PINNED), outcome
         puller.pinned = (cache_id, slot, tuple(sorted(wanted)))
         taken = frozenset(wanted) if consumes else frozenset()
         if consumes:
             self.keys[key][2].difference_update(wanted)
             puller.consumed = (key, taken, frozenset(wanted))
-        if hold:  # copied under the lock: the bytes are the slot's, and the pull ended well
+        if hold or copy:  # copied (and unpinned): the bytes are the slot's, and the pull ended well
             assert np.all(dst == self.caches[cache_id].fill), "a fresh pull copied other bytes"
             self._ended(puller, True)
             return

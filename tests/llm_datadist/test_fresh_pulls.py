@@ -209,3 +209,25 @@ def test_a_pull_of_a_known_plan_is_refused_as_the_first_pull_of_it_is(linked) ->
     manager.pull_cache(CacheKey(P, 2), dst)  # a key of its own, with the kept plan: slot 1's bytes
     for t, raw in enumerate(_raw(dst)):
         np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 2 * raw.nbytes)[raw.nbytes :])
+
+
+def test_a_request_split_over_the_copy_threads_is_copied_and_consumed(linked) -> None:  # type: ignore[no-untyped-def]
+    """A request large enough for both copy threads (8 MiB here): pinned in one kernel call, copied by the
+    threads with the lock free, unpinned in another call, and consumed."""
+    peer, dd = linked
+    manager = dd.kv_cache_manager
+    elements = 1 << 20  # 2 MiB a tensor's slot
+    peer.alloc(2, [1, 512], [(P, 1)])  # its pull maps the segment the full way
+    manager.pull_cache(CacheKey(P, 1), manager.allocate_cache(CacheDesc(2, [1, 512], DataType.DT_FLOAT16)))
+    cache_id = peer.alloc(4, [2, elements], [(P, 40), (P, 41)])
+    dst = manager.allocate_cache(CacheDesc(4, [1, elements], DataType.DT_FLOAT16))
+    before = _fresh(dd)
+    for slot, req in ((0, 40), (1, 41)):
+        manager.pull_cache(CacheKey(P, req), dst)
+        for t, raw in enumerate(_raw(dst)):
+            whole = peer.expected(cache_id, t, 2 * raw.nbytes)
+            np.testing.assert_array_equal(raw, whole[slot * raw.nbytes : (slot + 1) * raw.nbytes])
+        with pytest.raises(LLMException) as caught:
+            manager.pull_cache(CacheKey(P, req), dst)
+        assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    assert _fresh(dd) == before + (2 if FAST else 0)
