@@ -199,9 +199,10 @@ class Copier:
         self._in_parts(len(parts), len(parts), work)
 
     def one_call(self, total: int) -> int:
-        """How a copy of `total` bytes runs as one call of the kernel on the caller's thread: 1 with plain
-        stores, 2 with streaming stores; 0 when it is split over the copy threads (`copy_addresses`)."""
-        if min(self.threads, total // _MIN_PART_NBYTES) > 1:
+        """How a pull's copy of `total` bytes runs inside its call of the kernel (which shares it with the
+        kernel's own helper thread, two threads in all): 1 with plain stores, 2 with streaming stores; 0
+        when more copy threads than two would take it (`copy_addresses`)."""
+        if min(self.threads, total // _MIN_PART_NBYTES) > 2:
             return 0
         return 2 if total >= _STREAMING_MIN_NBYTES else 1
 

@@ -425,8 +425,8 @@ def test_a_failed_generation_slot_gives_the_pool_block_back() -> None:
     pool = Pool(capacity_nbytes=1 << 20)
     table = CacheTable({1: pool}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
     try:
-        table._generations.close()
-        table._generations = GenerationTable(capacity=2)  # the version word and one slot
+        table.generations.close()
+        table.generations = GenerationTable(capacity=2)  # the version word and one slot
         table.allocate(num_tensors=1, tensor_nbytes=4096, batch_size=1, keys=[])
         used = pool.used_nbytes
         with pytest.raises(StatusError) as info:

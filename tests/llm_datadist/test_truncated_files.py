@@ -126,8 +126,9 @@ def test_a_shrunk_index_fails_a_pull_and_the_owner_grows_it_back(seed: int, port
         del first
 
 
-# A small pull copies under the index lock; a larger one pins through the row and copies with it free.
-@pytest.mark.parametrize("shape", [SHAPE, [1, 65536]], ids=["held", "pinned"])
+# A small pull copies under the index lock; a larger one pins through the row and copies with it free,
+# from 512 KiB with the kernel's helper thread taking a share.
+@pytest.mark.parametrize("shape", [SHAPE, [1, 65536], [1, 1 << 20]], ids=["held", "pinned", "helper"])
 def test_a_shrunk_pool_segment_fails_the_pull_not_the_puller(seed: int, port: int, shape: list[int]) -> None:
     with PromptPeer(P, port, seed) as peer, decoder(D) as dd:
         assert dd.link_clusters([peer.cluster_info()], 5000)[0] == LLMStatusCode.LLM_SUCCESS
