@@ -199,12 +199,13 @@ class Copier:
         self._in_parts(len(parts), len(parts), work)
 
     def one_call(self, total: int) -> int:
-        """How a pull's copy of `total` bytes runs inside its call of the kernel (which shares it with the
-        kernel's own helper thread, two threads in all): 1 with plain stores, 2 with streaming stores; 0
-        when more copy threads than two would take it (`copy_addresses`)."""
+        """How a pull's copy of `total` bytes runs inside its call of the kernel: the kernel's `copy` flags
+        (1: there; | 2: streaming stores; | 4: the kernel's helper thread takes a share, when this process
+        copies on more than one thread, two threads in all). 0 when more copy threads than two would take
+        it (`copy_addresses`)."""
         if min(self.threads, total // _MIN_PART_NBYTES) > 2:
             return 0
-        return 2 if total >= _STREAMING_MIN_NBYTES else 1
+        return 1 | (2 if total >= _STREAMING_MIN_NBYTES else 0) | (4 if self.threads > 1 else 0)
 
     def copy_addresses(self, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], nbytes: int) -> bool:
         """`nbytes` from each address of uint64 column `src` to the same row of `dst` (addresses the caller

@@ -536,6 +536,8 @@ enum { FRESH_DONE = 0, FRESH_BUSY = 1, FRESH_STALE = 2, FRESH_FAULTED = 3, FRESH
 /* index_pull_key with `copy`: copied, but the unpin found the lock busy or the row changed (the caller's full
  * unpin waits or says why); or the copy met a vanished page while pinned (the caller ends the pin as failed). */
 enum { FRESH_COPIED = 5, FRESH_PIN_FAULTED = 6 };
+/* index_pull_key's `copy`: copy here, with streaming stores, with the helper thread taking a share. */
+enum { FRESH_COPY = 1, FRESH_COPY_STREAMING = 2, FRESH_COPY_HELPER = 4 };
 enum { FRESH_CHECK_BUSY = 1, FRESH_WHOLE = 2 }; /* plan flags: v1's busy rule; the source must have exactly the tensors */
 enum { NAME_NBYTES = 192, NAME_MASK_OFFSET = 64, NAME_PULLED_OFFSET = 128, NAME_CONSUMED = 2 };
 enum { KIND_REQ = 1, KIND_CACHE = 3, KIND_SLOT = 5, CACHE_BLOCKS = 1, CACHE_REGISTERED = 8, CACHE_KEYS_UNPUBLISHED = 32 };
@@ -720,8 +722,9 @@ static int fresh_locked(void *arg)
 
 /* The copy helper: one thread of the process's own that takes a share of a pinned copy. A hand-off to a
  * Python copy thread costs 70-150 us on a small VM (a futex wake of a sleeping thread, the GIL), more than
- * a 2 MiB copy gains from the second core; this thread spins for HELPER_SPIN_NS after each copy, so that
- * the copies of a burst of requests find it awake, and sleeps on a futex after. The copy is cut into
+ * a 2 MiB copy gains from the second core; this thread stays awake for HELPER_SPIN_NS after each copy
+ * (yielding its CPU to whoever else may run on it), so that the copies of a burst of requests find it
+ * awake, and sleeps on a futex after. The copy is cut into
  * chunks that both threads claim from one counter: the caller starts at once and never waits for the helper
  * to wake, only for a chunk the helper claimed to end, so a copy is never slower than on one thread. One
  * copy at a time (a second caller copies alone); the job lives in static storage and its fields are
@@ -739,6 +742,8 @@ static struct {
     int nontemporal;
     _Atomic uint64_t next, done;
     _Atomic int faulted;
+    _Atomic uint32_t finished; /* a futex word: 1 once every chunk is done */
+    _Atomic int caller_sleeps;
 } helper_job = {.next = HELPER_CLOSED};
 static pthread_mutex_t helper_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic uint32_t helper_word;
@@ -750,6 +755,16 @@ static uint64_t monotonic_ns(void)
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
     return (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec;
+}
+
+/* One chunk more is done (copied or given up): the last one wakes a caller that sleeps waiting for it. */
+static void chunk_done(void)
+{
+    if (atomic_fetch_add(&helper_job.done, 1) + 1 != helper_job.total)
+        return;
+    atomic_store(&helper_job.finished, 1);
+    if (atomic_load(&helper_job.caller_sleeps))
+        syscall(SYS_futex, &helper_job.finished, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
 }
 
 struct chunk_worker {
@@ -775,7 +790,7 @@ static int copy_chunks(void *arg)
 #endif
             memcpy(dst, src, n);
         worker->busy = 0;
-        atomic_fetch_add_explicit(&helper_job.done, 1, memory_order_release);
+        chunk_done();
     }
 #if HAVE_STREAMING
     if (helper_job.nontemporal)
@@ -792,9 +807,9 @@ static void work_on_job(void)
         return;
     atomic_store(&helper_job.faulted, 1);
     if (worker.busy)
-        atomic_fetch_add_explicit(&helper_job.done, 1, memory_order_release);
+        chunk_done();
     while (atomic_fetch_add_explicit(&helper_job.next, 1, memory_order_acq_rel) < helper_job.total)
-        atomic_fetch_add_explicit(&helper_job.done, 1, memory_order_release); /* the rest, not copied */
+        chunk_done(); /* the rest, not copied */
 }
 
 static void *helper_main(void *arg)
@@ -805,9 +820,8 @@ static void *helper_main(void *arg)
         uint64_t until = monotonic_ns() + HELPER_SPIN_NS;
         while (atomic_load_explicit(&helper_word, memory_order_acquire) == seen) {
             if (monotonic_ns() < until) {
-#if HAVE_STREAMING
-                _mm_pause();
-#endif
+                /* Yield, not pause: on a small machine the caller may be runnable on this very CPU. */
+                sched_yield();
                 continue;
             }
             atomic_store(&helper_sleeping, 1);
@@ -865,19 +879,27 @@ static int copy_with_helper(const uint64_t *src, const uint64_t *dst, uint64_t d
     helper_job.nontemporal = nontemporal;
     atomic_store(&helper_job.faulted, 0);
     atomic_store(&helper_job.done, 0);
+    atomic_store(&helper_job.finished, 0);
+    atomic_store(&helper_job.caller_sleeps, 0);
     atomic_store_explicit(&helper_job.next, 0, memory_order_release); /* open: the fields above are set */
     atomic_fetch_add_explicit(&helper_word, 1, memory_order_release);
     if (atomic_load(&helper_sleeping))
         syscall(SYS_futex, &helper_word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
     work_on_job();
-    /* The helper ends the chunk it claimed (microseconds); if it was preempted meanwhile, let it run. */
-    for (unsigned spins = 0; atomic_load_explicit(&helper_job.done, memory_order_acquire) < helper_job.total; spins++) {
-        if (spins > 4096)
-            sched_yield();
+    /* The helper ends the chunk it claimed (microseconds). If it takes longer it was preempted: sleep, so
+     * that this CPU goes idle and the scheduler may move the helper here, and let its last chunk wake us. */
+    uint64_t spin_until = monotonic_ns() + 20000;
+    while (atomic_load(&helper_job.done) < helper_job.total) {
+        if (monotonic_ns() < spin_until) {
 #if HAVE_STREAMING
-        else
             _mm_pause();
 #endif
+            continue;
+        }
+        atomic_store(&helper_job.caller_sleeps, 1);
+        struct timespec most = {0, 1000000}; /* a missed wake costs at most this */
+        if (atomic_load(&helper_job.done) < helper_job.total)
+            syscall(SYS_futex, &helper_job.finished, FUTEX_WAIT_PRIVATE, 0, &most, NULL, 0);
     }
     atomic_store(&helper_job.next, HELPER_CLOSED);
     int faulted = atomic_load(&helper_job.faulted);
@@ -923,10 +945,10 @@ PyDoc_STRVAR(index_pull_key_doc,
 "segments: the peer's segments mapped here (llm_datadist._fresh's table). src_out None: the copy is made\n"
 "under the lock, at most 64 KiB in all. src_out a writable buffer of one uint64 per tensor: any size, the\n"
 "key pinned through the row, each tensor's source address written to src_out; then with copy 0, 4\n"
-"returned (the caller copies, then index_unpin_key); with copy 1 (plain stores) or 2 (streaming), the\n"
-"copy and the unpin made here with the lock free between: 0 done, 5 copied but not unpinned (the lock\n"
-"busy or the row changed: the caller unpins), 6 a page vanished mid-copy (still pinned: the caller ends\n"
-"the pin as a failed pull's).");
+"returned (the caller copies, then index_unpin_key); with copy 1 (| 2: streaming stores, | 4: the helper\n"
+"thread takes a share), the copy and the unpin made here with the lock free between: 0 done, 5 copied\n"
+"but not unpinned (the lock busy or the row changed: the caller unpins), 6 a page vanished mid-copy\n"
+"(still pinned: the caller ends the pin as a failed pull's).");
 
 static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -993,10 +1015,13 @@ static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssiz
     }
     if (outcome == FRESH_PINNED && copy) {
         /* Copy with the lock free (the pin holds the cache and the key), then unpin, as index_unpin_key. */
+        int streaming = (copy & FRESH_COPY_STREAMING) != 0;
         struct pinned_copy pinned = {call.src_out, call.dst_addrs, plan.dst_offset, plan.nbytes, plan.tensor_count,
-                                     copy == 2};
-        int copied = copy_with_helper(call.src_out, call.dst_addrs, plan.dst_offset, plan.nbytes, plan.tensor_count,
-                                      copy == 2);
+                                     streaming};
+        int copied = 1;
+        if (copy & FRESH_COPY_HELPER)
+            copied = copy_with_helper(call.src_out, call.dst_addrs, plan.dst_offset, plan.nbytes, plan.tensor_count,
+                                      streaming);
         if (copied == 1)
             copied = guarded(pinned_copy_step, &pinned, -1);
         if (copied < 0) {

@@ -519,7 +519,7 @@ class FreshMachine(IndexMachine):
         sources = None if hold else bytearray(8 * tensors[1])
         fd, mapping = index.handle
         table = segment_table([(name, address, nbytes)])
-        outcome = _kernel.index_pull_key(mapping, fd, plan, addrs, table, sources, int(copy))
+        outcome = _kernel.index_pull_key(mapping, fd, plan, addrs, table, sources, 5 if copy else 0)
         if not expected:
             assert outcome == FRESH_STALE, f"the kernel took {request}, which the full way would not"
             return
