@@ -208,9 +208,9 @@ class FreshPulls:
         assert index is not None  # it is the remembered one (above)
         fd, mapping = index.handle
         total = count * nbytes
-        sources = bytearray(8 * count) if total > MAX_NBYTES else None
-        # A pin's copy in the same call, unless it is split over the copy threads.
-        one_call = self._copier.one_call(total)
+        sources, one_call = None, 0
+        if total > MAX_NBYTES:  # a pin, and its copy in the same call unless more copy threads take it
+            sources, one_call = bytearray(8 * count), self._copier.one_call(total)
         outcome = kernel.index_pull_key(mapping, fd, plan, addrs, source.table, sources, one_call)
         pause = _LOCK_RETRY_MIN_S
         if outcome == BUSY:
