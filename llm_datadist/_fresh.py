@@ -3,8 +3,9 @@ the C kernel, with no Python per tensor: look the key up in the peer's index, ch
 pin would, copy and consume (`index_pull_key` in shm/_copykernel.c, the GIL released). A pull of at most
 `MAX_NBYTES` is all one hold of the index lock, with nothing written to our row: nothing the owner does can
 come between the lookup and the copy. A larger one is pinned through our row as the full way pins (the key
-reserved, the cache and the key named), copied by the copy threads with the lock free, and unpinned
-(`index_unpin_key`), crediting what it pulled.
+reserved, the cache and the key named), copied with the lock free and unpinned, crediting what it pulled,
+in the same call (the copy shared with the kernel's helper thread); a copy for more than two copy threads
+is made by them between that call's pin and a second call's unpin (`index_unpin_key`).
 
 Rules: what it does not handle (no kernel, fault injection armed, a lease pull, registered memory, a
 segment not mapped here yet, a key partly reserved by another pull, anything refused or odd) comes back

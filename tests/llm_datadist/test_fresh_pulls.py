@@ -211,12 +211,15 @@ def test_a_pull_of_a_known_plan_is_refused_as_the_first_pull_of_it_is(linked) ->
         np.testing.assert_array_equal(raw, peer.expected(cache_id, t, 2 * raw.nbytes)[raw.nbytes :])
 
 
-def test_a_request_split_over_the_copy_threads_is_copied_and_consumed(linked) -> None:  # type: ignore[no-untyped-def]
-    """A request large enough for both copy threads (8 MiB here): pinned in one kernel call, copied by the
-    threads with the lock free, unpinned in another call, and consumed."""
+@pytest.mark.parametrize("threads", [2, 4])
+def test_a_request_split_over_the_copy_threads_is_copied_and_consumed(linked, threads: int) -> None:  # type: ignore[no-untyped-def]
+    """A request large enough for more than one thread (16 MiB here): with two copy threads, one kernel call
+    shares the copy with the kernel's helper thread; with four, it is pinned in one kernel call, copied by
+    the copy threads with the lock free and unpinned in another call. Consumed either way."""
     peer, dd = linked
     manager = dd.kv_cache_manager
-    elements = 1 << 20  # 2 MiB a tensor's slot
+    dd._require_core().copier.threads = threads
+    elements = 2 << 20  # 4 MiB a tensor's slot
     peer.alloc(2, [1, 512], [(P, 1)])  # its pull maps the segment the full way
     manager.pull_cache(CacheKey(P, 1), manager.allocate_cache(CacheDesc(2, [1, 512], DataType.DT_FLOAT16)))
     cache_id = peer.alloc(4, [2, elements], [(P, 40), (P, 41)])
