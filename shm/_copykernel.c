@@ -724,9 +724,9 @@ static int fresh_locked(void *arg)
  * Python copy thread costs 70-150 us on a small VM (a futex wake of a sleeping thread, the GIL), more than
  * a 2 MiB copy gains from the second core; this thread stays awake for HELPER_SPIN_NS after each copy
  * (yielding its CPU to whoever else may run on it), so that the copies of a burst of requests find it
- * awake, and sleeps on a futex after. The copy is cut into
- * chunks that both threads claim from one counter: the caller starts at once and never waits for the helper
- * to wake, only for a chunk the helper claimed to end, so a copy is never slower than on one thread. One
+ * awake, and sleeps on a futex after. The copy is cut into chunks that both threads claim from one
+ * counter: the caller starts at once and never waits for the helper to wake, only for a chunk the helper
+ * claimed to end (sleeping on a futex after 20 us, so that a preempted helper may be moved to its CPU). One
  * copy at a time (a second caller copies alone); the job lives in static storage and its fields are
  * written before the claim counter opens it (release) and read after a claim (acquire); the caller returns
  * only once every claimed chunk is done. A page that vanishes mid-chunk (SIGBUS, SIGSEGV) stops the copy:
@@ -784,18 +784,15 @@ static int copy_chunks(void *arg)
         char *dst = (char *)(uintptr_t)(helper_job.dst[t] + helper_job.dst_offset + from);
         const char *src = (const char *)(uintptr_t)(helper_job.src[t] + from);
 #if HAVE_STREAMING
-        if (helper_job.nontemporal)
+        if (helper_job.nontemporal) {
             copy_streaming(dst, src, n);
-        else
+            _mm_sfence(); /* the streaming stores are visible before the chunk counts as done */
+        } else
 #endif
             memcpy(dst, src, n);
         worker->busy = 0;
         chunk_done();
     }
-#if HAVE_STREAMING
-    if (helper_job.nontemporal)
-        _mm_sfence();
-#endif
     return 0;
 }
 
