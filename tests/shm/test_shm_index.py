@@ -262,6 +262,13 @@ def _published(owner: OwnerIndex) -> list[tuple[int, tuple[int, int, int]]]:
     return names
 
 
+def _masks_hit(index: Index, number: int, hit: list[range]) -> bool:
+    """Whether a write in `hit` touched name `number`'s masks: what pullers write, so a repair keeps it (a
+    stray write there reads as pulls; one that marks a req key pulled whole makes it consumed)."""
+    masks = set(range(index.name_offset(number) + 64, index.name_offset(number) + 192))
+    return any(masks & set(written) for written in hit)
+
+
 @settings(max_examples=80, deadline=None)
 @hypothesis.given(
     writes=st.lists(
@@ -276,10 +283,12 @@ def test_a_repair_puts_back_what_the_owner_wrote_and_keeps_what_pullers_did(
         names = _published(owner)
         path = f"/dev/shm/{owner.name[1:]}"
         size = os.path.getsize(path)
+        hit: list[range] = []
         with open(path, "r+b") as raw:
             for offset, data in writes:
                 raw.seek(offset % (size - len(data)))
                 raw.write(data)
+                hit.append(range(offset % (size - len(data)), offset % (size - len(data)) + len(data)))
         # The owner's own reads never fail, whatever the file holds.
         with owner.locked(1.0):
             owner.consumed_names()
@@ -293,6 +302,8 @@ def test_a_repair_puts_back_what_the_owner_wrote_and_keeps_what_pullers_did(
             with puller.locked(1.0):
                 for number, key in names:
                     found = puller.lookup(*key)
+                    if found is None and key[0] == KIND_REQ and _masks_hit(puller, number, hit):
+                        continue  # a stray write into its masks read as pulls of all of it: consumed
                     assert found is not None and found.number == number
                     assert puller.cache(found.cache_slot).generation == 10 + key[1]
                     # What the puller consumed stays consumed, unless a stray write hit that very mask.
@@ -301,7 +312,11 @@ def test_a_repair_puts_back_what_the_owner_wrote_and_keeps_what_pullers_did(
                 owner.remove_name(0)
             with puller.locked(1.0):
                 assert puller.lookup(*names[0][1]) is None
-                assert all(puller.lookup(*key) is not None for _, key in names[1:])
+                assert all(
+                    puller.lookup(*key) is not None
+                    for number, key in names[1:]
+                    if not (key[0] == KIND_REQ and _masks_hit(puller, number, hit))
+                )
         finally:
             puller.close()
     finally:
