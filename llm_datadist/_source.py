@@ -12,6 +12,7 @@ bound to). With a `segment`, bases are offsets in it; with segment "", addresses
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from llm_datadist._protocol.messages import (
     BlocksGrant,
@@ -35,12 +36,12 @@ V2 = 2
 SourceRequest = PullRequest | BlocksRequest | ResolveRequest
 
 
-@dataclass(frozen=True, slots=True)
-class SourceRef:
+class SourceRef(NamedTuple):
     """What a pull (or a v2 push) names: a key (`key_kind`, `key_id`, `model_id`) or a cache id and batch
     slot (`batch_index`), tensors [tensor_start, +tensor_count) of it (`whole`: the cache has exactly
     that many), and for v1 pulls `nbytes` of each tensor's slot from `src_offset`. `consume`: a pull that
-    ends well consumes what it pulled of a req key. `for_write`: a push into it (consumes nothing)."""
+    ends well consumes what it pulled of a req key. `for_write`: a push into it (consumes nothing). A tuple:
+    every pull builds one, and a tuple is the cheapest thing to build."""
 
     key_kind: int
     key_id: int

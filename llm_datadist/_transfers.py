@@ -16,6 +16,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from llm_datadist._protocol.messages import WriteGrant
 from llm_datadist._shm.copyplan import BlockPlan
@@ -37,8 +38,7 @@ from .status import LLMStatusCode
 from .utils.log import log
 
 
-@dataclass(frozen=True, slots=True)
-class PullSpec:
+class PullSpec(NamedTuple):
     """A validated v1 pull: `ref` at `remote_cluster_id` into our tensors from `dst_tensor_start`, each at
     `dst_base_offset` into its slot (the batch slot and offset the caller chose)."""
 
