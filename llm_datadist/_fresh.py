@@ -19,6 +19,7 @@ range.
 
 from __future__ import annotations
 
+import mmap
 import struct
 import time
 import weakref
@@ -84,8 +85,11 @@ class _Source:
         """The same source over `segments` (those still open)."""
         live, entries = [], []
         for segment in segments[-_MAX_SEGMENTS:]:
+            name = segment.name.encode("ascii")
+            if len(name) > 64:  # not a name an index's cache entry can hold
+                continue
             try:
-                entries.append((segment.name.encode("ascii"), segment.address, segment.nbytes))
+                entries.append((name, segment.address, segment.nbytes))
             except ShmError:
                 continue
             live.append(weakref.ref(segment))
@@ -99,7 +103,7 @@ class _Source:
 
 def segment_table(segments: list[tuple[bytes, int, int]]) -> bytes:
     """The kernel's table of a peer's segments mapped here: (name, address here, size) each."""
-    return b"".join(_SEGMENT.pack(*entry) for entry in segments if len(entry[0]) <= 64)
+    return b"".join(_SEGMENT.pack(*entry) for entry in segments)
 
 
 def pack_plan(
@@ -223,7 +227,7 @@ class FreshPulls:
             outcome = kernel.index_pull_key(mapping, fd, plan, addrs, source.table, sources, one_call)
         if outcome == PINNED:
             assert sources is not None
-            self._copy_pinned(link, index, plan, sources, addrs, dst_offset, nbytes)
+            self._copy_pinned(link, index, (fd, mapping), plan, sources, addrs, dst_offset, nbytes)
             outcome = DONE
         elif outcome == COPIED:  # the unpin found the lock busy or the row changed: the full way's unpin
             unpin(link, index, ok=True)
@@ -243,6 +247,7 @@ class FreshPulls:
         self,
         link: ClientLink,
         index: Index,
+        handle: tuple[int, mmap.mmap],
         plan: bytes,
         sources: bytearray,
         addrs: bytes,
@@ -261,7 +266,7 @@ class FreshPulls:
             unpin(link, index, ok=False)  # what it reserved goes back: the key can be pulled again
             raise
         try:
-            unpinned = kernel.index_unpin_key(index.handle[1], index.handle[0], plan)
+            unpinned = kernel.index_unpin_key(handle[1], handle[0], plan)
         except OSError:
             unpinned = BUSY
         if unpinned != DONE:

@@ -88,18 +88,14 @@ def _pull_plan_key(
     return (kind, kv_cache.cache_id, batch_index, size, tuple(kwargs.items()))
 
 
-def _spec_for(key: CacheKey | CacheKeyByIdAndIndex, plan: PullSpec) -> PullSpec:
-    """`plan` (a checked pull of the same plan key) for `key`."""
+def _spec_for(api: str, key: CacheKey | CacheKeyByIdAndIndex, plan: PullSpec) -> PullSpec:
+    """`plan` (a checked pull of the same plan key, so `key` passes `key_fields`) for `key`."""
+    cluster, kind, key_id, model_id, batch = key_fields(api, key)
     ref = plan.ref
-    if ref.key_kind == KEY_CACHE_ID:
-        cluster, key_id, model_id, batch = key.cluster_id, key.cache_id, 0, key.batch_index  # type: ignore[union-attr]
-    else:
-        cluster, model_id, batch = key.prompt_cluster_id, key.model_id, 0  # type: ignore[union-attr]
-        key_id = key.req_id if ref.key_kind == KEY_REQ else key.prefix_id  # type: ignore[union-attr]
     return PullSpec(
         cluster,
         SourceRef(
-            ref.key_kind,
+            kind,
             key_id,
             model_id,
             batch,
@@ -330,7 +326,7 @@ class KvCacheManager:
                     and kv_cache._is_valid
                     and core.table.get(kv_cache.cache_id) is record
                 ):
-                    _run_pull(api, core, core.transfers.pull, _spec_for(cache_key, spec), record)
+                    _run_pull(api, core, core.transfers.pull, _spec_for(api, cache_key, spec), record)
                     return
         core = self._require_core(api)
         self._check_role(api, LLMRole.DECODER)
