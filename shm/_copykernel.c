@@ -50,6 +50,21 @@ static void copy_streaming(char *dst, const char *src, size_t nbytes)
 }
 #endif
 
+/* nbytes from src to dst, which do not overlap: with streaming stores when nontemporal (and the build has
+ * them; the caller fences), else memcpy. */
+static void copy_span(char *dst, const char *src, size_t nbytes, int nontemporal)
+{
+#if HAVE_STREAMING
+    if (nontemporal) {
+        copy_streaming(dst, src, nbytes);
+        return;
+    }
+#else
+    (void)nontemporal;
+#endif
+    memcpy(dst, src, nbytes);
+}
+
 /* SIGBUS (a file shrunk under its mapping) or SIGSEGV (memory a user registered and then unmapped) during
  * a copy jumps back to the copy on the faulting thread. The handlers are installed while any thread copies
  * (counted under a mutex) and the previous ones restored after, so that faulthandler and others keep both
@@ -228,12 +243,8 @@ static Py_ssize_t copy_all(const struct runs *runs, int nontemporal)
             size_t nbytes = (size_t)runs->lengths[i];
             if (dst < src + nbytes && src < dst + nbytes)
                 memmove(dst, src, nbytes);
-#if HAVE_STREAMING
-            else if (nontemporal)
-                copy_streaming(dst, src, nbytes);
-#endif
             else
-                memcpy(dst, src, nbytes);
+                copy_span(dst, src, nbytes, nontemporal);
         }
         faulted = -1;
     }
@@ -286,14 +297,12 @@ static int copy_one(void *arg)
     const struct one_run *run = arg;
     if (run->dst < run->src + run->nbytes && run->src < run->dst + run->nbytes)
         memmove(run->dst, run->src, run->nbytes);
-#if HAVE_STREAMING
-    else if (run->nontemporal) {
-        copy_streaming(run->dst, run->src, run->nbytes);
-        _mm_sfence();
-    }
-#endif
     else
-        memcpy(run->dst, run->src, run->nbytes);
+        copy_span(run->dst, run->src, run->nbytes, run->nontemporal);
+#if HAVE_STREAMING
+    if (run->nontemporal)
+        _mm_sfence();
+#endif
     return 0;
 }
 
@@ -434,6 +443,19 @@ static int get_index(PyObject *mapping, Py_buffer *view, uint64_t end)
 }
 
 static uint64_t max3(uint64_t a, uint64_t b, uint64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+/* step(arg) under the index lock (taken without waiting) and the fault guard: its result, `faulted` if memory
+ * vanished under a mapping meanwhile, INDEX_BUSY, or -1 with errno set. Callable without the GIL. */
+static int index_locked(int fd, int (*step)(void *), void *arg, int faulted)
+{
+    int result = lock_index(fd, F_WRLCK);
+    if (result != 0)
+        return result;
+    result = guarded(step, arg, faulted);
+    if (lock_index(fd, F_UNLCK) < 0)
+        return -1;
+    return result;
+}
 
 /* vm_read_checked's results (llm_datadist/_oneside.py has the rules). */
 enum { VM_DONE = 0, VM_GONE = 1, VM_STALE = 2, VM_CHANGED = 3, VM_SHORT = 4 };
@@ -783,13 +805,11 @@ static int copy_chunks(void *arg)
         uint64_t n = helper_job.nbytes - from < HELPER_CHUNK_NBYTES ? helper_job.nbytes - from : HELPER_CHUNK_NBYTES;
         char *dst = (char *)(uintptr_t)(helper_job.dst[t] + helper_job.dst_offset + from);
         const char *src = (const char *)(uintptr_t)(helper_job.src[t] + from);
+        copy_span(dst, src, n, helper_job.nontemporal);
 #if HAVE_STREAMING
-        if (helper_job.nontemporal) {
-            copy_streaming(dst, src, n);
+        if (helper_job.nontemporal)
             _mm_sfence(); /* the streaming stores are visible before the chunk counts as done */
-        } else
 #endif
-            memcpy(dst, src, n);
         worker->busy = 0;
         chunk_done();
     }
@@ -919,13 +939,7 @@ static int pinned_copy_step(void *arg)
     const struct pinned_copy *copy = arg;
     for (uint32_t i = 0; i < copy->count; i++) {
         char *dst = (char *)(uintptr_t)(copy->dst[i] + copy->dst_offset);
-        const char *src = (const char *)(uintptr_t)copy->src[i];
-#if HAVE_STREAMING
-        if (copy->nontemporal)
-            copy_streaming(dst, src, copy->nbytes);
-        else
-#endif
-            memcpy(dst, src, copy->nbytes);
+        copy_span(dst, (const char *)(uintptr_t)copy->src[i], copy->nbytes, copy->nontemporal);
     }
 #if HAVE_STREAMING
     if (copy->nontemporal)
@@ -1004,12 +1018,7 @@ static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssiz
                               pin ? out_view.buf : NULL};
     int outcome, error = 0;
     Py_BEGIN_ALLOW_THREADS
-    outcome = lock_index((int)fd, F_WRLCK);
-    if (outcome == 0) {
-        outcome = guarded(fresh_locked, &call, FRESH_FAULTED);
-        if (lock_index((int)fd, F_UNLCK) < 0)
-            outcome = -1;
-    }
+    outcome = index_locked((int)fd, fresh_locked, &call, FRESH_FAULTED);
     if (outcome == FRESH_PINNED && copy) {
         /* Copy with the lock free (the pin holds the cache and the key), then unpin, as index_unpin_key. */
         int streaming = (copy & FRESH_COPY_STREAMING) != 0;
@@ -1024,14 +1033,9 @@ static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssiz
         if (copied < 0) {
             outcome = FRESH_PIN_FAULTED;
         } else {
-            outcome = lock_index((int)fd, F_WRLCK);
-            if (outcome == 0) {
-                outcome = guarded(fresh_unpin_locked, &call, FRESH_STALE) == FRESH_DONE ? FRESH_DONE : FRESH_COPIED;
-                if (lock_index((int)fd, F_UNLCK) < 0)
-                    outcome = -1;
-            } else {
-                outcome = FRESH_COPIED; /* busy, or no lock to be had: the caller's unpin waits or says why */
-            }
+            /* Busy, no lock to be had, or the row changed: the caller's unpin waits or says why. */
+            int unpinned = index_locked((int)fd, fresh_unpin_locked, &call, FRESH_STALE);
+            outcome = unpinned == FRESH_DONE ? FRESH_DONE : FRESH_COPIED;
         }
     }
     error = errno;
@@ -1119,12 +1123,7 @@ static PyObject *index_unpin_key(PyObject *module, PyObject *args)
     struct fresh_call call = {view.buf, (uint64_t)view.len, &plan, NULL, NULL, 0, NULL};
     int outcome, error = 0;
     Py_BEGIN_ALLOW_THREADS
-    outcome = lock_index(fd, F_WRLCK);
-    if (outcome == 0) {
-        outcome = guarded(fresh_unpin_locked, &call, FRESH_STALE);
-        if (lock_index(fd, F_UNLCK) < 0)
-            outcome = -1;
-    }
+    outcome = index_locked(fd, fresh_unpin_locked, &call, FRESH_STALE);
     error = errno;
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
