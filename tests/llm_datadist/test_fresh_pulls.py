@@ -44,6 +44,24 @@ def _keys(peer: PromptPeer) -> int:
     return int(peer.call("stats")["keys"])
 
 
+def _map_segment(peer: PromptPeer, manager) -> None:  # type: ignore[no-untyped-def]
+    """A first pull, which maps the owner's segment the full way (the kernel's way reads it after)."""
+    peer.alloc(2, [1, 512], [(P, 1)])
+    manager.pull_cache(CacheKey(P, 1), manager.allocate_cache(CacheDesc(2, [1, 512], DataType.DT_FLOAT16)))
+
+
+def _pull_slot_once(peer: PromptPeer, manager, req: int, dst, cache_id: int, slot: int) -> None:  # type: ignore[no-untyped-def]
+    """Pull req key `req` (slot `slot` of the owner's cache `cache_id`, a batch of 2) into `dst`: its bytes
+    arrive, and the key is consumed (a second pull of it is LLM_KV_CACHE_NOT_EXIST)."""
+    manager.pull_cache(CacheKey(P, req), dst)
+    for t, raw in enumerate(_raw(dst)):
+        whole = peer.expected(cache_id, t, 2 * raw.nbytes)
+        np.testing.assert_array_equal(raw, whole[slot * raw.nbytes : (slot + 1) * raw.nbytes])
+    with pytest.raises(LLMException) as caught:
+        manager.pull_cache(CacheKey(P, req), dst)
+    assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+
+
 # Elements per slot of a tensor: a request of 4 KiB, copied under the index lock, and one of 256 KiB, pinned
 # through our row and copied with the lock free.
 SIZES = pytest.mark.parametrize("elements", [512, 32768], ids=["held", "pinned"])
@@ -61,13 +79,7 @@ def test_new_key_objects_each_pulled_once_are_copied_and_consumed(linked, elemen
         for slot, req in ((0, 100 + r), (1, 200 + r)):
             for raw in _raw(dst):
                 raw[:] = 0
-            manager.pull_cache(CacheKey(P, req), dst)
-            for t, raw in enumerate(_raw(dst)):
-                whole = peer.expected(cache_id, t, 2 * raw.nbytes)
-                np.testing.assert_array_equal(raw, whole[slot * raw.nbytes : (slot + 1) * raw.nbytes])
-            with pytest.raises(LLMException) as caught:
-                manager.pull_cache(CacheKey(P, req), dst)
-            assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+            _pull_slot_once(peer, manager, req, dst, cache_id, slot)
     # The first pull mapped the owner's segment the full way; every other one took one kernel call.
     assert _fresh(dd) == (2 * requests - 1 if FAST else 0)
     deadline = time.monotonic() + 10
@@ -81,8 +93,7 @@ def test_layer_by_layer_with_new_key_objects_consumes_after_the_last_layer(linke
     peer, dd = linked
     manager = dd.kv_cache_manager
     layers = 4
-    peer.alloc(2, [1, 512], [(P, 1)])  # its pull maps the segment the full way
-    manager.pull_cache(CacheKey(P, 1), manager.allocate_cache(CacheDesc(2, [1, 512], DataType.DT_FLOAT16)))
+    _map_segment(peer, manager)
     cache_id = peer.alloc(2 * layers, [1, elements], [(P, 7)])
     dst = manager.allocate_cache(CacheDesc(2 * layers, [1, elements], DataType.DT_FLOAT16))
     before = _fresh(dd)
@@ -105,8 +116,7 @@ def test_layer_by_layer_by_cache_id_consumes_the_slots_req_key(linked, elements:
     peer, dd = linked
     manager = dd.kv_cache_manager
     layers = 4
-    peer.alloc(2, [1, 512], [(P, 1)])  # its pull maps the segment the full way
-    manager.pull_cache(CacheKey(P, 1), manager.allocate_cache(CacheDesc(2, [1, 512], DataType.DT_FLOAT16)))
+    _map_segment(peer, manager)
     cache_id = peer.alloc(2 * layers, [2, elements], [(P, 30), (P, 31)])
     dst = manager.allocate_cache(CacheDesc(2 * layers, [1, elements], DataType.DT_FLOAT16))
     before = _fresh(dd)
@@ -220,17 +230,10 @@ def test_a_request_split_over_the_copy_threads_is_copied_and_consumed(linked, th
     manager = dd.kv_cache_manager
     dd._require_core().copier.threads = threads
     elements = 2 << 20  # 4 MiB a tensor's slot
-    peer.alloc(2, [1, 512], [(P, 1)])  # its pull maps the segment the full way
-    manager.pull_cache(CacheKey(P, 1), manager.allocate_cache(CacheDesc(2, [1, 512], DataType.DT_FLOAT16)))
+    _map_segment(peer, manager)
     cache_id = peer.alloc(4, [2, elements], [(P, 40), (P, 41)])
     dst = manager.allocate_cache(CacheDesc(4, [1, elements], DataType.DT_FLOAT16))
     before = _fresh(dd)
     for slot, req in ((0, 40), (1, 41)):
-        manager.pull_cache(CacheKey(P, req), dst)
-        for t, raw in enumerate(_raw(dst)):
-            whole = peer.expected(cache_id, t, 2 * raw.nbytes)
-            np.testing.assert_array_equal(raw, whole[slot * raw.nbytes : (slot + 1) * raw.nbytes])
-        with pytest.raises(LLMException) as caught:
-            manager.pull_cache(CacheKey(P, req), dst)
-        assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        _pull_slot_once(peer, manager, req, dst, cache_id, slot)
     assert _fresh(dd) == before + (2 if FAST else 0)

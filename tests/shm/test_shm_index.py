@@ -286,9 +286,10 @@ def test_a_repair_puts_back_what_the_owner_wrote_and_keeps_what_pullers_did(
         hit: list[range] = []
         with open(path, "r+b") as raw:
             for offset, data in writes:
-                raw.seek(offset % (size - len(data)))
+                at = offset % (size - len(data))
+                raw.seek(at)
                 raw.write(data)
-                hit.append(range(offset % (size - len(data)), offset % (size - len(data)) + len(data)))
+                hit.append(range(at, at + len(data)))
         # The owner's own reads never fail, whatever the file holds.
         with owner.locked(1.0):
             owner.consumed_names()
