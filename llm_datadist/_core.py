@@ -80,6 +80,7 @@ class Core(NodeHooks):
         self.settings = settings
         self.role = settings.role
         self.forked_from: int | None = None  # the parent's pid, in a child forked after init (`abandon`)
+        self.housekept = 0  # housekeeping passes begun on the server thread
         reaped = reap()
         if reaped:
             log.info("removed %d shared-memory segments left by dead processes", len(reaped))
@@ -225,6 +226,7 @@ class Core(NodeHooks):
 
     def housekeeping(self) -> None:
         """Server thread, about twice a second."""
+        self.housekept += 1  # passes begun (a process that waits for a whole pass waits for two more)
         self.links.unmap_retired()
         self.stats.publish_gauges()
         # What pullers did in our index meanwhile (caches they let go of are freed now, not at our next call).

@@ -53,6 +53,15 @@ def _libc() -> ctypes.CDLL | None:
     return None
 
 
+def settle_heap() -> None:
+    """Collect cycles and give the heap glibc keeps free back to the system (`malloc_trim(0)`, every
+    arena), so that a checkpoint compares live memory, not what the allocator happened to keep: its level
+    moves by tens of MiB with the sizes the last pulls allocated (docs/soak.md)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _status_kib() -> dict[str, int]:
     wanted = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "Threads")
     values: dict[str, int] = {}

@@ -30,6 +30,7 @@ from llm_datadist import (
 )
 
 from ..patterns import fill_unit, make_stamp
+from .memdebug import settle_heap
 from .spec import (
     HEARTBEAT_S,
     OWNER_UNLINK_CHANCE,
@@ -82,6 +83,7 @@ class _Owner:
                     if command == "quiesce":
                         self.retire_all()
                         self.settle()
+                        settle_heap()
                         paused = True
                         self.pipe.send("quiet")
                     elif command == "resume":

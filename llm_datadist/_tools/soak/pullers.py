@@ -34,6 +34,7 @@ from llm_datadist import (
 )
 
 from ..patterns import body_matches, make_stamp, read_stamp
+from .memdebug import settle_heap
 from .spec import (
     BIG_PULL_NBYTES,
     EXPECTED_ALWAYS,
@@ -365,6 +366,8 @@ class _Puller:
         self.consumed.clear()
         if self.spec.mode == "v1":
             settle_pool(self.datadist.kv_cache_manager)
+        self.await_housekeeping(deadline)
+        settle_heap()
         self.pipe.send("quiet")
         deadline = time.monotonic() + 4 * START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -377,6 +380,19 @@ class _Puller:
                     return False
         self.fail("no resume after a checkpoint")
         return False
+
+    def await_housekeeping(self, deadline: float) -> None:
+        """Wait for a whole pass of the library's housekeeping begun after now: the owners are quiet, so
+        whatever segment of theirs they retired is unmapped here by then (however busy the machine, the
+        checkpoint then samples a settled puller, not one whose next pass is late)."""
+        core = self.datadist._require_core()
+        target = core.housekept + 2  # the pass under way, if any, may have looked before the owners settled
+        while core.housekept < target:
+            if time.monotonic() > deadline:
+                self.fail("the library's housekeeping made no pass at the checkpoint")
+                return
+            time.sleep(0.05)
+            self.beat()
 
     def run(self) -> None:
         for cluster in self.order:
