@@ -34,7 +34,7 @@ from llm_datadist._shm.copyplan import (
     execute_strided,
     split_runs,
 )
-from llm_datadist._shm.errors import ShmError
+from llm_datadist._shm.errors import InvalidRange, ShmError
 
 from ._native import CopyRuns, kernel_function, load_copy_kernel, vm_columns
 from ._signals import held
@@ -197,6 +197,39 @@ class Copier:
                 execute(parts[index], src, dst)
 
         self._in_parts(len(parts), len(parts), work)
+
+    def run_columns(
+        self,
+        src: np.ndarray[Any, Any],
+        dst: np.ndarray[Any, Any],
+        src_offsets: np.ndarray[Any, Any],
+        dst_offsets: np.ndarray[Any, Any],
+        lengths: np.ndarray[Any, Any],
+    ) -> None:
+        """`run` for runs given as three int64 columns (run i: lengths[i] bytes from src_offsets[i] of `src`
+        to dst_offsets[i] of `dst`), checked and copied with no Python per run."""
+        if not lengths.size:
+            return
+        src_ends, dst_ends = src_offsets + lengths, dst_offsets + lengths
+        if (
+            min(int(src_offsets.min()), int(dst_offsets.min()), int(lengths.min())) < 0
+            or int(src_ends.max()) > src.nbytes
+            or int(dst_ends.max()) > dst.nbytes
+        ):
+            raise InvalidRange(
+                f"runs reach outside a {src.nbytes}-byte source or a {dst.nbytes}-byte destination"
+            )
+        if _kernel_can_copy(src, dst) and self._guarded_runs(
+            src,
+            dst,
+            src_offsets.astype(np.uint64),
+            dst_offsets.astype(np.uint64),
+            lengths.astype(np.uint64),
+            "runs",
+        ):
+            return
+        runs = zip(src_offsets.tolist(), dst_offsets.tolist(), lengths.tolist(), strict=True)
+        self.run([Run(*run) for run in runs], src, dst)
 
     def one_call(self, total: int) -> int:
         """How a pull's copy of `total` bytes runs inside its call of the kernel: the kernel's `copy` flags
@@ -453,19 +486,22 @@ class Copier:
         lengths: np.ndarray[Any, Any],
         what: str,
     ) -> None:
-        """Checked runs (uint64 columns of offsets from the two base addresses) through the C kernel: one
-        call per copy thread over slices of about equal bytes, streaming stores when the copy is large."""
+        """Checked runs (uint64 columns of offsets from the two base addresses) through the C kernel,
+        streaming stores when the copy is large: one call, which the kernel's helper thread shares when
+        this process copies on two threads (`one_call`), else one call per copy thread over slices of about
+        equal bytes."""
         total = int(lengths.sum())
         if not total:
             return
         parts = max(1, min(self.threads, total // _MIN_PART_NBYTES))
         streaming = total >= _STREAMING_MIN_NBYTES
-        pieces = _cut_runs(src_offsets, dst_offsets, lengths, parts) if parts > 1 else None
+        helper = bool(self.one_call(total) & 4)
+        pieces = _cut_runs(src_offsets, dst_offsets, lengths, parts) if parts > 1 and not helper else None
 
         def work(indices: range) -> None:
             for i in indices:
                 if pieces is None:
-                    copy_runs(src_address, dst_address, src_offsets, dst_offsets, lengths, streaming)
+                    copy_runs(src_address, dst_address, src_offsets, dst_offsets, lengths, streaming, helper)
                 else:
                     copy_runs(src_address, dst_address, *pieces[i], streaming)
 

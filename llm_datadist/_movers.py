@@ -235,20 +235,17 @@ class HostMover:
             low = min(local_addrs)
             local_array = address_view(low, max(local_addrs) + local.tensor_nbytes - low)
             local_bases = [addr - low for addr in local_addrs]
+        # Every run of every tensor, tensor by tensor, as columns: (bases x runs) with no Python per run.
+        columns = np.array(
+            [(run.remote_offset, run.local_offset, run.nbytes) for run in runs], dtype=np.int64
+        ).reshape(-1, 3)
+        remote = (np.asarray(bases, dtype=np.int64)[:, None] + columns[:, 0]).ravel()
+        here = (np.asarray(local_bases, dtype=np.int64)[:, None] + columns[:, 1]).ravel()
+        lengths = np.tile(columns[:, 2], len(bases))
         if write:
-            copy_runs = [
-                Run(local_base + run.local_offset, base + run.remote_offset, run.nbytes)
-                for base, local_base in zip(bases, local_bases, strict=True)
-                for run in runs
-            ]
-            self._copier.run(copy_runs, local_array, mapped.array)
+            self._copier.run_columns(local_array, mapped.array, here, remote, lengths)
         else:
-            copy_runs = [
-                Run(base + run.remote_offset, local_base + run.local_offset, run.nbytes)
-                for base, local_base in zip(bases, local_bases, strict=True)
-                for run in runs
-            ]
-            self._copier.run(copy_runs, mapped.array, local_array)
+            self._copier.run_columns(mapped.array, local_array, remote, here, lengths)
         return None
 
     def _attach_copy(

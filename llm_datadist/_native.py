@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -18,7 +18,22 @@ import numpy.typing as npt
 ENV_NO_EXTENSION = "LLM_DATADIST_NO_EXTENSION"
 
 Column = npt.NDArray[np.uint64]
-CopyRuns = Callable[[int, int, Column, Column, Column, bool], None]
+
+
+class CopyRuns(Protocol):
+    """The kernel's copy_runs: run i from src_base + src_offsets[i] to dst_base + dst_offsets[i]."""
+
+    def __call__(
+        self,
+        src_base: int,
+        dst_base: int,
+        src_offsets: Column,
+        dst_offsets: Column,
+        lengths: Column,
+        nontemporal: bool,
+        helper: bool = False,
+        /,
+    ) -> None: ...
 
 
 def load_copy_kernel() -> CopyRuns | None:

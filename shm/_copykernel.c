@@ -176,9 +176,10 @@ static int get_address(PyObject *object, uint64_t *address, const char *name)
 }
 
 PyDoc_STRVAR(copy_runs_doc,
-"copy_runs(src_base, dst_base, src_offsets, dst_offsets, lengths, nontemporal)\n--\n\n"
+"copy_runs(src_base, dst_base, src_offsets, dst_offsets, lengths, nontemporal, helper=False)\n--\n\n"
 "Copy run i: lengths[i] bytes from address src_base + src_offsets[i] to dst_base + dst_offsets[i], in\n"
-"order, with the GIL released; streaming stores when nontemporal (x86-64 only; memcpy elsewhere). The\n"
+"order, with the GIL released; streaming stores when nontemporal (x86-64 only; memcpy elsewhere); with\n"
+"helper, the process's copy helper thread takes a share of a large copy (no run may overlap then). The\n"
 "columns are 1-D contiguous uint64 buffers of equal length. A run whose two ranges overlap is moved as\n"
 "memmove does. TypeError/ValueError on bad arguments or a run past 2**64 (nothing copied then);\n"
 "OSError(EFAULT) when memory vanished under a mapping mid-copy (earlier runs are copied).");
@@ -257,13 +258,18 @@ static Py_ssize_t copy_all(const struct runs *runs, int nontemporal)
     return faulted;
 }
 
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ /* as HAVE_INDEX, defined below */
+#define HAVE_HELPER 1
+static int copy_runs_with_helper(const struct runs *runs, int nontemporal);
+#endif
+
 static PyObject *copy_runs(PyObject *module, PyObject *args)
 {
     (void)module;
     PyObject *src_object, *dst_object, *columns[3];
-    int nontemporal;
-    if (!PyArg_ParseTuple(args, "OOOOOp:copy_runs", &src_object, &dst_object, &columns[0], &columns[1],
-                          &columns[2], &nontemporal))
+    int nontemporal, helper = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOp|p:copy_runs", &src_object, &dst_object, &columns[0], &columns[1],
+                          &columns[2], &nontemporal, &helper))
         return NULL;
     struct runs runs;
     PyObject *result = NULL;
@@ -271,7 +277,12 @@ static PyObject *copy_runs(PyObject *module, PyObject *args)
         goto done;
     Py_ssize_t faulted;
     Py_BEGIN_ALLOW_THREADS
-    faulted = copy_all(&runs, nontemporal);
+    int alone = 1;
+#ifdef HAVE_HELPER
+    if (helper)
+        alone = copy_runs_with_helper(&runs, nontemporal);
+#endif
+    faulted = alone == 1 ? copy_all(&runs, nontemporal) : alone < 0 ? 0 : -1;
     Py_END_ALLOW_THREADS
     if (faulted >= 0) {
         errno = EFAULT;
@@ -755,12 +766,16 @@ static int fresh_locked(void *arg)
  * the thread that met it claims the rest without copying, and the job is marked faulted. */
 #define HELPER_CHUNK_NBYTES ((uint64_t)256 << 10)
 #define HELPER_MIN_NBYTES ((uint64_t)512 << 10)
+#define HELPER_MIN_CHUNKS 16
 #define HELPER_SPIN_NS 200000ull
 #define HELPER_CLOSED (UINT64_MAX / 2)
 
+/* Run r moves len(r) bytes from src_base + src[r] to dst_base + dst[r] + dst_offset, len(r) being
+ * lengths[r], or nbytes for every run when lengths is NULL. A chunk is a HELPER_CHUNK_NBYTES piece of one run
+ * (chunks_per_run > 1) or runs_per_chunk whole runs (short runs, one claim for several). */
 static struct {
-    const uint64_t *src, *dst;
-    uint64_t dst_offset, nbytes, chunks_per_tensor, total;
+    const uint64_t *src, *dst, *lengths;
+    uint64_t src_base, dst_base, dst_offset, nbytes, count, chunks_per_run, runs_per_chunk, total;
     int nontemporal;
     _Atomic uint64_t next, done;
     _Atomic int faulted;
@@ -801,11 +816,25 @@ static int copy_chunks(void *arg)
         if (c >= helper_job.total)
             break;
         worker->busy = 1;
-        uint64_t t = c / helper_job.chunks_per_tensor, from = (c % helper_job.chunks_per_tensor) * HELPER_CHUNK_NBYTES;
-        uint64_t n = helper_job.nbytes - from < HELPER_CHUNK_NBYTES ? helper_job.nbytes - from : HELPER_CHUNK_NBYTES;
-        char *dst = (char *)(uintptr_t)(helper_job.dst[t] + helper_job.dst_offset + from);
-        const char *src = (const char *)(uintptr_t)(helper_job.src[t] + from);
-        copy_span(dst, src, n, helper_job.nontemporal);
+        uint64_t first, end, from = 0;
+        if (helper_job.runs_per_chunk > 1) {
+            first = c * helper_job.runs_per_chunk;
+            end = first + helper_job.runs_per_chunk < helper_job.count ? first + helper_job.runs_per_chunk
+                                                                       : helper_job.count;
+        } else {
+            first = c / helper_job.chunks_per_run, end = first + 1;
+            from = (c % helper_job.chunks_per_run) * HELPER_CHUNK_NBYTES;
+        }
+        for (uint64_t r = first; r < end; r++) {
+            uint64_t length = helper_job.lengths ? helper_job.lengths[r] : helper_job.nbytes;
+            if (from >= length)
+                continue; /* a run shorter than the longest: this chunk of it is empty */
+            uint64_t n = length - from < HELPER_CHUNK_NBYTES || helper_job.runs_per_chunk > 1 ? length - from
+                                                                                               : HELPER_CHUNK_NBYTES;
+            char *dst = (char *)(uintptr_t)(helper_job.dst_base + helper_job.dst[r] + helper_job.dst_offset + from);
+            const char *src = (const char *)(uintptr_t)(helper_job.src_base + helper_job.src[r] + from);
+            copy_span(dst, src, n, helper_job.nontemporal);
+        }
 #if HAVE_STREAMING
         if (helper_job.nontemporal)
             _mm_sfence(); /* the streaming stores are visible before the chunk counts as done */
@@ -879,20 +908,38 @@ static int helper_ready(void)
     return started;
 }
 
-/* Copy tensor i from src[i] to dst[i] + dst_offset, nbytes each, with the helper when it is worth it: 0, or
- * -1 when a page vanished under a mapping mid-copy. Without the GIL. */
-static int copy_with_helper(const uint64_t *src, const uint64_t *dst, uint64_t dst_offset, uint64_t nbytes,
-                            uint32_t count, int nontemporal)
+/* The runs of a job (see helper_job), none overlapping its own destination. */
+struct job_runs {
+    const uint64_t *src, *dst, *lengths;
+    uint64_t src_base, dst_base, dst_offset, nbytes, count, longest, total_nbytes;
+};
+
+/* Copy `runs` with the helper when it is worth it: 0, -1 when a page vanished under a mapping mid-copy, 1
+ * when the caller must copy alone (nothing copied). Without the GIL. */
+static int copy_job_with_helper(const struct job_runs *runs, int nontemporal)
 {
-    if (nbytes * count < HELPER_MIN_NBYTES || pthread_mutex_trylock(&helper_lock) != 0)
+    if (runs->total_nbytes < HELPER_MIN_NBYTES || runs->longest == 0 || pthread_mutex_trylock(&helper_lock) != 0)
         return 1; /* the caller copies alone */
     if (!helper_ready()) {
         pthread_mutex_unlock(&helper_lock);
         return 1;
     }
-    helper_job.src = src, helper_job.dst = dst, helper_job.dst_offset = dst_offset, helper_job.nbytes = nbytes;
-    helper_job.chunks_per_tensor = (nbytes + HELPER_CHUNK_NBYTES - 1) / HELPER_CHUNK_NBYTES;
-    helper_job.total = helper_job.chunks_per_tensor * count;
+    helper_job.src = runs->src, helper_job.dst = runs->dst, helper_job.lengths = runs->lengths;
+    helper_job.src_base = runs->src_base, helper_job.dst_base = runs->dst_base;
+    helper_job.dst_offset = runs->dst_offset, helper_job.nbytes = runs->nbytes, helper_job.count = runs->count;
+    if (runs->longest >= HELPER_CHUNK_NBYTES) {
+        helper_job.chunks_per_run = (runs->longest + HELPER_CHUNK_NBYTES - 1) / HELPER_CHUNK_NBYTES;
+        helper_job.runs_per_chunk = 1;
+        helper_job.total = helper_job.chunks_per_run * runs->count;
+    } else {
+        /* Several short runs a claim, but at least HELPER_MIN_CHUNKS claims: the two threads end together. */
+        uint64_t most = runs->count / HELPER_MIN_CHUNKS;
+        helper_job.chunks_per_run = 1;
+        helper_job.runs_per_chunk = HELPER_CHUNK_NBYTES / runs->longest;
+        if (helper_job.runs_per_chunk > most)
+            helper_job.runs_per_chunk = most > 1 ? most : 1;
+        helper_job.total = (runs->count + helper_job.runs_per_chunk - 1) / helper_job.runs_per_chunk;
+    }
     helper_job.nontemporal = nontemporal;
     atomic_store(&helper_job.faulted, 0);
     atomic_store(&helper_job.done, 0);
@@ -922,6 +969,32 @@ static int copy_with_helper(const uint64_t *src, const uint64_t *dst, uint64_t d
     int faulted = atomic_load(&helper_job.faulted);
     pthread_mutex_unlock(&helper_lock);
     return faulted ? -1 : 0;
+}
+
+/* Copy tensor i from src[i] to dst[i] + dst_offset, nbytes each, with the helper when it is worth it: as
+ * copy_job_with_helper. */
+static int copy_with_helper(const uint64_t *src, const uint64_t *dst, uint64_t dst_offset, uint64_t nbytes,
+                            uint32_t count, int nontemporal)
+{
+    struct job_runs runs = {src, dst, NULL, 0, 0, dst_offset, nbytes, count, nbytes, nbytes * count};
+    return copy_job_with_helper(&runs, nontemporal);
+}
+
+/* copy_runs' runs with the helper: as copy_job_with_helper (1 too when a run overlaps its destination). */
+static int copy_runs_with_helper(const struct runs *runs, int nontemporal)
+{
+    struct job_runs job = {runs->src_offsets, runs->dst_offsets, runs->lengths, runs->src_base, runs->dst_base,
+                           0, 0, (uint64_t)runs->count, 0, 0};
+    for (Py_ssize_t i = 0; i < runs->count; i++) {
+        uint64_t n = runs->lengths[i];
+        const char *dst = (const char *)(uintptr_t)(runs->dst_base + runs->dst_offsets[i]);
+        const char *src = (const char *)(uintptr_t)(runs->src_base + runs->src_offsets[i]);
+        if (dst < src + n && src < dst + n)
+            return 1; /* moved as memmove does, alone */
+        job.longest = n > job.longest ? n : job.longest;
+        job.total_nbytes += n;
+    }
+    return copy_job_with_helper(&job, nontemporal);
 }
 
 static int fresh_unpin_locked(void *arg);

@@ -247,12 +247,12 @@ def test_cut_runs_covers_every_byte_once_in_order(lengths: list[int], parts: int
 def test_the_c_kernel_takes_every_copy_between_two_arrays(
     copier: Copier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls: list[tuple[int, bool]] = []
+    calls: list[tuple[int, bool, bool]] = []
 
-    def spy(src: int, dst: int, s: Any, d: Any, n: Any, streaming: bool) -> None:
-        calls.append((int(n.sum()), streaming))
+    def spy(src: int, dst: int, s: Any, d: Any, n: Any, streaming: bool, helper: bool = False) -> None:
+        calls.append((int(n.sum()), streaming, helper))
         assert built_kernel is not None
-        built_kernel(src, dst, s, d, n, streaming)
+        built_kernel(src, dst, s, d, n, streaming, helper)
 
     monkeypatch.setattr(_copy, "_copy_runs", spy)
     numpy: list[str] = []
@@ -260,24 +260,33 @@ def test_the_c_kernel_takes_every_copy_between_two_arrays(
     rng = np.random.default_rng(0)
     src = np.zeros(16 << 20, dtype=np.uint8)
     dst = np.zeros(16 << 20, dtype=np.uint8)
+    # Two copy threads: one call, which the kernel's helper thread shares (it takes none of a small one).
     for unit in (16 << 10, 64 << 10, 256 << 10):
         calls.clear()
         copier.run_blocks(_plan(rng, 1, 16, 4, unit, runs=False), src, dst)
-        assert calls == [(4 * unit, 4 * unit >= _copy._STREAMING_MIN_NBYTES)]  # streaming from 1 MiB
+        assert calls == [(4 * unit, 4 * unit >= _copy._STREAMING_MIN_NBYTES, True)]  # streaming from 1 MiB
     calls.clear()
     copier.run_blocks(_plan(rng, 4, 16, 16, 256 << 10, runs=False), src, dst)  # 16 MiB: both threads
-    assert sorted(calls) == [(8 << 20, True), (8 << 20, True)]
+    assert calls == [(16 << 20, True, True)]
     calls.clear()
     copier.run([Run(0, 0, 100), Run(200, 300, 50)], src, dst)
-    assert calls == [(150, False)]
+    assert calls == [(150, False, True)]
     calls.clear()
     copier.run([Run(0, 0, 100)], src, dst)  # one small run: the kernel's copy_run, one call, GIL kept
     assert calls == [] and numpy == []
     copier.run_strided(StridedCopy(0, 1 << 20, 0, 1 << 20, 4, 1000), src, dst)  # small: one call
-    assert calls == [(4000, False)]
+    assert calls == [(4000, False, True)]
     calls.clear()
     copier.run_strided(StridedCopy(0, 1 << 20, 0, 1 << 20, 16, 1 << 19), src, dst)  # 8 MiB
-    assert sorted(calls) == [(4 << 20, True), (4 << 20, True)]
+    assert calls == [(8 << 20, True, True)]
+    calls.clear()
+    # More copy threads than two: one call per thread over slices of about equal bytes, no helper.
+    four = Copier(threads=4)
+    try:
+        four.run_blocks(_plan(rng, 4, 16, 16, 256 << 10, runs=False), src, dst)
+        assert sorted(calls) == [(4 << 20, True, False)] * 4
+    finally:
+        four.close()
     calls.clear()
     assert numpy == []  # between two arrays nothing went through numpy (it would die of SIGBUS)
     # Source and destination in one array: the numpy paths, which handle overlap.
@@ -330,3 +339,51 @@ def test_memory_vanishing_under_a_mapping_is_an_error_not_a_crash(copier: Copier
                 copier.run([Run(0, 0, 10), Run(8 << 16, 0, 4096)], segment.array, dst)
     finally:
         segment.close()
+
+
+@needs_extension
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 600 << 10), min_size=1, max_size=40),
+    order=st.randoms(use_true_random=False),
+    streaming=st.booleans(),
+)
+def test_the_kernels_helper_thread_copies_every_byte_of_any_runs(
+    lengths: list[int], order: Any, streaming: bool
+) -> None:
+    """copy_runs with its helper thread: runs of any lengths (short ones several to a claim, long ones cut
+    into chunks), each landing where it should and nothing else written, as copying alone does."""
+    assert built_kernel is not None
+    starts = np.cumsum([0, *lengths])
+    src = np.random.default_rng(len(lengths)).integers(0, 256, int(starts[-1]), dtype=np.uint8)
+    places = list(range(len(lengths)))
+    order.shuffle(places)  # each run into another place of the destination, with a gap after each
+    dst_starts, at = [0] * len(lengths), 0
+    for i in places:
+        dst_starts[i], at = at, at + lengths[i] + 64
+    dst = np.zeros(at, dtype=np.uint8)
+    column = lambda values: np.asarray(values, dtype=np.uint64)  # noqa: E731
+    built_kernel(
+        src.ctypes.data,
+        dst.ctypes.data,
+        column(starts[:-1]),
+        column(dst_starts),
+        column(lengths),
+        streaming,
+        True,
+    )
+    want = np.zeros_like(dst)
+    for i, n in enumerate(lengths):
+        want[dst_starts[i] : dst_starts[i] + n] = src[starts[i] : starts[i] + n]
+    assert np.array_equal(dst, want)
+
+
+@needs_extension
+def test_runs_that_overlap_their_destination_are_moved_alone_even_with_the_helper() -> None:
+    assert built_kernel is not None
+    data = np.arange(4 << 20, dtype=np.uint64).view(np.uint8).copy()
+    want = data.copy()
+    want[8:] = data[:-8].copy()  # memmove one 32 MiB run 8 bytes up
+    one = lambda value: np.array([value], dtype=np.uint64)  # noqa: E731
+    built_kernel(data.ctypes.data, data.ctypes.data, one(0), one(8), one(data.nbytes - 8), True, True)
+    assert np.array_equal(data, want)
