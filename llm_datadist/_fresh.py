@@ -7,14 +7,15 @@ reserved, the cache and the key named), copied with the lock free and unpinned, 
 in the same call (the copy shared with the kernel's helper thread); a copy for more than two copy threads
 is made by them between that call's pin and a second call's unpin (`index_unpin_key`).
 
-Rules: what it does not handle (no kernel, fault injection armed, a lease pull, registered memory, a
-segment not mapped here yet, a key partly reserved by another pull, anything refused or odd) comes back
-STALE with nothing done, and the caller takes the full way, which raises what it calls for and maps what it
-needs. Once pinned, it is the full way's pin: a copy that fails gives back what it reserved, and an unpin
-that cannot be done at once is the full way's (`_dataplane.unpin`: it waits, or fails the transfer and
-says why). A pull of the full way out of a segment makes that segment the one the next fresh pulls of the
-link read (`remember`). The only memo is the destination's addresses by value: the cache, its tensor
-range.
+Rules: what it does not handle (no kernel, a lease pull, registered memory, a segment not mapped here yet,
+a key partly reserved by another pull, anything refused or odd) comes back STALE with nothing done, and the
+caller takes the full way, which raises what it calls for and maps what it needs. With a fault point armed
+(`_faults`) every pull is pinned by the kernel and copied and unpinned here, through the full way's points
+("pinned", "copied", "released"), so that fault tests reach this path too. Once pinned, it is the full
+way's pin: a copy that fails gives back what it reserved, and an unpin that cannot be done at once is the
+full way's (`_dataplane.unpin`: it waits, or fails the transfer and says why). A pull of the full way out
+of a segment makes that segment the one the next fresh pulls of the link read (`remember`). The only memo
+is the destination's addresses by value: the cache, its tensor range.
 """
 
 from __future__ import annotations
@@ -183,11 +184,7 @@ class FreshPulls:
         or STALE (nothing done: take the full way). The caller holds the link exclusively. A lock that
         stays busy until `deadline` is STALE too (the full way waits and says why)."""
         kernel = indexkernel.kernel
-        if (
-            kernel is None
-            or _faults.hook is not None
-            or ref.key_kind not in (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID)
-        ):
+        if kernel is None or ref.key_kind not in (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID):
             return STALE
         source = self._sources.get(link)
         count, nbytes = ref.tensor_count, ref.nbytes
@@ -214,8 +211,11 @@ class FreshPulls:
         fd, mapping = index.handle
         total = count * nbytes
         sources, one_call = None, 0
-        if total > MAX_NBYTES:  # a pin, and its copy in the same call unless more copy threads take it
-            sources, one_call = bytearray(8 * count), self._copier.one_call(total)
+        if total > MAX_NBYTES or _faults.hook is not None:
+            # A pin, and its copy in the same call unless more copy threads take it (or a fault point is
+            # armed: the copy is made here, between the points).
+            sources = bytearray(8 * count)
+            one_call = 0 if _faults.hook is not None else self._copier.one_call(total)
         outcome = kernel.index_pull_key(mapping, fd, plan, addrs, source.table, sources, one_call)
         pause = _LOCK_RETRY_MIN_S
         if outcome == BUSY:
@@ -254,14 +254,17 @@ class FreshPulls:
         dst_offset: int,
         nbytes: int,
     ) -> None:
-        """Copy what the kernel pinned (each tensor's source address in `sources`), then unpin."""
+        """Copy what the kernel pinned (each tensor's source address in `sources`), then unpin; the fault
+        points of the full way's pin on the way (`_acquire._Holding`)."""
         kernel = indexkernel.kernel
         assert kernel is not None
         src = np.frombuffer(sources, dtype=np.uint64)
         dst = np.frombuffer(addrs, dtype=np.uint64) + np.uint64(dst_offset)
         try:
+            _faults.at("pinned")
             if not self._copier.copy_addresses(src, dst, nbytes):
                 raise ShmError("a fresh pull pinned a key with no copy kernel")
+            _faults.at("copied")
         except BaseException:
             unpin(link, index, ok=False)  # what it reserved goes back: the key can be pulled again
             raise
@@ -271,6 +274,7 @@ class FreshPulls:
             unpinned = BUSY
         if unpinned != DONE:
             unpin(link, index, ok=True)  # waits for a busy lock, or fails the transfer and says why
+        _faults.at("released")
 
     def _addresses(self, dst: CacheRecord, start: int, count: int) -> bytes:
         """The addresses of `dst`'s tensors [start, start + count), packed (a memo by value: the cache's

@@ -50,6 +50,9 @@ class Transfer:
     fill: int = 0x33  # push: what is pushed
     point: str = "pinned"  # where to stop ("" nowhere)
     then_fail: bool = False  # once resumed at `point`, the transfer fails there (an exception at that point)
+    # v1 pull: a key pulled first, hook off, from the same pool segment: the pull under test then takes
+    # the C kernel's way (`_fresh`) where it has one
+    warm_req_id: int = 0
 
 
 def _options(v2: bool, sync_kv_timeout_ms: int, remote: bool) -> dict[str, str]:
@@ -85,7 +88,11 @@ def _main(pipe: Connection, owner_id: int, port: int, transfer: Transfer, sync_k
 
     def stop_at(point: str) -> None:
         if point == transfer.point:
-            pipe.send(("at", point))
+            if transfer.warm_req_id:  # which way the pull under test took
+                way = "kernel" if any(f.name == "_copy_pinned" for f in traceback.extract_stack()) else "full"
+                pipe.send(("at", point, way))
+            else:
+                pipe.send(("at", point))
             os.kill(os.getpid(), signal.SIGSTOP)
             if transfer.then_fail:
                 raise LLMException("injected at " + point, status_code=LLMStatusCode.LLM_FAILED)
@@ -97,6 +104,10 @@ def _main(pipe: Connection, owner_id: int, port: int, transfer: Transfer, sync_k
     for view in views:
         view[:] = transfer.fill
     outcome: tuple[Any, ...]
+    if transfer.warm_req_id:
+        manager.pull_cache(CacheKey(owner_id, transfer.warm_req_id), cache, 0)
+        for view in views:
+            view[:] = transfer.fill
     _faults.hook = stop_at
     try:
         if transfer.kind == "pull":

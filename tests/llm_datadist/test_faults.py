@@ -31,6 +31,7 @@ from llm_datadist import (
 )
 from llm_datadist._protocol.messages import Ping, Pong
 from llm_datadist._runtime import socket_path
+from llm_datadist._shm import indexkernel
 from llm_datadist._wire.client import ClientLink
 from tests._fault_peer import FaultPeer, Transfer, finalize_during_pull
 
@@ -131,12 +132,15 @@ def port(request: pytest.FixtureRequest) -> int:
 
 
 @pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
-@pytest.mark.parametrize("path", ["index", "lease"])
+@pytest.mark.parametrize("path", ["index", "lease", "kernel"])
 @pytest.mark.parametrize("point", ["pinned", "copied"])
 @pytest.mark.parametrize("fault", ["reuse", "drop", "kill"])
 def test_a_pull_never_returns_reused_memory(v2: bool, path: str, point: str, fault: str, port: int) -> None:
     """A Decoder stopped mid-pull while the owner drops its link (v2: `unlink_clusters` from the serving
-    side), frees the cache and reuses the pool, or the Decoder is killed."""
+    side), frees the cache and reuses the pool, or the Decoder is killed. "kernel": a v1 pull after a first
+    pull from the same segment, which the C kernel pins (`_fresh`)."""
+    if path == "kernel" and (v2 or indexkernel.kernel is None):
+        pytest.skip("the C kernel's way is v1's, and needs the kernel built")
     tensors = LEASED_TENSORS if path == "lease" else 4
     shape = (1, 2048)  # 4 KiB a tensor
     owner = _owner(v2, port, 20_000, pool_nbytes=4 * tensors * 4096)  # room for four such caches
@@ -147,9 +151,17 @@ def test_a_pull_never_returns_reused_memory(v2: bool, path: str, point: str, fau
             CacheDesc(tensors, list(shape), DataType.DT_FLOAT16), [CacheKey(OWNER_ID, req_id=7)]
         )
         _fill(source, SOURCE)
-        peer = FaultPeer(OWNER_ID, port, Transfer(v2, "pull", tensors, shape, req_id=7, point=point))
+        warm = None
+        if path == "kernel":
+            warm = manager.allocate_cache(
+                CacheDesc(tensors, list(shape), DataType.DT_FLOAT16), [CacheKey(OWNER_ID, req_id=8)]
+            )
+        transfer = Transfer(v2, "pull", tensors, shape, req_id=7, point=point, warm_req_id=8 if warm else 0)
+        peer = FaultPeer(OWNER_ID, port, transfer)
         assert peer.expect("linked") == ([int(LLMStatusCode.LLM_SUCCESS)],)
-        assert peer.expect("at") == (point,)
+        assert peer.expect("at") == ((point, "kernel") if warm else (point,))
+        if warm is not None:
+            manager.deallocate_cache(warm)  # its key was pulled whole: nothing else holds it
         peer.wait_stopped()
         assert _ping_answered(port) < 1.0  # the stopped Decoder holds no lock: the server answers at once
         reused: list[Any] = []
