@@ -31,7 +31,7 @@ from llm_datadist import (
 )
 from llm_datadist._tools.netns import in_netns
 from llm_datadist._tools.patterns import unit_bytes
-from llm_datadist.ext import tensor_views
+from llm_datadist.ext import shared_arrays, tensor_views
 
 from . import peers
 from .proc import Child
@@ -63,11 +63,12 @@ def private_arrays(count: int, nbytes: int) -> list[np.ndarray[Any, Any]]:
 
 
 def library_arrays(count: int, nbytes: int) -> list[np.ndarray[Any, Any]] | str:
-    """`count` arrays of `nbytes` from the library's allocator of shareable memory (issue 30), or why there
-    are none. The hook for it: once `llm_datadist.ext` hands out such memory, return its arrays here (every
-    page touched) and the serving group's v2 paged rows over library memory measure it on both sides."""
-    del count, nbytes
-    return "llm_datadist has no allocator of shareable memory yet (issue 30): nothing to register"
+    """`count` arrays of `nbytes` from the library's allocator of shared memory (`ext.shared_arrays`, every
+    page backed), float16 as `private_arrays`; a str would say why there are none (the rows are skipped)."""
+    arrays = shared_arrays(count, nbytes // 2, np.float16)
+    for array in arrays:
+        array.fill(1)  # as private_arrays: ones
+    return arrays
 
 
 def _owner(

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from llm_datadist import _library as library
 from llm_datadist._protocol.messages import MAX_ADDRESS_NAMES, Addresses, AddressRequest
 from llm_datadist._shm.segment import Segment
 
@@ -116,7 +117,11 @@ class CrossHost:
         return tuple(addrs)
 
     def _segment_address(self, name: str) -> tuple[int, int] | None:
-        """(address, nbytes) of our live pool segment `name` (with or without its leading slash)."""
+        """(address, nbytes) of our live pool segment `name`, or of a segment of the library's memory
+        (`ext.shared_arrays`), with or without its leading slash."""
+        found = library.segment_address(name)
+        if found is not None:
+            return found
         name = name.lstrip("/")
         with self._table.lock:
             for pool in self._table.pools():

@@ -1,5 +1,6 @@
-"""Extensions outside the real API (not in `__all__`): numpy views of a cache's tensors, a rank table for
-links on one host, and this process's transfer statistics (as plain data, and for Prometheus).
+"""Extensions outside the real API (not in `__all__`): numpy views of a cache's tensors, memory for the user
+to register that peers copy at memory speed, a rank table for links on one host, and this process's
+transfer statistics (as plain data, and for Prometheus).
 
 Rules: a view aliases the cache's shared memory; it is valid until the cache is freed (after that the
 memory may be handed to another cache). bf16 tensors come back as `ml_dtypes.bfloat16` when ml_dtypes is
@@ -13,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _library as library
 from ._prometheus import Collector
 from ._rank_table import default_rank_table
+from ._shm.errors import SharedMemoryExhausted
 from ._stats import Snapshot, own_readings, snapshot
 from .data_type import numpy_dtype
 from .status import LLMStatusCode, make_error
@@ -49,6 +52,40 @@ def tensor_views(cache: KvCache | Cache) -> list[np.ndarray[Any, Any]]:
         raw = segment.array[start : start + record.tensor_nbytes]
         views.append(raw.view(dtype).reshape(shape))
     return views
+
+
+def shared_arrays(
+    count: int, shape: int | tuple[int, ...], dtype: Any = np.float16
+) -> list[np.ndarray[Any, Any]]:
+    """`count` zeroed arrays of `shape` and `dtype` (numpy's), for registering where torch or numpy would
+    allocate a KV cache and register it (`register_cache`, `register_blocks_cache`). Torch tensors over
+    them: `torch.from_numpy(array)` (bf16: a uint16 array, then `.view(torch.bfloat16)`).
+
+    They lie in one segment of POSIX shared memory of this process, so a peer on this host maps it and
+    copies from it (or, pushing, into it) with memcpy, where private memory is read through
+    process_vm_readv (docs/dataplane.md, "Registered memory"). Register all the tensors of one cache from
+    one call: a registration whose tensors lie in one such segment is published by its name. The memory is
+    freed, and its name removed, once every array over it is gone and no registration holds it; a process
+    forked after this call shares it with its parent (writes show on both sides). Every page is backed now:
+    a full /dev/shm raises LLMException `LLM_OUT_OF_MEMORY` here, never a SIGBUS later. TypeError /
+    ValueError for a count, shape or dtype that is not one (or holds no byte)."""
+    api = "shared_arrays"
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(f"count must be an int, got {type(count).__name__}")
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
+        raise TypeError(f"shape must be ints, got {shape!r}")
+    if count <= 0 or any(d <= 0 for d in dims):
+        raise ValueError(f"count and every dimension must be positive, got {count} x {shape!r}")
+    kind = np.dtype(dtype)
+    nbytes = kind.itemsize * int(np.prod(dims, dtype=object))
+    if not nbytes:
+        raise ValueError(f"an array of {shape!r} {kind} holds no byte")
+    try:
+        raws = library.allocate(count, nbytes)
+    except SharedMemoryExhausted as exc:
+        raise make_error(api, LLMStatusCode.LLM_OUT_OF_MEMORY, str(exc)) from exc
+    return [raw.view(kind).reshape(dims) for raw in raws]
 
 
 def _live_record(cache: KvCache | Cache) -> CacheRecord | None:

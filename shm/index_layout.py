@@ -31,7 +31,9 @@ NAME_CONSUMED = 2
 CACHE_BLOCKS = 1
 CACHE_PENDING = 2  # the owner wants to free the cache: a puller that unpins it bumps the epoch
 CACHE_WITHDRAWN = 4  # its user deallocated it: it is still read (keys remain), never written
-CACHE_REGISTERED = 8  # memory the owner registered: tensors at addresses in the address region, no segment
+# Memory the owner registered: the address region holds its tensors' addresses, or, when the entry names a
+# segment (the library's memory, `ext.shared_arrays`), their offsets in that segment.
+CACHE_REGISTERED = 8
 CACHE_REMOTE = 16  # remote_accessible (v2): listed in the one-sided table
 # A req key bound to a slot of the cache is not in the index (more tensors than a mask holds, no free name):
 # a pull by cache id that consumes cannot find what it consumes here, so it asks the owner.
@@ -61,7 +63,8 @@ BUSY_CAPACITY = 64  # clusters an owner pushes into at once (transfer_cache_asyn
 #   ...     buckets * 4            open-addressing hash of names: entry index + 1, 0 = empty; linear probing,
 #                                  deletion by backward shift (no tombstones), so entries never move
 #   ...     names * 4 * 8          address words: a registered cache's tensor addresses (in the owner's
-#                                  process), num_tensors consecutive words from its entry's `offset`
+#                                  process; offsets when its entry names a segment), num_tensors
+#                                  consecutive words from its entry's `offset`
 #
 # All integers are little-endian. The header's capacities say where each region starts; a reader checks
 # that they fit the file before it trusts any of them.
@@ -153,7 +156,8 @@ class CacheEntry(NamedTuple):
 
     def tensor_bases(self, tensor_start: int, tensor_count: int) -> tuple[int, ...]:
         """Where tensors [tensor_start, +tensor_count) start: offsets in the segment, or, for registered
-        memory, addresses in the owner's process."""
+        memory, the words of the address region (offsets in the segment it names, else addresses in the
+        owner's process)."""
         tensors = range(tensor_start, tensor_start + tensor_count)
         if self.flags & CACHE_REGISTERED:
             return tuple(self.addrs[t] for t in tensors)

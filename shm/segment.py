@@ -264,6 +264,18 @@ class Segment:
 
     # ----------------------------------------------------------------- teardown
 
+    def hand_over(self) -> npt.NDArray[np.uint8]:
+        """The whole mapping as one array, which alone keeps it mapped from now on: this object forgets it
+        (closed, as if `close` had run) and no longer unlinks its name, not even when it is collected; the
+        caller unlinks (`library`)."""
+        array = self._check_open()
+        self._mmap, self._array = None, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._unlinked = True
+        return array
+
+
     def close(self) -> None:
         """Unmap (and unlink, in the owner). Idempotent. If the caller still holds views of the mapping, the
         unmap is left to the garbage collector, which runs it when the last view goes."""

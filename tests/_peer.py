@@ -31,6 +31,7 @@ from llm_datadist import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from llm_datadist.ext import shared_arrays
 
 PROMPT_IP = "127.0.0.1"
 CALL_TIMEOUT_S = 20.0
@@ -155,11 +156,15 @@ def _prompt_main(
                     None if code is None else int(code) for code in tasks[index].get_results(timeout_ms)
                 ]
             elif command == "v2_register_blocks":
-                # Blocks cache over numpy memory this process owns, filled like `pattern` (cache index
-                # = the cache id the registration returns).
-                num_tensors, shape, model_id, remote_accessible = args
+                # Blocks cache over numpy memory this process owns (private, or "library": from
+                # ext.shared_arrays), filled like `pattern` (cache index = the cache id the registration
+                # returns).
+                num_tensors, shape, model_id, remote_accessible, *memory = args
                 desc = CacheDesc(num_tensors, list(shape), DataType.DT_FLOAT16)
-                arrays = [np.zeros(int(np.prod(shape)), dtype=np.float16) for _ in range(num_tensors)]
+                if memory == ["library"]:
+                    arrays = shared_arrays(num_tensors, int(np.prod(shape)), np.float16)
+                else:
+                    arrays = [np.zeros(int(np.prod(shape)), dtype=np.float16) for _ in range(num_tensors)]
                 key = None if model_id is None else BlocksCacheKey(cluster_id, model_id)
                 cache = manager.register_blocks_cache(
                     desc, [a.ctypes.data for a in arrays], key, remote_accessible

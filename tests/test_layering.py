@@ -198,7 +198,8 @@ PULLER = {
     "_fresh",
 }
 # Leaves both sides use: _errors, _keys, _runtime, _unpins (the owed unpins a link's index mapping waits
-# for), status, utils. They import none of the layers above.
+# for), _library (the memory ext.shared_arrays hands out), status, utils. They import none of the layers
+# above.
 NODE = {"_core", "_comm", "_hixl"}
 LEAVES = {
     "_errors",
@@ -209,6 +210,7 @@ LEAVES = {
     "_signals",
     "_native",
     "_alarms",
+    "_library",
     "status",
     "utils",
 }

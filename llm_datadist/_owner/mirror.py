@@ -214,8 +214,13 @@ class IndexMirror:
                 self.unpublished(FLAG_UNPUBLISHED | FLAG_CACHES_UNPUBLISHED)
                 return
             record.addr_words = first_word
-            where, segment_name, segment_nbytes = first_word, "", 0
-            self.index.put_addresses(record.addr_words, record.addrs)
+            shared = record.shared
+            if shared is not None:  # the library's memory: the segment's name, the tensors' offsets
+                where, segment_name, segment_nbytes = first_word, shared.name, shared.nbytes
+                self.index.put_addresses(record.addr_words, shared.offsets)
+            else:
+                where, segment_name, segment_nbytes = first_word, "", 0
+                self.index.put_addresses(record.addr_words, record.addrs)
         else:
             where, segment_name, segment_nbytes = (
                 record.block.offset,

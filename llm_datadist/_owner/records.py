@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llm_datadist._library import SharedSpan
 from llm_datadist._shm.index_layout import (
     CACHE_BLOCKS,
     CACHE_KEYS_UNPUBLISHED,
@@ -68,6 +69,9 @@ class CacheRecord:
     # Registered memory that was not this process's mapped memory at registration (device memory, which
     # the real library takes on trust): each local transfer checks it first (`LocalPins.pin`).
     unchecked: bool = False
+    # Registered memory the library handed out (`ext.shared_arrays`), all in one of its segments: published
+    # by that segment's name and offsets, so that peers map it (and it stays mapped while registered).
+    shared: SharedSpan | None = None
 
     @property
     def slot_nbytes(self) -> int:
@@ -117,9 +121,19 @@ class CacheRecord:
         )
 
     def location(self, tensor_start: int, tensor_count: int) -> LocationData:
-        """Where tensors [tensor_start, +count) are: segment offsets, or addresses in this process."""
+        """Where tensors [tensor_start, +count) are: segment offsets (a pool's, or the library's segment of
+        registered memory), or addresses in this process."""
         tensors = range(tensor_start, tensor_start + tensor_count)
         if self.block is None:
+            shared = self.shared
+            if shared is not None:
+                return LocationData(
+                    shared.name,
+                    shared.nbytes,
+                    tuple(shared.offsets[t] for t in tensors),
+                    self.slot_nbytes,
+                    self.batch_size,
+                )
             return LocationData(
                 "", 0, tuple(self.addrs[t] for t in tensors), self.slot_nbytes, self.batch_size
             )

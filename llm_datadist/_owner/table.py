@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from llm_datadist._library import SharedSpan
 from llm_datadist._shm.errors import OutOfPoolMemory, ShmError
 from llm_datadist._shm.generations import GenerationTable
 from llm_datadist._shm.pool import Pool
@@ -182,9 +183,10 @@ class CacheTable:
         placement: int,
         remote_accessible: bool,
         blocks_model_id: int | None = None,
+        shared: SharedSpan | None = None,
     ) -> CacheRecord:
-        """Record a cache over memory the user owns at `addrs` (one address per tensor), with its keys, in
-        one step. Its keys are never consumed by pulls; overlapping another registered cache is refused."""
+        """Record a cache over memory the user owns at `addrs` (one per tensor; `shared`: where in the
+        library's memory) with its keys. Keys never consumed by pulls; overlapping another is refused."""
         bindings = _bindings(num_tensors, tensor_nbytes, batch_size, keys, True)
         if len(addrs) != num_tensors:
             raise StatusError(
@@ -193,10 +195,9 @@ class CacheTable:
         with self.lock, self.mirror.locked():
             self.catch_up()
             self._check_unbound(bindings)
-            spans = sorted((addr, addr + tensor_nbytes) for addr in addrs)
+            spans = [(addr, addr + tensor_nbytes) for addr in addrs]
             for record in self.caches.values():
-                if record.registered:
-                    spans.extend((addr, addr + record.tensor_nbytes) for addr in record.addrs)
+                spans.extend((addr, addr + record.tensor_nbytes) for addr in record.addrs)  # registered ones
             spans.sort()
             for (_, end), (start, _) in itertools.pairwise(spans):
                 if start < end:
@@ -215,6 +216,7 @@ class CacheTable:
                 remote_accessible=remote_accessible,
                 gen_slot=gen_slot,
                 generation=generation,
+                shared=shared,
             )
             return self._add(record, bindings, blocks_model_id)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .. import _library as library
 from .._core import PLACEMENT_DEVICE
 from .._errors import StatusError, api_errors
 from .._keys import KeyId
@@ -229,6 +230,9 @@ class Memory(ManagerBase):
                 placement=int(desc.placement),
                 remote_accessible=bool(remote_accessible),
                 blocks_model_id=blocks_model_id,
+                # Memory of `ext.shared_arrays`, all in one segment: published by it, peers map it. (A hixl
+                # engine's `register_mem` is published by address: its peers name memory by address.)
+                shared=library.span(addrs, desc.size),
             )
             record.unchecked = unchecked
         return self._handle(record, desc)

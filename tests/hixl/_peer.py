@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 
 import hixl
+from llm_datadist.ext import shared_arrays
 
 CALL_TIMEOUT_S = 30.0
 
@@ -31,13 +32,16 @@ class Buffers:
     """ctypes buffers, kept alive by address."""
 
     def __init__(self) -> None:
-        self._buffers: dict[int, ctypes.Array[ctypes.c_char]] = {}
+        self._buffers: dict[int, Any] = {}
 
-    def alloc(self, nbytes: int, seed: int | None = None) -> int:
-        buffer = ctypes.create_string_buffer(nbytes)
+    def alloc(self, nbytes: int, seed: int | None = None, library: bool = False) -> int:
+        """`nbytes` of private memory, or the library's (`ext.shared_arrays`), filled with pattern(seed)."""
+        buffer: Any = (
+            shared_arrays(1, nbytes, np.uint8)[0] if library else ctypes.create_string_buffer(nbytes)
+        )
+        addr = int(buffer.ctypes.data) if library else ctypes.addressof(buffer)
         if seed is not None:
-            ctypes.memmove(buffer, pattern(seed, nbytes), nbytes)
-        addr = ctypes.addressof(buffer)
+            ctypes.memmove(addr, pattern(seed, nbytes), nbytes)
         self._buffers[addr] = buffer
         return addr
 

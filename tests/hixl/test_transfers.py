@@ -65,6 +65,23 @@ def test_sync_read_and_write_of_several_odd_ranges() -> None:
         assert remote("read", b, 4097) == new
 
 
+def test_memory_from_the_librarys_allocator_is_read_and_written_by_address() -> None:
+    """A peer registers memory of `ext.shared_arrays`: hixl names it by its address there, as any other."""
+    with peer() as remote, local_engine() as local:
+        assert remote("initialize", SERVER, {}) == hixl.SUCCESS
+        a = remote("alloc", 300000, 4, True)
+        assert remote("register_mem", (a, 300000), HOST)[0] == hixl.SUCCESS
+        here, _ = local.register(300000)
+        assert local.engine.connect(SERVER, 2000) == hixl.SUCCESS
+        reads = _ops((here, a + 7, 299993))
+        assert local.engine.transfer_sync(SERVER, hixl.READ, reads, 2000) == hixl.SUCCESS
+        assert ctypes.string_at(here, 299993) == pattern(4, 300000)[7:]
+        new = pattern(5, 1000)
+        ctypes.memmove(here, new, 1000)
+        assert local.engine.transfer_sync(SERVER, hixl.WRITE, _ops((here, a, 1000)), 2000) == hixl.SUCCESS
+        assert remote("read", a, 1000) == new
+
+
 def test_async_read_and_write() -> None:
     with peer() as remote, local_engine() as local:
         ((a, _),) = _serve(remote, [3333])

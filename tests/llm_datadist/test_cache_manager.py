@@ -28,6 +28,8 @@ from llm_datadist import (
     RegisterMemStatus,
 )
 from llm_datadist._rank_table import default_rank_table
+from llm_datadist._stats import TRANSPORTS
+from llm_datadist.ext import stats
 from tests._peer import PROMPT_IP, PromptPeer, tensor_views_v2
 
 P, D = 1, 2
@@ -89,14 +91,22 @@ def _numpy_blocks_cache(
     return cache, [a.view(np.uint8) for a in arrays]
 
 
-@pytest.mark.parametrize("owner_memory", ["registered numpy", "pool"])
+# How a one-sided read reaches each kind of the owner's memory: its pool and the library's memory through
+# the mapped segment, private memory it registered through process_vm_readv.
+OWNER_MEMORY = {"registered numpy": "cma", "registered library memory": "shm", "pool": "shm"}
+
+
+@pytest.mark.parametrize("owner_memory", sorted(OWNER_MEMORY))
 def test_one_sided_block_pull_from_the_owners_memory(seed: int, owner_memory: str) -> None:
     extra = _v2_options(remote_access=True)
     with PromptPeer(P, next(_ports), seed, extra=extra) as peer, _Decoder(remote_access=True) as dd:
         if owner_memory == "pool":
             cache_id = peer.call("v2_alloc", (4, [16, 3, 7, 5], [], 0))
-        else:
+        elif owner_memory == "registered numpy":
             cache_id = peer.call("v2_register_blocks", (4, [16, 3, 7, 5], 0, True))
+        else:
+            cache_id = peer.call("v2_register_blocks", (4, [16, 3, 7, 5], 0, True, "library"))
+        before = stats().counters
         _link_one_sided(dd, peer)
         local, arrays = _numpy_blocks_cache(dd, 4, [10, 3, 7, 5])  # 210-byte blocks
         src_blocks, dst_blocks = [15, 2, 7, 0], [9, 0, 4, 5]
@@ -114,6 +124,11 @@ def test_one_sided_block_pull_from_the_owners_memory(seed: int, owner_memory: st
                 array.reshape(10, 210)[1], peer.expected(cache_id + 1000, t, 16 * 210).reshape(16, 210)[3]
             )
         assert peer.stats()["leases"] == 0  # one-sided: the owner pinned nothing
+        reads = {
+            t: stats().counters[f"v2.read.{t}.transfers"] - before[f"v2.read.{t}.transfers"]
+            for t in TRANSPORTS
+        }
+        assert reads == {t: 2 if t == OWNER_MEMORY[owner_memory] else 0 for t in TRANSPORTS}
 
 
 def test_two_sided_link_then_block_pull_by_request(seed: int) -> None:
@@ -162,10 +177,11 @@ def test_pull_cache_by_key_from_a_pool_consumes_the_key(seed: int) -> None:
         dd.cache_manager.pull_cache(CacheKeyByIdAndIndex(P, cache_id, 0), local)
 
 
-def test_push_blocks_writes_into_the_owners_registered_memory(seed: int) -> None:
+@pytest.mark.parametrize("owner_memory", ["private", "library"])
+def test_push_blocks_writes_into_the_owners_registered_memory(seed: int, owner_memory: str) -> None:
     extra = _v2_options(remote_access=True)
     with PromptPeer(P, next(_ports), seed, extra=extra) as peer, _Decoder(remote_access=True) as dd:
-        cache_id = peer.call("v2_register_blocks", (2, [6, 50], 4, True))
+        cache_id = peer.call("v2_register_blocks", (2, [6, 50], 4, True, owner_memory))
         _link_one_sided(dd, peer)
         local, arrays = _numpy_blocks_cache(dd, 2, [6, 50])
         rng = np.random.default_rng(1)

@@ -262,11 +262,20 @@ def _v2(pair: HostPair, *, one_sided: bool) -> tuple[HostProcess, HostProcess]:
     return prompt, decoder
 
 
-def test_v2_one_sided_pulls_and_pushes_registered_memory(pair: HostPair) -> None:
+# Registered memory of either kind: plain numpy arrays, or the library's (`ext.shared_arrays`, published by
+# segment name and offsets, which the owner resolves to addresses for the engine).
+ARRAYS = {
+    "private": "[np.zeros(24 * 3000, dtype=np.uint8) for _ in range(4)]",
+    "library": "__import__('llm_datadist.ext').ext.shared_arrays(4, 24 * 3000, np.uint8)",
+}
+
+
+@pytest.mark.parametrize("memory", sorted(ARRAYS))
+def test_v2_one_sided_pulls_and_pushes_registered_memory(pair: HostPair, memory: str) -> None:
     prompt, decoder = _v2(pair, one_sided=True)
     cache_id = prompt.run(
-        """
-arrays = [np.zeros(24 * 3000, dtype=np.uint8) for _ in range(4)]
+        f"arrays = {ARRAYS[memory]}\n"
+        + """
 for t, a in enumerate(arrays):
     a[:] = expected(3, t, a.size)
 desc = CacheDesc(4, [24, 3000], DataType.DT_UINT8)
@@ -280,8 +289,8 @@ result = pooled.cache_id
         prompt_id=PROMPT_ID,
     )
     result = decoder.run(
-        """
-mine = [np.zeros(24 * 3000, dtype=np.uint8) for _ in range(4)]
+        f"mine = {ARRAYS[memory]}\n"
+        + """
 desc = CacheDesc(4, [24, 3000], DataType.DT_UINT8)
 local = manager.register_blocks_cache(desc, [a.ctypes.data for a in mine], None, True)
 src, dst = [23, 0, 5, 6], [1, 2, 3, 4]
