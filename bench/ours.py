@@ -62,9 +62,9 @@ def private_arrays(count: int, nbytes: int) -> list[np.ndarray[Any, Any]]:
     return [np.ones(nbytes // 2, dtype=np.float16) for _ in range(count)]
 
 
-def library_arrays(count: int, nbytes: int) -> list[np.ndarray[Any, Any]] | str:
-    """`count` arrays of `nbytes` from the library's allocator of shared memory (`ext.shared_arrays`, every
-    page backed), float16 as `private_arrays`; a str would say why there are none (the rows are skipped)."""
+def library_arrays(count: int, nbytes: int) -> list[np.ndarray[Any, Any]]:
+    """`count` arrays of `nbytes` from the library's allocator (`ext.shared_arrays`: one segment, every page
+    backed), ones of float16 as `private_arrays`."""
     arrays = shared_arrays(count, nbytes // 2, np.float16)
     for array in arrays:
         array.fill(1)  # as private_arrays: ones
@@ -128,11 +128,8 @@ def _owner(
                 # t holds fill_value(t, b); register_blocks: private memory of ones.
                 num_tensors, shape, model_id, *memory = args
                 nbytes = 2 * int(np.prod(shape))
-                got = library_arrays(num_tensors, nbytes) if memory == ["library"] else None
-                if isinstance(got, str):
-                    pipe.send(("error", got))
-                    continue
-                arrays = got if got is not None else private_arrays(num_tensors, nbytes)
+                make = library_arrays if memory == ["library"] else private_arrays
+                arrays = make(num_tensors, nbytes)
                 if command == "register_paged":
                     for t, array in enumerate(arrays):
                         rows = array.view(np.uint8).reshape(shape[0], -1)

@@ -313,41 +313,27 @@ def run_v1(results: Results, port: int, args: argparse.Namespace) -> None:
 # ====================================================================== v2: paged, registered memory
 
 
-MEMORIES = {
-    "private": "plain private numpy memory",
-    "library": "the library's shareable memory",
-}
+MEMORIES = ("private", "library")  # plain private numpy memory; the library's (ext.shared_arrays)
 
 
 def run_v2(results: Results, port: int, args: argparse.Namespace) -> None:
     """v2 paged: both sides `register_blocks_cache` over 64 tensors x 128 blocks of 32 KiB, one-sided
     `pull_blocks` of random blocks with a new `BlocksCacheKey` and new tables per request; over plain
-    private numpy memory, and over the library's shareable memory where it has an allocator (a skipped row
-    that says so otherwise)."""
+    private numpy memory, and over the library's (`ext.shared_arrays`) on both sides."""
     repeats = _repeats(args.quick)
     tensor_nbytes = PAGED_POOL_BLOCKS * PAGED_BLOCK
     shape = [PAGED_POOL_BLOCKS, PAGED_BLOCK // 2]
     desc = CacheDesc(TENSORS, shape, DataType.DT_FLOAT16)
     name = "v2 pull_blocks, {table} random x 32 KiB x 64, " + "{memory}"
-    missing = library_arrays(1, tensor_nbytes)
-    kinds = ["private"] + (["library"] if not isinstance(missing, str) else [])
-    if isinstance(missing, str):
-        for table in PAGED_TABLES:
-            results.skip(
-                GROUP,
-                name.format(table=table, memory="library memory"),
-                missing,
-                id=f"serving.v2_paged.library.{table}",
-            )
     owner = Owner("v2", port, args.timeout_ms)
     datadist = measurer("v2", args.timeout_ms)
     try:
         link(datadist, port)
         manager = datadist.cache_manager
-        for model_id, memory in enumerate(kinds, 1):
+        for model_id, memory in enumerate(MEMORIES, 1):
             owner.call("register_paged", (TENSORS, shape, model_id, memory))
-            got = library_arrays(TENSORS, tensor_nbytes) if memory == "library" else None
-            arrays = got if isinstance(got, list) else private_arrays(TENSORS, tensor_nbytes)
+            make = library_arrays if memory == "library" else private_arrays
+            arrays = make(TENSORS, tensor_nbytes)
             local = manager.register_blocks_cache(desc, [a.ctypes.data for a in arrays])
 
             def pull(key: Any, src: list[int], dst: list[int], local: Any = local) -> None:
