@@ -275,7 +275,6 @@ class Segment:
         self._unlinked = True
         return array
 
-
     def close(self) -> None:
         """Unmap (and unlink, in the owner). Idempotent. If the caller still holds views of the mapping, the
         unmap is left to the garbage collector, which runs it when the last view goes."""
