@@ -64,7 +64,10 @@ def allocate(count: int, nbytes: int) -> list[npt.NDArray[np.uint8]]:
     mapping = view.obj
     entry = _Allocation(address, total, name, os.getpid(), weakref.ref(mapping))
     with _lock:
-        bisect.insort(_starts, address)
+        # An address is reused only once its mapping is gone, whose `_release` may still be to come: the
+        # new entry takes its place, and that release leaves it alone (it names another segment).
+        if address not in _allocations:
+            bisect.insort(_starts, address)
         _allocations[address] = entry
     weakref.finalize(mapping, _release, address, name, entry.pid)
     return [root[i * pitch : i * pitch + nbytes] for i in range(count)]
@@ -73,7 +76,9 @@ def allocate(count: int, nbytes: int) -> list[npt.NDArray[np.uint8]]:
 def _release(address: int, name: str, creator_pid: int) -> None:
     """The last array and registration over a segment went: its name goes (in the process that made it)."""
     with _lock:
-        if _allocations.pop(address, None) is not None:
+        entry = _allocations.get(address)
+        if entry is not None and entry.name == name:
+            del _allocations[address]
             del _starts[bisect.bisect_left(_starts, address)]
     _unlink_if_creator(name, creator_pid)
 

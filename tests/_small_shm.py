@@ -208,8 +208,23 @@ def case_index() -> dict[str, Any]:
     return {"raised": False}
 
 
+def case_shared_arrays() -> dict[str, Any]:
+    """ext.shared_arrays of 96 MiB (more than the 64 MiB there), then of 8 MiB."""
+    from llm_datadist import LLMException
+    from llm_datadist.ext import shared_arrays
+
+    found: dict[str, Any] = {"raised": False}
+    try:
+        shared_arrays(4, 24 * MIB, "uint8")
+    except LLMException as exc:
+        found = {"raised": True, "code": int(exc.status_code), "message": str(exc)}
+    found["then_8_mib"] = sum(a.nbytes for a in shared_arrays(2, 4 * MIB, "uint8"))
+    return found
+
+
 if __name__ == "__main__":
     cases = {
+        "shared_arrays": case_shared_arrays,
         "v1": case_v1,
         "v2": case_v2,
         "populate": case_populate,

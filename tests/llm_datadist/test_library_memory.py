@@ -132,3 +132,14 @@ def test_bad_arguments_are_refused_before_anything_is_made(
     with pytest.raises(error):
         shared_arrays(count, shape, dtype)  # type: ignore[arg-type]
     assert set(os.listdir(SHM_DIR)) <= before
+
+
+def test_a_late_release_of_an_older_segment_at_the_same_address_leaves_the_newer_one() -> None:
+    """The mapping of a freed segment is unmapped before its release runs (with the GIL free, so another
+    thread may get the same address meanwhile): that release must not drop the new segment's entry."""
+    (array,) = shared_arrays(1, 4096, np.uint8)
+    name = _name_of(array)
+    older = f"/llmdd.{os.getuid()}.{os.getpid()}.1.{'0' * 16}"  # no such segment: its name is long gone
+    library._release(array.ctypes.data, older, os.getpid())
+    assert library.span([array.ctypes.data], 4096) is not None
+    assert library.segment_address(name) is not None and _exists(name)

@@ -82,6 +82,19 @@ def test_v2_allocation_beyond_dev_shm_keeps_v2s_code() -> None:
 
 
 @needs_small_shm
+def test_shared_arrays_beyond_dev_shm_are_refused_before_any_page_and_leave_nothing() -> None:
+    outcome = run_case("shared_arrays")
+    assert outcome.returncode == 0, outcome.stdout + outcome.stderr  # no SIGBUS
+    found = outcome.result
+    assert found["raised"] and found["code"] == LLMStatusCode.LLM_OUT_OF_MEMORY, found
+    assert found["message"].startswith("[shared_arrays] failed, ")
+    _says_how_to_raise(found["message"])
+    assert _figures(found["message"])[0] == 96 * MIB
+    assert found["then_8_mib"] == 8 * MIB  # the refusal took nothing
+    assert outcome.left == []  # and the arrays' segment went with them
+
+
+@needs_small_shm
 def test_a_population_that_fails_gives_its_pages_back_and_says_so() -> None:
     outcome = run_case("populate")
     assert outcome.returncode == 0, outcome.stdout + outcome.stderr
