@@ -52,9 +52,8 @@ _allocations: dict[int, _Allocation] = {}
 
 def allocate(count: int, nbytes: int) -> list[npt.NDArray[np.uint8]]:
     """`count` zeroed uint8 arrays of `nbytes` each, page-aligned in one new segment, every page backed
-    now (a full /dev/shm fails here, `SharedMemoryExhausted`, never as a SIGBUS later)."""
-    if count <= 0 or nbytes <= 0:
-        raise ValueError(f"need at least one array of at least one byte, got {count} x {nbytes}")
+    now (a full /dev/shm fails here, `SharedMemoryExhausted`, never as a SIGBUS later). The caller checked
+    `count` and `nbytes` (`ext.shared_arrays`)."""
     pitch = -(-nbytes // PAGE_NBYTES) * PAGE_NBYTES
     segment = Segment.create(pitch * count, prefault=True)
     name, address, total = segment.name, segment.address, segment.nbytes
