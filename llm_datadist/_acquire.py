@@ -32,8 +32,8 @@ from llm_datadist._shm.index import Index
 from . import _faults
 from ._dataplane import peer_index, pin, unpin
 from ._errors import PeerGone, StatusError
+from ._peer import Peer
 from ._source import Location, SourceRef
-from ._wire.client import ClientLink
 from .status import LLMStatusCode
 
 
@@ -45,29 +45,27 @@ class Acquirer:
         self.incarnation = incarnation
         self.timeout_code = timeout_code
 
-    def acquire(self, link: ClientLink, ref: SourceRef, deadline: float) -> Held:
+    def acquire(self, peer: Peer, ref: SourceRef, deadline: float) -> Held:
         """`with acquirer.acquire(link, ref, deadline) as location:` copy; ended on the way out."""
-        return Held(self, link, ref, deadline)
+        return Held(self, peer, ref, deadline)
 
     def write_lease(
-        self, link: ClientLink, addrs: tuple[int, ...], nbytes: tuple[int, ...], deadline: float
+        self, peer: Peer, addrs: tuple[int, ...], nbytes: tuple[int, ...], deadline: float
     ) -> WriteLease:
         """`with acquirer.write_lease(link, addrs, nbytes, deadline) as grant:` write into the ranges the
         peer granted (range i is [addrs[i], +nbytes[i]) of its memory); released on the way out."""
-        return WriteLease(link, addrs, nbytes, deadline)
+        return WriteLease(peer, addrs, nbytes, deadline)
 
-    def pinned_in_index(
-        self, link: ClientLink, ref: SourceRef, deadline: float
-    ) -> tuple[Index, Location] | None:
+    def pinned_in_index(self, peer: Peer, ref: SourceRef, deadline: float) -> tuple[Index, Location] | None:
         """Pin `ref` through the link's row of the owner's index: the index and where the cache is, or None
         when the owner must be asked. The link's socket says first whether the owner is alive."""
-        link.check_usable()
-        link.check_peer_alive()
-        index = peer_index(link, self.incarnation, deadline, self.timeout_code)
+        peer.check_usable()
+        peer.check_peer_alive()
+        index = peer_index(peer, self.incarnation, deadline, self.timeout_code)
         if index is None:
             return None
         pinned = pin(
-            link,
+            peer,
             index,
             ref,
             cluster_id=self.cluster_id,
@@ -76,7 +74,7 @@ class Acquirer:
         )
         if pinned is None:
             return None
-        return index, Location.from_pin(link.peer.pid, pinned.cache, pinned.batch_slot, ref)
+        return index, Location.from_pin(peer.info.pid, pinned.cache, pinned.batch_slot, ref)
 
 
 class _Holding:
@@ -116,28 +114,28 @@ class _Holding:
 class Held(_Holding):
     """`Acquirer.acquire`: what a `SourceRef` names, pinned in the owner's index or leased."""
 
-    __slots__ = ("_acquirer", "_deadline", "_index", "_link", "_location", "_ref")
+    __slots__ = ("_acquirer", "_deadline", "_index", "_location", "_peer", "_ref")
 
-    def __init__(self, acquirer: Acquirer, link: ClientLink, ref: SourceRef, deadline: float) -> None:
+    def __init__(self, acquirer: Acquirer, peer: Peer, ref: SourceRef, deadline: float) -> None:
         self._acquirer = acquirer
-        self._link = link
+        self._peer = peer
         self._ref = ref
         self._deadline = deadline
         self._index: Index | None = None
         self._location: Location | None = None
 
     def __enter__(self) -> Location:
-        link, ref = self._link, self._ref
-        pinned = self._acquirer.pinned_in_index(link, ref, self._deadline)
+        peer, ref = self._peer, self._ref
+        pinned = self._acquirer.pinned_in_index(peer, ref, self._deadline)
         if pinned is not None:
             self._index, location = pinned
         else:
-            seq = link.next_seq()
-            reply = link.request(ref.to_message(seq), seq, self._deadline)
+            seq = peer.next_seq()
+            reply = peer.request(ref.to_message(seq), seq, self._deadline)
             expected = ref.grant_type()
             if not isinstance(reply, expected):
                 raise PeerGone(f"expected {expected.__name__}, got {type(reply).__name__}")
-            location = _checked(link, reply, ref, self._deadline)
+            location = _checked(peer, reply, ref, self._deadline)
         self._location = location
         self._begun()
         return location
@@ -148,29 +146,27 @@ class Held(_Holding):
             return
         if self._index is not None:
             index, self._index = self._index, None
-            unpin(self._link, index, ok=ok)
+            unpin(self._peer, index, ok=ok)
             return
-        end_lease(self._link, location.lease_id, ok=ok, deadline=self._deadline)
+        end_lease(self._peer, location.lease_id, ok=ok, deadline=self._deadline)
 
 
 class WriteLease(_Holding):
     """`Acquirer.write_lease`: address ranges of the peer's memory, leased for a push."""
 
-    __slots__ = ("_addrs", "_deadline", "_grant", "_link", "_nbytes")
+    __slots__ = ("_addrs", "_deadline", "_grant", "_nbytes", "_peer")
 
-    def __init__(
-        self, link: ClientLink, addrs: tuple[int, ...], nbytes: tuple[int, ...], deadline: float
-    ) -> None:
-        self._link = link
+    def __init__(self, peer: Peer, addrs: tuple[int, ...], nbytes: tuple[int, ...], deadline: float) -> None:
+        self._peer = peer
         self._addrs = addrs
         self._nbytes = nbytes
         self._deadline = deadline
         self._grant: WriteGrant | None = None
 
     def __enter__(self) -> WriteGrant:
-        link = self._link
-        seq = link.next_seq()
-        grant = link.request(WriteRequest(seq, self._addrs, self._nbytes), seq, self._deadline)
+        peer = self._peer
+        seq = peer.next_seq()
+        grant = peer.request(WriteRequest(seq, self._addrs, self._nbytes), seq, self._deadline)
         if not isinstance(grant, WriteGrant):
             raise PeerGone(f"expected WriteGrant, got {type(grant).__name__}")
         self._grant = grant
@@ -192,26 +188,26 @@ class WriteLease(_Holding):
     def _end(self, *, ok: bool) -> None:
         grant, self._grant = self._grant, None
         if grant is not None:
-            end_lease(self._link, grant.lease_id, ok=ok, deadline=self._deadline)
+            end_lease(self._peer, grant.lease_id, ok=ok, deadline=self._deadline)
 
 
 def _checked(
-    link: ClientLink, reply: PullGrant | BlocksGrant | LocationMessage, ref: SourceRef, deadline: float
+    peer: Peer, reply: PullGrant | BlocksGrant | LocationMessage, ref: SourceRef, deadline: float
 ) -> Location:
     """The grant as a location; a grant that does not match what was asked is released (not ok) first."""
     try:
-        return Location.from_message(link.peer.pid, reply, ref)
+        return Location.from_message(peer.info.pid, reply, ref)
     except StatusError:
-        end_lease(link, reply.lease_id, ok=False, deadline=deadline)
+        end_lease(peer, reply.lease_id, ok=False, deadline=deadline)
         raise
 
 
-def end_lease(link: ClientLink, lease_id: int, *, ok: bool, deadline: float) -> None:
+def end_lease(peer: Peer, lease_id: int, *, ok: bool, deadline: float) -> None:
     """One way: the owner releases (or, after a failure, gives the key back) in order with this link's next
     messages; waiting for it would cost a round trip per transfer. After a failure, best effort: the
     original error is the one to report."""
     if ok:
-        link.send_only(Release(lease_id, True), deadline)
-    elif link.broken is None:
+        peer.send_only(Release(lease_id, True), deadline)
+    elif peer.broken is None:
         with contextlib.suppress(StatusError):
-            link.send_only(Release(lease_id, False), deadline)
+            peer.send_only(Release(lease_id, False), deadline)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from llm_datadist import _library as library
 from llm_datadist._protocol.messages import MAX_ADDRESS_NAMES, Addresses, AddressRequest
@@ -32,6 +33,9 @@ from ._wire import auth
 from ._wire.client import ClientLink
 from .status import LLMStatusCode
 from .utils.log import log
+
+if TYPE_CHECKING:
+    from ._peer import Peer
 
 
 class CrossHost:
@@ -177,23 +181,23 @@ class CrossHost:
 
     # ----------------------------------------------------------------- transfers
 
-    def segment_bases(self, link: ClientLink, names: list[str], deadline: float) -> list[int]:
+    def segment_bases(self, peer: Peer, names: list[str], deadline: float) -> list[int]:
         """Where the remote peer has its segments `names` (asked once per segment and link)."""
-        missing = list(dict.fromkeys(name for name in names if name not in link.segment_addrs))
+        missing = list(dict.fromkeys(name for name in names if name not in peer.segment_addrs))
         for start in range(0, len(missing), MAX_ADDRESS_NAMES):
             chunk = tuple(missing[start : start + MAX_ADDRESS_NAMES])
-            seq = link.next_seq()
-            reply = link.request(AddressRequest(seq, chunk), seq, deadline)
+            seq = peer.next_seq()
+            reply = peer.request(AddressRequest(seq, chunk), seq, deadline)
             if not isinstance(reply, Addresses) or len(reply.addrs) != len(chunk):
                 raise PeerGone(f"expected {len(chunk)} Addresses, got {type(reply).__name__}")
-            if len(link.segment_addrs) > 4096:
-                link.segment_addrs.clear()  # a long-lived peer's pools come and go: forget old names
-            link.segment_addrs.update(zip(chunk, reply.addrs, strict=True))
-        return [link.segment_addrs[name] for name in names]
+            if len(peer.segment_addrs) > 4096:
+                peer.segment_addrs.clear()  # a long-lived peer's pools come and go: forget old names
+            peer.segment_addrs.update(zip(chunk, reply.addrs, strict=True))
+        return [peer.segment_addrs[name] for name in names]
 
     def copy(
         self,
-        link: ClientLink,
+        peer: Peer,
         local: CacheRecord,
         local_addrs: list[int],
         remote_addrs: list[int],
@@ -206,6 +210,7 @@ class CrossHost:
         or a timeout breaks the link (whatever the engine still does, the local memory stays pinned)."""
         # Waiting for a transfer that outlived its call, into the same memory, is not this link's failure.
         ORPHANS.wait_clear(local_addrs, lengths, deadline, self._timeout_code)
+        link = peer.link
         engine = self.peer_engine(link)
         if engine.protocol != "tcp":
             # RDMA reads and writes only registered local memory; over TCP the engine copies to and from

@@ -43,8 +43,8 @@ from ._keys import (
     not_found,
     registered_for_v1,
 )
+from ._peer import Peer
 from ._source import V2, SourceRef
-from ._wire.client import ClientLink
 from ._wire.peer import PeerInfo
 from .status import LLMStatusCode
 
@@ -59,55 +59,53 @@ class Pin(NamedTuple):
     batch_slot: int
 
 
-def peer_index(
-    link: ClientLink, incarnation: int, deadline: float, timeout_code: LLMStatusCode
-) -> Index | None:
-    """The link's mapping of its owner's index (mapped on first use), or None when the owner gave none."""
-    if link.index is not None:
-        return link.index
-    if not link.index_name:
+def peer_index(peer: Peer, incarnation: int, deadline: float, timeout_code: LLMStatusCode) -> Index | None:
+    """The peer's index as mapped here (mapped on first use), or None when the owner gave none."""
+    if peer.index is not None:
+        return peer.index
+    if not peer.index_name:
         return None
     try:
-        link.index = Index.attach(link.index_name, pid=link.peer.pid, incarnation=link.peer.incarnation)
+        peer.index = Index.attach(peer.index_name, pid=peer.info.pid, incarnation=peer.info.incarnation)
     except ShmError as exc:  # not that owner's, or gone (the owner ended: the socket says which)
-        raise_index_error(link, exc, timeout_code)
+        raise_index_error(peer, exc, timeout_code)
     try:
-        with link.index.locked(max(deadline - time.monotonic(), 0.0)):
-            holder = link.index.row_state(link.index_row)[0]
-            row_incarnation = link.index.row_incarnation(link.index_row)
+        with peer.index.locked(max(deadline - time.monotonic(), 0.0)):
+            holder = peer.index.row_state(peer.index_row)[0]
+            row_incarnation = peer.index.row_incarnation(peer.index_row)
     except ShmError as exc:
-        raise_index_error(link, exc, timeout_code)
-    if (holder, row_incarnation) != (link.index_ticket, incarnation):
-        link.index.close()
-        link.index = None
-        raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {_row_taken_back(link)}")
-    return link.index
+        raise_index_error(peer, exc, timeout_code)
+    if (holder, row_incarnation) != (peer.index_ticket, incarnation):
+        peer.index.close()
+        peer.index = None
+        raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {_row_taken_back(peer)}")
+    return peer.index
 
 
 class RowHolder(Protocol):
     """What pinning needs of a link: its row of the owner's index, the ticket naming it there, the peer,
-    and a way to break the link (a `ClientLink` is one)."""
+    and a way to break the link (a `Peer` is one)."""
 
     index_row: int
     index_ticket: int
-    peer: PeerInfo
+    info: PeerInfo
 
     def fail(self, reason: str) -> None: ...
 
     def check_peer_alive(self) -> None: ...
 
 
-def _row_taken_back(link: RowHolder) -> IndexCorrupt:
+def _row_taken_back(peer: RowHolder) -> IndexCorrupt:
     """Our row is no longer ours. The owner takes a row back only as it ends the connection (it is
     finalizing, or it dropped us): once the socket says so, the link is over. While the socket is open,
     a stray write into the index changed the row: this transfer fails (LLM_FAILED) and the link stays (the
     owner puts its fields back at its next audit)."""
-    link.check_peer_alive()  # PeerGone (LLM_LINK_FAILED) and the link broken, if the connection ended
-    return IndexCorrupt(f"row {link.index_row} of the peer's index names another holder")
+    peer.check_peer_alive()  # PeerGone (LLM_LINK_FAILED) and the link broken, if the connection ended
+    return IndexCorrupt(f"row {peer.index_row} of the peer's index names another holder")
 
 
 def pin(
-    link: RowHolder,
+    peer: RowHolder,
     index: Index,
     ref: SourceRef,
     *,
@@ -123,9 +121,9 @@ def pin(
     try:
         index.lock(max(deadline - time.monotonic(), 0.0))
         try:
-            pinned = _pin_locked(link, index, cluster_id, ref)
+            pinned = _pin_locked(peer, index, cluster_id, ref)
             if pinned is not None and ref.for_write and pinned.cache.flags & CACHE_WITHDRAWN:
-                index.clear_row(link.index_row, link.index_ticket)
+                index.clear_row(peer.index_row, peer.index_ticket)
                 raise StatusError(
                     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {pinned.cache.cache_id} was deallocated"
                 )
@@ -133,40 +131,40 @@ def pin(
         finally:
             index.unlock()
     except ShmError as exc:
-        raise_index_error(link, exc, timeout_code)
+        raise_index_error(peer, exc, timeout_code)
 
 
-def index_not_open(link: RowHolder, state: int) -> IndexCorrupt:
+def index_not_open(peer: RowHolder, state: int) -> IndexCorrupt:
     """The index says it is not open. An owner closes it as it ends its connections: once the socket says
     so, the link is over (PeerGone, LLM_LINK_FAILED). While the socket is open, the owner is between the
     two, or a stray write changed the word: this transfer fails (LLM_FAILED) and the link stays."""
-    link.check_peer_alive()
+    peer.check_peer_alive()
     return IndexCorrupt(f"the peer's index is not open (state {state})")
 
 
-def raise_index_error(link: RowHolder, exc: ShmError, timeout_code: LLMStatusCode) -> NoReturn:
+def raise_index_error(peer: RowHolder, exc: ShmError, timeout_code: LLMStatusCode) -> NoReturn:
     if isinstance(exc, IndexLockTimeout):
         raise StatusError(timeout_code, str(exc)) from exc
     if isinstance(exc, IndexCorrupt):
         # A stray write into the owner's index: this transfer fails; the owner repairs the index.
         raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
-    link.check_peer_alive()
+    peer.check_peer_alive()
     raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
 
 
-def _pin_locked(link: RowHolder, index: Index, cluster_id: int, ref: SourceRef) -> Pin | None:
+def _pin_locked(peer: RowHolder, index: Index, cluster_id: int, ref: SourceRef) -> Pin | None:
     key_kind, key_id, model_id, batch_index = ref.key_kind, ref.key_id, ref.model_id, ref.batch_index
     tensor_start, tensor_count = ref.tensor_start, ref.tensor_count
     v2 = ref.rules == V2
     consume = ref.consume and not ref.for_write
     state, flags = index.header()
     if state != STATE_OPEN:
-        raise index_not_open(link, state)
+        raise index_not_open(peer, state)
     if not v2 and index.busy(cluster_id):
         raise StatusError(LLMStatusCode.LLM_LINK_BUSY, "a layer-wise transfer into this cluster is running")
-    holder = index.row_state(link.index_row)[0]
-    if holder != link.index_ticket:
-        raise _row_taken_back(link)
+    holder = index.row_state(peer.index_row)[0]
+    if holder != peer.index_ticket:
+        raise _row_taken_back(peer)
     # A pin we did not leave (we hold the link and owe no unpin through it) is a stray write into our own
     # row, which the owner's repair keeps as pullers left it: the pin below writes the row whole again.
     consume_name = -1
@@ -214,8 +212,8 @@ def _pin_locked(link: RowHolder, index: Index, cluster_id: int, ref: SourceRef) 
             pulled_name = consume_name
             taken = index.consume(consume_name, ((1 << tensor_count) - 1) << tensor_start)
     index.set_row(
-        link.index_row,
-        link.index_ticket,
+        peer.index_row,
+        peer.index_ticket,
         cache.slot,
         cache.generation,
         pulled_name,
@@ -225,7 +223,7 @@ def _pin_locked(link: RowHolder, index: Index, cluster_id: int, ref: SourceRef) 
     return Pin(cache, batch_slot)
 
 
-def unpin(link: RowHolder, index: Index, *, ok: bool) -> None:
+def unpin(peer: RowHolder, index: Index, *, ok: bool) -> None:
     """End the row's pin: after a copy that went well, what it pulled counts as pulled; after a failed one,
     what it reserved goes back. A row the owner took back (it revoked the pin: the memory may be reused)
     fails a transfer that went well with LLM_LINK_FAILED. A lock that cannot be had even now fails the
@@ -234,13 +232,13 @@ def unpin(link: RowHolder, index: Index, *, ok: bool) -> None:
     try:
         index.lock(_UNPIN_TIMEOUT_S)
     except ShmError as exc:
-        _unpins.owe(index, link.index_row, link.index_ticket)
-        link.fail(f"could not unpin in the peer's index: {exc}")
+        _unpins.owe(index, peer.index_row, peer.index_ticket)
+        peer.fail(f"could not unpin in the peer's index: {exc}")
         if ok:
             raise StatusError(LLMStatusCode.LLM_FAILED, f"peer's index: {exc}") from exc
         return
     try:
-        revoked = not _unpin_locked(index, link.index_row, link.index_ticket, ok)
+        revoked = not _unpin_locked(index, peer.index_row, peer.index_ticket, ok)
     except IndexCorrupt as exc:
         # The row or the name cannot be read (a stray write, a file another process shrank): the pin
         # cannot be ended as it was taken, the bytes cannot be trusted. The owner's repair takes the row
@@ -254,16 +252,16 @@ def unpin(link: RowHolder, index: Index, *, ok: bool) -> None:
         # Taken back with the connection (the owner finalized, or dropped us): the link is over. With the
         # connection open, a stray write changed our row: the pin may not have held, so the transfer fails.
         try:
-            link.check_peer_alive()
+            peer.check_peer_alive()
         except StatusError:
-            link.fail("the peer took back our pin")
+            peer.fail("the peer took back our pin")
             raise StatusError(
                 LLMStatusCode.LLM_LINK_FAILED,
-                f"cluster {link.peer.cluster_id} took back the pin before the transfer ended (it finalized)",
+                f"cluster {peer.info.cluster_id} took back the pin before the transfer ended (it finalized)",
             ) from None
         raise StatusError(
             LLMStatusCode.LLM_FAILED,
-            f"our row of cluster {link.peer.cluster_id}'s index changed during the transfer (a stray write; "
+            f"our row of cluster {peer.info.cluster_id}'s index changed during the transfer (a stray write; "
             "the peer repairs it): the bytes cannot be trusted",
         )
 

@@ -14,7 +14,7 @@ caller takes the full way, which raises what it calls for and maps what it needs
 ("pinned", "copied", "released"), so that fault tests reach this path too. Once pinned, it is the full
 way's pin: a copy that fails gives back what it reserved, and an unpin that cannot be done at once is the
 full way's (`_dataplane.unpin`: it waits, or fails the transfer and says why). A pull of the full way out
-of a segment makes that segment the one the next fresh pulls of the link read (`remember`). The only memo
+of a segment makes that segment the one the next fresh pulls from that peer read (`remember`). The only memo
 is the destination's addresses by value: the cache, its tensor range.
 """
 
@@ -39,8 +39,8 @@ from ._copy import Copier
 from ._dataplane import unpin
 from ._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
 from ._owner.records import CacheRecord
+from ._peer import Peer
 from ._source import SourceRef
-from ._wire.client import ClientLink
 
 DONE, BUSY, STALE, FAULTED, PINNED, COPIED, PIN_FAULTED = 0, 1, 2, 3, 4, 5, 6
 MAX_NBYTES = 64 << 10  # the kernel's HOLD_MAX_NBYTES: copies this small are made under the index lock
@@ -56,15 +56,15 @@ _MAX_DST = 1024  # destination address lists kept
 
 
 @dataclass(frozen=True, slots=True)
-class _Source:
-    """What fresh pulls over one link read: its mapping of the peer's index, our row there, and the
-    peer's segments full pulls read (mapped here), with their table for the kernel."""
+class FreshSource:
+    """What fresh pulls from one peer read (`Peer.fresh`): its index as mapped here, our row there, and
+    the peer's segments full pulls read (mapped here), with their table for the kernel."""
 
-    index: weakref.ref[Index]  # weak, as the segments below: a link's mapping of a dead owner's index goes
+    index: weakref.ref[Index]  # weak, as the segments below: a peer's mapping of a dead owner's index goes
     row_offset: int
     ticket: int
     regions: tuple[int, int, int, int, int, int]
-    # Weak: a pull must never keep a mapping alive that the link's mapping cache let go (a peer's retired
+    # Weak: a pull must never keep a mapping alive that the peer's mapping cache let go (a peer's retired
     # or unlinked segment would stay mapped here, and its memory with it).
     segments: tuple[weakref.ref[Segment], ...]
     table: bytes  # `segment_table` of them: their addresses are valid while their arrays are held
@@ -82,7 +82,7 @@ class _Source:
                 return None
         return arrays
 
-    def with_segments(self, segments: list[Segment]) -> _Source:
+    def with_segments(self, segments: list[Segment]) -> FreshSource:
         """The same source over `segments` (those still open)."""
         live, entries = [], []
         for segment in segments[-_MAX_SEGMENTS:]:
@@ -94,7 +94,7 @@ class _Source:
             except ShmError:
                 continue
             live.append(weakref.ref(segment))
-        return _Source(
+        return FreshSource(
             self.index, self.row_offset, self.ticket, self.regions, tuple(live), segment_table(entries)
         )
 
@@ -143,36 +143,36 @@ def pack_plan(
 
 
 class FreshPulls:
-    """The fresh small pulls of one instance."""
+    """The fresh pulls of one instance."""
 
     def __init__(self, copier: Copier) -> None:
         self._copier = copier
-        self._sources: weakref.WeakKeyDictionary[ClientLink, _Source] = weakref.WeakKeyDictionary()
         self._dst: dict[tuple[int, int, int, int], bytes] = {}
         self.done = 0  # pulls made here
 
-    def remember(self, link: ClientLink, segment: Segment) -> None:
-        """A full pull over `link` read `segment`: fresh pulls read it too from now on."""
-        index = link.index
+    @staticmethod
+    def remember(peer: Peer, segment: Segment) -> None:
+        """A full pull from `peer` read `segment`: fresh pulls read it too from now on."""
+        index = peer.index
         if index is None:
             return
-        source = self._sources.get(link)
+        source = peer.fresh
         if source is None or source.index() is not index:
-            source = _Source(
+            source = FreshSource(
                 weakref.ref(index),
-                index.row_offset(link.index_row),
-                link.index_ticket,
+                index.row_offset(peer.index_row),
+                peer.index_ticket,
                 index.regions(),
                 (),
                 b"",
             )
         elif any(ref() is segment for ref in source.segments):
             return
-        self._sources[link] = source.with_segments([*source.live_segments(), segment])
+        peer.fresh = source.with_segments([*source.live_segments(), segment])
 
     def pull(
         self,
-        link: ClientLink,
+        peer: Peer,
         ref: SourceRef,
         dst: CacheRecord,
         dst_tensor_start: int,
@@ -186,15 +186,15 @@ class FreshPulls:
         kernel = indexkernel.kernel
         if kernel is None or ref.key_kind not in (KEY_REQ, KEY_PREFIX, KEY_CACHE_ID):
             return STALE
-        source = self._sources.get(link)
+        source = peer.fresh
         count, nbytes = ref.tensor_count, ref.nbytes
-        if source is None or source.index() is not link.index or dst.block is None or not count * nbytes:
+        if source is None or source.index() is not peer.index or dst.block is None or not count * nbytes:
             return STALE
         # Held until the copy is done: the mappings stay mapped, even if housekeeping closes a segment
         # meanwhile (its mapping goes when the last view does).
         src_arrays = source.arrays()
         if src_arrays is None:  # housekeeping let one go: the others stay
-            self._sources[link] = source = source.with_segments(source.live_segments())
+            peer.fresh = source = source.with_segments(source.live_segments())
             src_arrays = source.arrays()
         try:
             dst_array = dst.block.segment.array
@@ -202,11 +202,12 @@ class FreshPulls:
             return STALE
         if not src_arrays:
             return STALE
+        link = peer.link
         link.check_usable()
         link.check_peer_alive()
         plan = pack_plan(source.row_offset, source.ticket, source.regions, ref, dst_offset, check_busy)
         addrs = self._addresses(dst, dst_tensor_start, count)
-        index = link.index
+        index = peer.index
         assert index is not None  # it is the remembered one (above)
         fd, mapping = index.handle
         total = count * nbytes
@@ -227,13 +228,13 @@ class FreshPulls:
             outcome = kernel.index_pull_key(mapping, fd, plan, addrs, source.table, sources, one_call)
         if outcome == PINNED:
             assert sources is not None
-            self._copy_pinned(link, index, (fd, mapping), plan, sources, addrs, dst_offset, nbytes)
+            self._copy_pinned(peer, index, (fd, mapping), plan, sources, addrs, dst_offset, nbytes)
             outcome = DONE
         elif outcome == COPIED:  # the unpin found the lock busy or the row changed: the full way's unpin
-            unpin(link, index, ok=True)
+            unpin(peer, index, ok=True)
             outcome = DONE
         elif outcome == PIN_FAULTED:
-            unpin(link, index, ok=False)  # what it reserved goes back: the key can be pulled again
+            unpin(peer, index, ok=False)  # what it reserved goes back: the key can be pulled again
             outcome = FAULTED
         del src_arrays, dst_array
         if outcome == FAULTED:
@@ -245,7 +246,7 @@ class FreshPulls:
 
     def _copy_pinned(
         self,
-        link: ClientLink,
+        peer: Peer,
         index: Index,
         handle: tuple[int, mmap.mmap],
         plan: bytes,
@@ -266,14 +267,14 @@ class FreshPulls:
                 raise ShmError("a fresh pull pinned a key with no copy kernel")
             _faults.at("copied")
         except BaseException:
-            unpin(link, index, ok=False)  # what it reserved goes back: the key can be pulled again
+            unpin(peer, index, ok=False)  # what it reserved goes back: the key can be pulled again
             raise
         try:
             unpinned = kernel.index_unpin_key(handle[1], handle[0], plan)
         except OSError:
             unpinned = BUSY
         if unpinned != DONE:
-            unpin(link, index, ok=True)  # waits for a busy lock, or fails the transfer and says why
+            unpin(peer, index, ok=True)  # waits for a busy lock, or fails the transfer and says why
         _faults.at("released")
 
     def _addresses(self, dst: CacheRecord, start: int, count: int) -> bytes:

@@ -1,10 +1,11 @@
 """The links of one initialised instance: those it made (one per remote cluster) and those back to peers
-that linked to it (to push into their memory), and how bytes move on each.
+that linked to it (to push into their memory), each held as the puller's `Peer` of it, and how bytes move
+on each.
 
 Rules: one lock guards both registries (`lock`; the two-sided links of `_comm` keep their state under it
-too). A link's mover is chosen once, when the link is made: `HostMover` through a Unix socket, a peer on
-this host; `EngineMover` over TCP, a peer on another host; no transfer asks again. A link the registry no
-longer holds is closed by whoever removed it; once `closed`, no link is added.
+too). A peer's mover is chosen once, when its link is made (`Peer.mover`): `HostMover` through a Unix
+socket, a peer on this host; `EngineMover` over TCP, a peer on another host; no transfer asks again. A
+link the registry no longer holds is closed by whoever removed it; once `closed`, no link is added.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
 from llm_datadist._protocol.messages import Ping, Pong
 
 from ._crosshost import CrossHost
 from ._errors import PeerGone, StatusError
-from ._movers import EngineMover, HostMover, Mover
+from ._movers import EngineMover, HostMover
+from ._peer import Peer
 from ._runtime import ENV_RUNTIME_DIR, is_local_ip, socket_path, socket_path_in_runtime
 from ._wire.client import ClientLink
 from ._wire.server import Server
@@ -59,16 +60,16 @@ class Links:
         self._timeout_s = timeout_s
         self.lock = threading.Lock()
         self.closed = False
-        self._links: dict[int, ClientLink] = {}
+        self._links: dict[int, Peer] = {}
         # Links back to peers that linked to us, used to push into their memory; keyed by cluster id.
-        self._push_links: dict[int, ClientLink] = {}
+        self._push_links: dict[int, Peer] = {}
         self._push_connect_lock = threading.Lock()
 
     # ----------------------------------------------------------------- making links
 
     def connect_unix(
         self, path: Path, remote_cluster_id: int, deadline: float, *, announce_callback: bool = True
-    ) -> ClientLink:
+    ) -> Peer:
         """A link through the Unix socket at `path` (see `ClientLink.connect`); `announce_callback`: tell
         the peer our callback socket (not on a link that is itself the way back)."""
         link = ClientLink.connect(
@@ -80,8 +81,7 @@ class Links:
             callback=self._callback_name if announce_callback else "",
             incarnation=self._incarnation,
         )
-        link.mover = self._host_mover
-        return link
+        return Peer(link, self._host_mover)
 
     def connect_tcp(
         self,
@@ -92,7 +92,7 @@ class Links:
         local_ip: str = "",
         *,
         serve_callback: bool = True,
-    ) -> ClientLink:
+    ) -> Peer:
         """A link over TCP to a peer on another host (see `ClientLink.connect_tcp`), from `local_ip` when
         that is one of ours. `serve_callback`: announce a TCP port of ours the peer may push through (not
         on a link that is itself the way back)."""
@@ -110,8 +110,7 @@ class Links:
             deadline=deadline,
             incarnation=self._incarnation,
         )
-        link.mover = self._engine_mover
-        return link
+        return Peer(link, self._engine_mover)
 
     def link(
         self, remote_cluster_id: int, ip: str, port: int, deadline: float, local_ip: str = ""
@@ -154,9 +153,7 @@ class Links:
             return refused
         return LLMStatusCode.LLM_SUCCESS
 
-    def _connect(
-        self, remote_cluster_id: int, ip: str, port: int, deadline: float, local_ip: str
-    ) -> ClientLink:
+    def _connect(self, remote_cluster_id: int, ip: str, port: int, deadline: float, local_ip: str) -> Peer:
         """The link `link` resolves `ip:port` to (its docstring says how); StatusError when it fails."""
         path = socket_path(ip, port)
         here = is_local_ip(ip)
@@ -185,16 +182,16 @@ class Links:
             ) from exc
         return self.connect_tcp(remote_cluster_id, ip, port, deadline, local_ip)
 
-    def adopt(self, remote_cluster_id: int, link: ClientLink) -> None:
+    def adopt(self, remote_cluster_id: int, link: Peer) -> None:
         """Hold a link made elsewhere (a two-sided link of `_comm`); the caller holds `lock` and checked
         that the cluster has no link and the registry is not closed."""
         self._adopt(remote_cluster_id, link)
 
-    def _adopt(self, remote_cluster_id: int, link: ClientLink) -> None:
+    def _adopt(self, remote_cluster_id: int, link: Peer) -> None:
         self._links[remote_cluster_id] = link
-        link.on_broken = self._on_broken
+        link.link.on_broken = self._on_broken
         if self._on_linked is not None:
-            self._on_linked(link)
+            self._on_linked(link.link)
 
     # ----------------------------------------------------------------- looking links up
 
@@ -202,15 +199,15 @@ class Links:
         """Whether we hold a link to `remote_cluster_id` (the caller holds `lock`)."""
         return remote_cluster_id in self._links
 
-    def held(self, cluster_ids: list[int]) -> list[ClientLink]:
+    def held(self, cluster_ids: list[int]) -> list[Peer]:
         """The links we hold to those of `cluster_ids` we are linked to (the caller holds `lock`)."""
         return [self._links[c] for c in cluster_ids if c in self._links]
 
-    def forget(self, remote_cluster_id: int) -> ClientLink | None:
+    def forget(self, remote_cluster_id: int) -> Peer | None:
         """Stop holding our link to `remote_cluster_id` (the caller holds `lock`, and closes it)."""
         return self._links.pop(remote_cluster_id, None)
 
-    def get(self, remote_cluster_id: int) -> ClientLink:
+    def get(self, remote_cluster_id: int) -> Peer:
         """Our link to `remote_cluster_id`; StatusError(LLM_NOT_YET_LINK) if there is none."""
         self._server.check_alive()
         with self.lock:
@@ -223,11 +220,11 @@ class Links:
         with self.lock:
             return list(self._links)
 
-    def all(self) -> list[ClientLink]:
+    def all(self) -> list[Peer]:
         with self.lock:
             return list(self._links.values()) + list(self._push_links.values())
 
-    def link_to(self, remote_cluster_id: int, deadline: float) -> ClientLink:
+    def link_to(self, remote_cluster_id: int, deadline: float) -> Peer:
         """A link to `remote_cluster_id`: ours if we linked to it, else the link back to its callback socket
         when it linked to us (in v2 either side may pull and push)."""
         self._server.check_alive()
@@ -262,14 +259,14 @@ class Links:
 
     # ----------------------------------------------------------------- links back
 
-    def push_link(self, remote_cluster_id: int, deadline: float) -> ClientLink:
+    def push_link(self, remote_cluster_id: int, deadline: float) -> Peer:
         """The link back to `remote_cluster_id` (a peer linked to us), connected on first use."""
         # One connector at a time: two transfers must not each connect and close the other's link.
         self._server.check_alive()
         with self._push_connect_lock:
             return self._push_link(remote_cluster_id, deadline)
 
-    def _push_link(self, remote_cluster_id: int, deadline: float) -> ClientLink:
+    def _push_link(self, remote_cluster_id: int, deadline: float) -> Peer:
         # The most recent connection from that cluster that announced a callback socket: after a restart,
         # the new incarnation's (a connection without one, such as a probe, is no way back).
         peers = [p for p in self._server.peers() if p.cluster_id == remote_cluster_id]
@@ -279,7 +276,7 @@ class Links:
         if (
             link is not None
             and link.broken is None
-            and (peer is None or link.peer.incarnation == peer.incarnation)
+            and (peer is None or link.info.incarnation == peer.incarnation)
         ):
             return link
         if peer is None:
@@ -298,12 +295,12 @@ class Links:
             link = self.connect_unix(
                 socket_path_in_runtime(peer.callback), remote_cluster_id, deadline, announce_callback=False
             )
-        if link.peer.incarnation != peer.incarnation or (not peer.remote and link.peer.pid != peer.pid):
+        if link.info.incarnation != peer.incarnation or (not peer.remote and link.info.pid != peer.pid):
             link.close(say_bye=True)
             raise StatusError(
                 LLMStatusCode.LLM_LINK_FAILED, "the callback socket is served by another process"
             )
-        link.on_broken = self._on_broken
+        link.link.on_broken = self._on_broken
         with self.lock:
             old = self._push_links.pop(remote_cluster_id, None)
             self._push_links[remote_cluster_id] = link
@@ -324,10 +321,8 @@ class Links:
     def unmap_retired(self) -> None:
         """Unmap the segments peers have retired (a growing pool unlinks a segment that fell empty), so that
         no freed memory stays alive through our mappings."""
-        for link in self.all():
-            for name in link.mappings.drop_unlinked():
-                link.owned_segments.discard(name.lstrip("/"))
-                link.owned_segments.discard(name)
+        for peer in self.all():
+            peer.unmap_retired()
 
     def abandon(self) -> None:
         """In a forked child: every link's copy of its socket and index closed, nothing said to a peer."""
@@ -337,7 +332,7 @@ class Links:
         self._links.clear()
         self._push_links.clear()
 
-    def close_all(self, before: Callable[[], None]) -> list[ClientLink]:
+    def close_all(self, before: Callable[[], None]) -> list[Peer]:
         """No more links: every link is taken out of the registries (`before` runs first, under the
         lock); the caller closes them."""
         with self.lock:
@@ -348,11 +343,6 @@ class Links:
             self._links.clear()
             self._push_links.clear()
         return links
-
-
-def mover_of(link: ClientLink) -> Mover:
-    """The mover chosen for `link` when it was made."""
-    return cast(Mover, link.mover)
 
 
 def _ignore(link: ClientLink) -> None:

@@ -27,11 +27,13 @@ from llm_datadist._shm.segment import Segment
 
 from ._copy import Copier
 from ._errors import PeerGone, StatusError
+from ._fresh import FreshPulls
 from ._native import address_view, vm_columns
 from ._owner.records import CacheRecord
+from ._peer import Peer
 from ._source import Location
+from ._stats import CMA, MOONCAKE, SHM
 from ._vm import FEW_RUNS, PreparedRuns, VmBadAddress, VmError, VmNotPermitted, VmProcessGone, VmRun
-from ._wire.client import ClientLink
 from .status import LLMStatusCode
 
 if TYPE_CHECKING:
@@ -63,15 +65,22 @@ class PushSpan:
 
 
 class Mover(Protocol):
-    """Moves bytes between pinned memory of ours and of the peer at the other end of `link`."""
+    """Moves bytes between pinned memory of ours and of the peer at the other end of a link (`Peer`)."""
 
-    # The peer's memory is visible here (mapped, or attachable): what it publishes there (generation
-    # words) can be read, so reads need no pin (`_oneside`).
-    sees_peer_memory: bool
+    def transport(self, segment: str) -> int:
+        """How this mover moves bytes of the peer's `segment` ("": its registered memory), as the stats
+        count it (`_stats.TRANSPORTS`)."""
+        ...
+
+    def words(self, peer: Peer, name: str, nbytes: int) -> Segment | None:
+        """The peer's generation segment `name` (at least `nbytes`) as mapped here, for reads that need no
+        pin (`_oneside`: the words say whether the owner still holds what was read); None when nothing of
+        the peer is visible here, and reads must pin."""
+        ...
 
     def read_tensors(
         self,
-        link: ClientLink,
+        peer: Peer,
         loc: Location,
         dst: CacheRecord,
         dst_offsets: list[int],
@@ -84,14 +93,14 @@ class Mover(Protocol):
         ...
 
     def read_blocks(
-        self, link: ClientLink, loc: Location, plan: BlockPlan, dst: CacheRecord, deadline: float
+        self, peer: Peer, loc: Location, plan: BlockPlan, dst: CacheRecord, deadline: float
     ) -> None:
         """A paged copy from `loc`'s segment into `dst`'s (v1 `pull_blocks`)."""
         ...
 
     def copy_units(
         self,
-        link: ClientLink,
+        peer: Peer,
         loc: Location,
         local: CacheRecord,
         local_tensor_start: int,
@@ -107,7 +116,7 @@ class Mover(Protocol):
 
     def write_ranges(
         self,
-        link: ClientLink,
+        peer: Peer,
         grant: WriteGrant,
         src: CacheRecord,
         spans: list[PushSpan],
@@ -141,24 +150,24 @@ def _outside_segment() -> StatusError:
 # ====================================================================== a peer on this host
 
 
-def peer_segment(link: ClientLink, name: str, nbytes: int, *, writable: bool) -> Segment:
+def peer_segment(peer: Peer, name: str, nbytes: int, *, writable: bool) -> Segment:
     """Map a segment a peer on this host named. Never trust a peer's description of memory: the segment
     must be the peer's own (its pid and our uid in the name) and hold what the grant says. A segment that
     cannot be mapped because its owner died is a link failure, not a shared-memory one."""
-    if name not in link.owned_segments:
+    if name not in peer.owned_segments:
         owner = parse_segment_name(name)
-        if owner is None or owner.pid != link.peer.pid or owner.uid != os.getuid():
+        if owner is None or owner.pid != peer.info.pid or owner.uid != os.getuid():
             raise StatusError(LLMStatusCode.LLM_FAILED, f"peer granted a segment it does not own: {name}")
-        link.owned_segments.add(name)  # a name carries its owner: once checked, it stays the peer's
+        peer.owned_segments.add(name)  # a name carries its owner: once checked, it stays the peer's
     try:
-        return link.mappings.get(name, min_nbytes=nbytes, writable=writable)
+        return peer.mappings.get(name, min_nbytes=nbytes, writable=writable)
     except ShmError as exc:
         # An owner unlinks a segment with something granted in it only when it finalizes or dies, and it
         # closes its connections first: the link tells which.
-        link.check_peer_alive()
-        if process_alive(link.peer.pid):
+        peer.check_peer_alive()
+        if process_alive(peer.info.pid):
             raise
-        raise peer_ended(link, exc) from exc
+        raise peer_ended(peer, exc) from exc
 
 
 def process_alive(pid: int) -> bool:
@@ -168,23 +177,27 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def peer_ended(link: ClientLink, cause: Exception) -> PeerGone:
+def peer_ended(peer: Peer, cause: Exception) -> PeerGone:
     """Break `link` because its peer's process ended; the error to raise (from `cause`)."""
-    link.fail(f"process {link.peer.pid} is gone")
-    return PeerGone(f"cluster {link.peer.cluster_id} (pid {link.peer.pid}) is gone: {cause}")
+    peer.fail(f"process {peer.info.pid} is gone")
+    return PeerGone(f"cluster {peer.info.cluster_id} (pid {peer.info.pid}) is gone: {cause}")
 
 
 class HostMover:
     """A peer on this host: its pool segments mapped here, its registered memory by cross-memory attach."""
 
-    sees_peer_memory = True
-
     def __init__(self, copier: Copier) -> None:
         self._copier = copier
 
+    def transport(self, segment: str) -> int:
+        return SHM if segment else CMA
+
+    def words(self, peer: Peer, name: str, nbytes: int) -> Segment | None:
+        return peer_segment(peer, name, nbytes, writable=False)
+
     def read_tensors(
         self,
-        link: ClientLink,
+        peer: Peer,
         loc: Location,
         dst: CacheRecord,
         dst_offsets: list[int],
@@ -192,7 +205,7 @@ class HostMover:
         deadline: float,
         marks: list[float] | None = None,
     ) -> None:
-        src = peer_segment(link, loc.segment, loc.segment_nbytes, writable=False)
+        src = peer_segment(peer, loc.segment, loc.segment_nbytes, writable=False)
         # Tensors are a constant pitch apart on each side: one strided copy, else a list of runs.
         strided = StridedCopy.from_offsets(loc.tensor_bases, dst_offsets, nbytes)
         if strided is not None:
@@ -204,16 +217,17 @@ class HostMover:
             if marks is not None:
                 marks.append(time.perf_counter())
             self._copier.run(runs, src.array, dst.pool_block.segment.array)
+        FreshPulls.remember(peer, src)  # the kernel's pulls from this peer read that segment next
 
     def read_blocks(
-        self, link: ClientLink, loc: Location, plan: BlockPlan, dst: CacheRecord, deadline: float
+        self, peer: Peer, loc: Location, plan: BlockPlan, dst: CacheRecord, deadline: float
     ) -> None:
-        src = peer_segment(link, loc.segment, loc.segment_nbytes, writable=False)
+        src = peer_segment(peer, loc.segment, loc.segment_nbytes, writable=False)
         self._copier.run_blocks(plan, src.array, dst.pool_block.segment.array)
 
     def copy_units(
         self,
-        link: ClientLink,
+        peer: Peer,
         loc: Location,
         local: CacheRecord,
         local_tensor_start: int,
@@ -225,9 +239,9 @@ class HostMover:
     ) -> PreparedRuns | None:
         bases = loc.tensor_bases
         if not loc.segment:
-            return self._attach_copy(link, loc, local, local_tensor_start, runs, write, prepared)
+            return self._attach_copy(peer, loc, local, local_tensor_start, runs, write, prepared)
         local_addrs = _local_addrs(local, local_tensor_start, len(bases), runs)
-        mapped = peer_segment(link, loc.segment, loc.segment_nbytes, writable=write)
+        mapped = peer_segment(peer, loc.segment, loc.segment_nbytes, writable=write)
         if local.block is not None:
             local_array = local.block.segment.array
             local_bases = [local.tensor_offset(local_tensor_start + i) for i in range(len(bases))]
@@ -250,7 +264,7 @@ class HostMover:
 
     def _attach_copy(
         self,
-        link: ClientLink,
+        peer: Peer,
         loc: Location,
         local: CacheRecord,
         local_tensor_start: int,
@@ -260,8 +274,8 @@ class HostMover:
     ) -> PreparedRuns | None:
         """The peer's registered memory: one kernel copy between the two address spaces."""
         pid, bases = loc.pid, loc.tensor_bases
-        if pid != link.peer.pid:
-            raise StatusError(LLMStatusCode.LLM_FAILED, f"peer {link.peer.pid} named memory of process {pid}")
+        if pid != peer.info.pid:
+            raise StatusError(LLMStatusCode.LLM_FAILED, f"peer {peer.info.pid} named memory of process {pid}")
         try:
             if prepared is not None:
                 prepared()
@@ -294,7 +308,7 @@ class HostMover:
             # The peer died (or is exiting, its memory already unmapped): a link failure, noticed here
             # before the socket said so.
             if isinstance(exc, VmProcessGone) or not process_alive(pid):
-                raise peer_ended(link, exc) from exc
+                raise peer_ended(peer, exc) from exc
             error = RangeUnmapped if isinstance(exc, VmBadAddress) else StatusError
             raise error(
                 LLMStatusCode.LLM_PARAM_INVALID, f"cross-memory copy with pid {pid} failed: {exc}"
@@ -302,7 +316,7 @@ class HostMover:
 
     def write_ranges(
         self,
-        link: ClientLink,
+        peer: Peer,
         grant: WriteGrant,
         src: CacheRecord,
         spans: list[PushSpan],
@@ -311,7 +325,7 @@ class HostMover:
     ) -> None:
         granted = _granted(grant, first, len(spans))
         targets = [
-            peer_segment(link, name, nbytes, writable=True)
+            peer_segment(peer, name, nbytes, writable=True)
             for name, nbytes in zip(grant.segments, grant.segment_nbytes, strict=True)
         ]
         by_target: dict[int, list[Run]] = {}
@@ -331,14 +345,18 @@ class HostMover:
 class EngineMover:
     """A peer on another host: every copy is one batch of address runs through the transfer engines."""
 
-    sees_peer_memory = False
-
     def __init__(self, cross: CrossHost) -> None:
         self._cross = cross
 
+    def transport(self, segment: str) -> int:
+        return MOONCAKE
+
+    def words(self, peer: Peer, name: str, nbytes: int) -> Segment | None:
+        return None
+
     def read_tensors(
         self,
-        link: ClientLink,
+        peer: Peer,
         loc: Location,
         dst: CacheRecord,
         dst_offsets: list[int],
@@ -349,10 +367,10 @@ class EngineMover:
         runs = plan_tensor_copy(loc.tensor_bases, dst_offsets, nbytes)
         if marks is not None:
             marks.append(time.perf_counter())
-        (src_base,) = self._cross.segment_bases(link, [loc.segment], deadline)
+        (src_base,) = self._cross.segment_bases(peer, [loc.segment], deadline)
         dst_base = dst.pool_block.segment.address
         self._cross.copy(
-            link,
+            peer,
             dst,
             [dst_base + run.dst_offset for run in runs],
             [src_base + run.src_offset for run in runs],
@@ -362,14 +380,14 @@ class EngineMover:
         )
 
     def read_blocks(
-        self, link: ClientLink, loc: Location, plan: BlockPlan, dst: CacheRecord, deadline: float
+        self, peer: Peer, loc: Location, plan: BlockPlan, dst: CacheRecord, deadline: float
     ) -> None:
         # The grant's blocks must lie in its segment and ours in our segment, as the local copy checks.
         try:
             plan.check(loc.segment_nbytes, dst.pool_block.segment.nbytes)
         except ShmError as exc:
             raise StatusError(LLMStatusCode.LLM_FAILED, f"peer granted blocks out of range: {exc}") from exc
-        (src_base,) = self._cross.segment_bases(link, [loc.segment], deadline)
+        (src_base,) = self._cross.segment_bases(peer, [loc.segment], deadline)
         dst_base = dst.pool_block.segment.address
         src_starts, dst_starts, lengths = block_runs(plan)
         count = len(plan.src_tensor_offsets)
@@ -377,7 +395,7 @@ class EngineMover:
         remote = src_base + np.add.outer(np.array(plan.src_tensor_offsets, dtype=np.int64), src_starts)
         local = dst_base + np.add.outer(np.array(plan.dst_tensor_offsets, dtype=np.int64), dst_starts)
         self._cross.copy(
-            link,
+            peer,
             dst,
             local.ravel().tolist(),
             remote.ravel().tolist(),
@@ -388,7 +406,7 @@ class EngineMover:
 
     def copy_units(
         self,
-        link: ClientLink,
+        peer: Peer,
         loc: Location,
         local: CacheRecord,
         local_tensor_start: int,
@@ -401,9 +419,9 @@ class EngineMover:
         # Segment offsets (or registered addresses) become addresses there, for its engine.
         bases = loc.tensor_bases
         local_addrs = _local_addrs(local, local_tensor_start, len(bases), runs)
-        (segment_base,) = self._cross.segment_bases(link, [loc.segment], deadline) if loc.segment else (0,)
+        (segment_base,) = self._cross.segment_bases(peer, [loc.segment], deadline) if loc.segment else (0,)
         self._cross.copy(
-            link,
+            peer,
             local,
             [addr + run.local_offset for addr in local_addrs for run in runs],
             [segment_base + base + run.remote_offset for base in bases for run in runs],
@@ -415,7 +433,7 @@ class EngineMover:
 
     def write_ranges(
         self,
-        link: ClientLink,
+        peer: Peer,
         grant: WriteGrant,
         src: CacheRecord,
         spans: list[PushSpan],
@@ -423,7 +441,7 @@ class EngineMover:
         first: int = 0,
     ) -> None:
         granted = _granted(grant, first, len(spans))
-        bases = self._cross.segment_bases(link, list(grant.segments), deadline)
+        bases = self._cross.segment_bases(peer, list(grant.segments), deadline)
         src_base = src.pool_block.segment.address
         local: list[int] = []
         remote: list[int] = []
@@ -435,4 +453,4 @@ class EngineMover:
                 local.append(src_base + run.src_offset)
                 remote.append(bases[index] + offset + run.dst_offset)
                 lengths.append(run.nbytes)
-        self._cross.copy(link, src, local, remote, lengths, write=True, deadline=deadline)
+        self._cross.copy(peer, src, local, remote, lengths, write=True, deadline=deadline)

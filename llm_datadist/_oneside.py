@@ -5,7 +5,7 @@ Rules: everything learnt from a peer belongs to its link (a restarted peer is a 
 The table comes from the peer's index (no message) or, when the peer could not publish every cache there,
 page by page from the peer. A read without a pin is trusted only if the cache's generation word, checked
 after the copy, still says the owner holds it: a change means freed or reused memory and the read fails
-with LLM_KV_CACHE_NOT_EXIST. Only a mover that sees the peer's memory (`Mover.sees_peer_memory`) can read
+with LLM_KV_CACHE_NOT_EXIST. Only a mover that maps the peer's generation words (`Mover.words`) can read
 so; through any other the read pins the cache by id for its duration (`Transfers.transfer_pinned`).
 Writes never go unpinned (a write cannot be taken back once it landed in reused memory).
 """
@@ -29,16 +29,16 @@ from ._acquire import Acquirer
 from ._copy import load_word
 from ._dataplane import index_not_open, peer_index, raise_index_error
 from ._errors import PeerGone, StatusError
-from ._links import Links, mover_of
+from ._links import Links
 from ._movers import RangeUnmapped, UnitRun, peer_segment
 from ._native import kernel_function
 from ._owner.pins import LocalPins
 from ._owner.records import CacheRecord
+from ._peer import Peer
 from ._source import RemoteCache, RemoteTable
-from ._stats import GEN_V2, READ, Stats, transport
+from ._stats import GEN_V2, READ, Stats
 from ._transfers import Transfers
 from ._vm import PreparedRuns
-from ._wire.client import ClientLink
 from .status import LLMStatusCode
 
 # A peer's one-sided table comes in pages; more pages than this is a peer describing more than it can own.
@@ -65,7 +65,7 @@ class _Found:
     """What a read found on the remote side and derived from it: the link and the peer's table it looked
     in, the entry, the runs, and what the read prepared (the copy, the mapped generation segment)."""
 
-    link: ClientLink
+    peer: Peer
     table: RemoteTable
     remote: RemoteCache
     runs: list[UnitRun]
@@ -132,14 +132,14 @@ class OneSided:
             found = read.found
             if found is not None and pinned is read.record and self._read_again(read, found):
                 return found.moved
-            link = self.check_peer(read.cluster_id)
+            peer = self.check_peer(read.cluster_id)
             if (
                 found is not None
-                and found.link is link
-                and found.table is link.remote_table
+                and found.peer is peer
+                and found.table is peer.table
                 and pinned is read.record
                 and self.remote_cache_current(
-                    link, found.remote, found.table if read.model_id is not None else None, words=found.words
+                    peer, found.remote, found.table if read.model_id is not None else None, words=found.words
                 )
             ):
                 self.read(
@@ -150,7 +150,7 @@ class OneSided:
                     read.dst_start,
                     read.count,
                     found.runs,
-                    link=link,
+                    peer=peer,
                     prepared=found.prepared,
                     words=found.words,
                 )
@@ -161,12 +161,12 @@ class OneSided:
             check_remote_tensors(remote, read.src_start, read.count, read.whole)
             runs = read.runs_for(read.slot, remote.unit_nbytes, remote.num_units)
             prepared, words = self.read(
-                read.cluster_id, remote, read.src_start, pinned, read.dst_start, read.count, runs, link=link
+                read.cluster_id, remote, read.src_start, pinned, read.dst_start, read.count, runs, peer=peer
             )
             nbytes = read.count * sum(run.nbytes for run in runs)
-            moved = Moved(transport(mover_of(link), remote), nbytes, read.count * len(runs))
+            moved = Moved(peer.mover.transport(remote.segment), nbytes, read.count * len(runs))
             if pinned is read.record:
-                read.found = _Found(link, table, remote, runs, prepared, words, moved)
+                read.found = _Found(peer, table, remote, runs, prepared, words, moved)
             return moved
 
     def _read_again(self, read: PreparedRead, found: _Found) -> bool:
@@ -183,8 +183,8 @@ class OneSided:
         if iovecs is None:
             return False
         deadline = time.monotonic() + self._timeout_s
-        link, table, remote = self._links.link_to(read.cluster_id, deadline), found.table, found.remote
-        if link is not found.link or table is not link.remote_table:
+        peer, table, remote = self._links.link_to(read.cluster_id, deadline), found.table, found.remote
+        if peer is not found.peer or table is not peer.table:
             return False
         version = 0
         if read.model_id is not None:
@@ -192,13 +192,13 @@ class OneSided:
                 return False
             version = table.version
         local, remote_iovecs, wanted = iovecs
-        with link.exclusive(deadline):
+        with peer.exclusive(deadline):
             words = found.words
             if words.closed:
                 return False
             outcome = kernel(
-                link.socket_fd,
-                link.peer.pid,
+                peer.link.socket_fd,
+                peer.info.pid,
                 local,
                 remote_iovecs,
                 wanted,
@@ -210,7 +210,7 @@ class OneSided:
         if outcome == _VM_DONE:
             return True
         if outcome == _VM_GONE:
-            link.check_peer_alive()  # breaks the link and raises
+            peer.check_peer_alive()  # breaks the link and raises
             raise PeerGone(f"link to cluster {read.cluster_id}: the peer hung up")
         if outcome == _VM_CHANGED:
             raise StatusError(
@@ -255,22 +255,22 @@ class OneSided:
         a restarted peer, starts with no table. `deadline`: the caller's, else `sync_kv_timeout` from now."""
         if deadline is None:
             deadline = time.monotonic() + self._timeout_s
-        link = self._links.link_to(remote_cluster_id, deadline)
-        table = None if refresh else link.remote_table
+        peer = self._links.link_to(remote_cluster_id, deadline)
+        table = None if refresh else peer.table
         if isinstance(table, RemoteTable):
             return table
-        with link.exclusive(deadline):
-            table = self._index_table(link, deadline) or _fetched_table(link, deadline)
-            link.remote_table = table
+        with peer.exclusive(deadline):
+            table = self._index_table(peer, deadline) or _fetched_table(peer, deadline)
+            peer.table = table
         return table
 
-    def _index_table(self, link: ClientLink, deadline: float) -> RemoteTable | None:
+    def _index_table(self, peer: Peer, deadline: float) -> RemoteTable | None:
         """The peer's one-sided table as its index holds it, with no message; None when the peer has no
         index or could not publish every cache in it."""
-        link.check_usable()
-        link.check_peer_alive()
+        peer.check_usable()
+        peer.check_peer_alive()
         timeout_code = self._acquirer.timeout_code
-        index = peer_index(link, self._acquirer.incarnation, deadline, timeout_code)
+        index = peer_index(peer, self._acquirer.incarnation, deadline, timeout_code)
         if index is None:
             return None
         try:
@@ -278,14 +278,14 @@ class OneSided:
             if not generations:
                 return None
             # The version word before the entries: a change in between makes the reader refetch once more.
-            words = peer_segment(link, generations, 8, writable=False)
+            words = peer_segment(peer, generations, 8, writable=False)
             version = _generation_word(words, 0)
             order_loads()
             index.lock(max(deadline - time.monotonic(), 0.0))
             try:
                 state, flags = index.header()
                 if state != STATE_OPEN:
-                    raise index_not_open(link, state)
+                    raise index_not_open(peer, state)
                 if flags & FLAG_CACHES_UNPUBLISHED:
                     return None
                 entries = index.live_caches()
@@ -293,8 +293,8 @@ class OneSided:
             finally:
                 index.unlock()
         except ShmError as exc:
-            raise_index_error(link, exc, timeout_code)
-        pid = link.peer.pid
+            raise_index_error(peer, exc, timeout_code)
+        pid = peer.info.pid
         caches: dict[int, RemoteCache] = {}
         by_slot: dict[tuple[int, int], int] = {}
         for entry in entries:
@@ -324,22 +324,24 @@ class OneSided:
     def remote_table_current(self, remote_cluster_id: int, table: RemoteTable) -> bool:
         """Whether what `table`'s model ids name is still what the peer's keys name (its version word)."""
         deadline = time.monotonic() + self._timeout_s
-        link = self._links.link_to(remote_cluster_id, deadline)
-        if not mover_of(link).sees_peer_memory or not table.version or not table.generations:
+        peer = self._links.link_to(remote_cluster_id, deadline)
+        if not table.version or not table.generations:
             return False
-        words = peer_segment(link, table.generations, 8, writable=False)
+        words = peer.mover.words(peer, table.generations, 8)
+        if words is None:
+            return False
         order_loads()
         return _generation_word(words, 0) == table.version
 
-    def check_peer(self, remote_cluster_id: int) -> ClientLink:
+    def check_peer(self, remote_cluster_id: int) -> Peer:
         """LLM_LINK_FAILED at once if the link to `remote_cluster_id` is broken or its peer has ended: a
         one-sided transfer checks this before it trusts anything it learnt from that peer. Returns the
         link (`link_to`)."""
         deadline = time.monotonic() + self._timeout_s
-        link = self._links.link_to(remote_cluster_id, deadline)
-        link.check_usable()
-        link.check_peer_alive()
-        return link
+        peer = self._links.link_to(remote_cluster_id, deadline)
+        peer.check_usable()
+        peer.check_peer_alive()
+        return peer
 
     def read(
         self,
@@ -351,7 +353,7 @@ class OneSided:
         tensor_count: int,
         runs: list[UnitRun],
         *,
-        link: ClientLink | None = None,
+        peer: Peer | None = None,
         prepared: PreparedRuns | None = None,
         words: Segment | None = None,
         deadline: float | None = None,
@@ -370,10 +372,12 @@ class OneSided:
         """
         if deadline is None:
             deadline = time.monotonic() + self._timeout_s
-        if link is None:
-            link = self._links.link_to(remote_cluster_id, deadline)
-        mover = mover_of(link)
-        if not mover.sees_peer_memory:
+        if peer is None:
+            peer = self._links.link_to(remote_cluster_id, deadline)
+        mover = peer.mover
+        if words is None or words.closed:
+            words = mover.words(peer, remote.generations, (remote.gen_slot + 1) * 8)
+        if words is None:
             # Nothing of the peer is mapped here to check a generation in: it pins the cache for the read
             # instead (one round trip, then the mover's read).
             self._transfers.transfer_pinned(
@@ -388,10 +392,10 @@ class OneSided:
             )
             return None, None
         location = remote.location(remote_tensor_start, tensor_count)
-        with link.exclusive(deadline):
+        with peer.exclusive(deadline):
             try:
                 prepared = mover.copy_units(
-                    link,
+                    peer,
                     location,
                     local,
                     local_tensor_start,
@@ -403,16 +407,14 @@ class OneSided:
             except RangeUnmapped as exc:
                 # The owner unregistered and freed that memory during the read (nothing pins it): the
                 # generation check tells that from a bad local range.
-                if not self.remote_cache_current(link, remote, words=words):
+                if not self.remote_cache_current(peer, remote, words=words):
                     raise StatusError(
                         LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                         f"remote cache {remote.cache_id} was unregistered during the transfer",
                     ) from exc
                 raise
-            link.check_peer_alive()
-            if words is None or words.closed:
-                words = peer_segment(link, remote.generations, (remote.gen_slot + 1) * 8, writable=False)
-            if not self.remote_cache_current(link, remote, words=words):
+            peer.check_peer_alive()
+            if not self.remote_cache_current(peer, remote, words=words):
                 raise StatusError(
                     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                     f"remote cache {remote.cache_id} was freed or reused during the transfer",
@@ -421,7 +423,7 @@ class OneSided:
 
     def remote_cache_current(
         self,
-        link: ClientLink,
+        peer: Peer,
         remote: RemoteCache,
         table: RemoteTable | None = None,
         *,
@@ -435,14 +437,14 @@ class OneSided:
         word is unknown or lives in another segment than the entry's. `words`: the entry's generation
         segment as an earlier call on this link mapped it, used while it is open (the link's mapping cache
         closes what it drops)."""
-        if not mover_of(link).sees_peer_memory:
-            return False  # nothing of it is mapped here: the caller looks the cache up again
         if table is not None and (
             not table.version or not table.generations or table.generations != remote.generations
         ):
             return False
         if words is None or words.closed:
-            words = peer_segment(link, remote.generations, (remote.gen_slot + 1) * 8, writable=False)
+            words = peer.mover.words(peer, remote.generations, (remote.gen_slot + 1) * 8)
+        if words is None:
+            return False  # nothing of it is mapped here: the caller looks the cache up again
         order_loads()
         if table is not None and _generation_word(words, 0) != table.version:
             return False
@@ -450,10 +452,11 @@ class OneSided:
 
     def remote_is_current(self, remote_cluster_id: int, remote: RemoteCache) -> bool:
         deadline = time.monotonic() + self._timeout_s
-        link = self._links.link_to(remote_cluster_id, deadline)
-        if not mover_of(link).sees_peer_memory:
+        peer = self._links.link_to(remote_cluster_id, deadline)
+        words = peer.mover.words(peer, remote.generations, (remote.gen_slot + 1) * 8)
+        if words is None:
             return True  # the transfer pins it by id at the peer, which says if it is gone
-        return self.remote_cache_current(link, remote)
+        return self.remote_cache_current(peer, remote, words=words)
 
 
 def _generation_word(words: Segment, slot: int) -> int:
@@ -482,7 +485,7 @@ def _invalid(detail: str) -> StatusError:
     return StatusError(LLMStatusCode.LLM_PARAM_INVALID, detail)
 
 
-def _fetched_table(link: ClientLink, deadline: float) -> RemoteTable:
+def _fetched_table(peer: Peer, deadline: float) -> RemoteTable:
     """The peer's one-sided table, asked for page by page (the caller holds the link)."""
     caches: dict[int, RemoteCache] = {}
     blocks: dict[int, int] = {}
@@ -490,13 +493,13 @@ def _fetched_table(link: ClientLink, deadline: float) -> RemoteTable:
     versions: set[int] = set()
     generations = ""
     for _ in range(_MAX_TABLE_PAGES):
-        seq = link.next_seq()
-        reply = link.request(TableRequest(seq, start_cache_id), seq, deadline)
+        seq = peer.next_seq()
+        reply = peer.request(TableRequest(seq, start_cache_id), seq, deadline)
         if not isinstance(reply, Table):
             raise PeerGone(f"expected Table, got {type(reply).__name__}")
-        if reply.pid != link.peer.pid:
+        if reply.pid != peer.info.pid:
             raise StatusError(
-                LLMStatusCode.LLM_FAILED, f"peer {link.peer.pid} sent the table of pid {reply.pid}"
+                LLMStatusCode.LLM_FAILED, f"peer {peer.info.pid} sent the table of pid {reply.pid}"
             )
         _add_table_page(reply, caches, blocks)
         versions.add(reply.version)

@@ -136,13 +136,6 @@ _PLACES: Final = tuple(
 _count_transfer = kernel_function("count_transfer")
 
 
-def transport(mover: object, location: object) -> int:
-    """How a transfer through `mover` (`_movers`) of `location` (`_source.Location`) moved its bytes."""
-    if not getattr(mover, "sees_peer_memory", False):
-        return MOONCAKE
-    return SHM if getattr(location, "segment", "") else CMA
-
-
 def role_name(role: int) -> str:
     """A stats segment's role as the readers show it: "prompt", "decoder", "mix", "hixl" (else the
     number)."""

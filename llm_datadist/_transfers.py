@@ -1,18 +1,17 @@
 """Transfers that pin: v1 `pull_cache`, `pull_blocks` and `transfer_cache_async` pushes, and the v2
 transfers the peer resolves or pins by cache id. Each is one shape:
 
-    with link.exclusive(deadline), acquirer.acquire(link, ref, deadline) as location:
-        mover_of(link).<read or write>(link, location, ...)
+    with peer.exclusive(deadline), acquirer.acquire(peer, ref, deadline) as location:
+        peer.mover.<read or write>(peer, location, ...)
 
 Rules: a transfer holds its link exclusively, its local cache pinned (the caller's `table.pinned`) and the
 peer's memory pinned (`_acquire`) for the whole copy; checks of what the peer granted against our side come
 before any byte moves. Deadlines are the instance's `sync_kv_timeout`. Nothing here asks where the peer
-is: its link's mover knows.
+is: its mover (`Peer.mover`) knows.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +19,6 @@ from typing import NamedTuple
 
 from llm_datadist._protocol.messages import WriteGrant
 from llm_datadist._shm.copyplan import BlockPlan
-from llm_datadist._shm.errors import ShmError
 
 from ._acquire import Acquirer, WriteLease
 from ._copy import Copier
@@ -28,12 +26,12 @@ from ._errors import StatusError
 from ._fresh import DONE as FRESH_DONE
 from ._fresh import FreshPulls
 from ._keys import KEY_BLOCKS, KEY_CACHE_ID
-from ._links import Links, mover_of
+from ._links import Links
 from ._movers import PushSpan, UnitRun
 from ._owner.records import CacheRecord
+from ._peer import Peer
 from ._source import V2, Location, RemoteCache, SourceRef
-from ._stats import GEN_V1, MOONCAKE, PULL, PUSH, SHM, Stats, transport
-from ._wire.client import ClientLink
+from ._stats import GEN_V1, PULL, PUSH, SHM, Stats
 from .status import LLMStatusCode
 from .utils.log import log
 
@@ -86,12 +84,12 @@ class Transfers:
         from its segment into `dst`, unpin (consuming the key if asked): in the C kernel when it can
         (`FreshPulls`), else the full way, which maps what the kernel's way then reads."""
         deadline = time.monotonic() + self._timeout_s
-        link = self._links.get(spec.remote_cluster_id)
+        peer = self._links.get(spec.remote_cluster_id)
         marks = [time.perf_counter()]
         ref = spec.ref
-        with link.exclusive(deadline):
+        with peer.exclusive(deadline):
             fresh = self.fresh.pull(
-                link, ref, dst, spec.dst_tensor_start, spec.dst_base_offset, deadline, check_busy=True
+                peer, ref, dst, spec.dst_tensor_start, spec.dst_base_offset, deadline, check_busy=True
             )
         if fresh == FRESH_DONE:
             ended = time.perf_counter()  # one call: its time is the copy's
@@ -101,25 +99,20 @@ class Transfers:
                 GEN_V1, PULL, SHM, ref.nbytes * ref.tensor_count, ref.tensor_count, ended - marks[0]
             )
             return
-        with link.exclusive(deadline), self._acquirer.acquire(link, ref, deadline) as location:
+        with peer.exclusive(deadline), self._acquirer.acquire(peer, ref, deadline) as location:
             marks.append(time.perf_counter())
             dst_offsets = [
                 dst.tensor_offset(spec.dst_tensor_start + i) + spec.dst_base_offset
                 for i in range(ref.tensor_count)
             ]
-            mover = mover_of(link)
-            mover.read_tensors(link, location, dst, dst_offsets, ref.nbytes, deadline, marks)
+            mover = peer.mover
+            mover.read_tensors(peer, location, dst, dst_offsets, ref.nbytes, deadline, marks)
             marks.append(time.perf_counter())
-            if mover.sees_peer_memory and location.segment:
-                # Fresh pulls over this link read that segment next (it is mapped now).
-                with contextlib.suppress(ShmError):  # closed meanwhile: the next pull maps it again
-                    segment = link.mappings.get(location.segment, min_nbytes=location.segment_nbytes)
-                    self.fresh.remember(link, segment)
         marks.append(time.perf_counter())
         self._stats.transfer(
             GEN_V1,
             PULL,
-            transport(mover, location),
+            mover.transport(location.segment),
             ref.nbytes * ref.tensor_count,
             ref.tensor_count,
             marks[-1] - marks[0],
@@ -145,9 +138,9 @@ class Transfers:
         """Pin the owner's paged cache, copy block src_blocks[k] to dst_blocks[k] of every tensor, unpin."""
         started = time.perf_counter()
         deadline = time.monotonic() + self._timeout_s
-        link = self._links.get(spec.remote_cluster_id)
+        peer = self._links.get(spec.remote_cluster_id)
         ref = SourceRef(KEY_BLOCKS, 0, spec.model_id, 0, spec.src_tensor_start, spec.tensor_count, spec.whole)
-        with link.exclusive(deadline), self._acquirer.acquire(link, ref, deadline) as location:
+        with peer.exclusive(deadline), self._acquirer.acquire(peer, ref, deadline) as location:
             block_nbytes, num_blocks = location.unit_nbytes, location.num_units
             if block_nbytes != dst.slot_nbytes:
                 raise StatusError(
@@ -169,11 +162,16 @@ class Transfers:
                 dst.slot_nbytes,
                 dst.slot_nbytes,
             )
-            mover = mover_of(link)
-            mover.read_blocks(link, location, plan, dst, deadline)
+            mover = peer.mover
+            mover.read_blocks(peer, location, plan, dst, deadline)
         runs = len(spec.src_blocks) * spec.tensor_count
         self._stats.transfer(
-            GEN_V1, PULL, transport(mover, location), runs * block_nbytes, runs, time.perf_counter() - started
+            GEN_V1,
+            PULL,
+            mover.transport(location.segment),
+            runs * block_nbytes,
+            runs,
+            time.perf_counter() - started,
         )
 
     def leased_push(
@@ -249,18 +247,20 @@ class Transfers:
         started = time.perf_counter()
         if deadline is None:
             deadline = time.monotonic() + self._timeout_s
-        link = self._links.link_to(remote_cluster_id, deadline)
-        with link.exclusive(deadline), self._acquirer.acquire(link, ref, deadline) as location:
-            mover = mover_of(link)
+        peer = self._links.link_to(remote_cluster_id, deadline)
+        with peer.exclusive(deadline), self._acquirer.acquire(peer, ref, deadline) as location:
+            mover = peer.mover
             runs = plan(location)
             mover.copy_units(
-                link, location, local, local_tensor_start, runs, write=ref.for_write, deadline=deadline
+                peer, location, local, local_tensor_start, runs, write=ref.for_write, deadline=deadline
             )
         if count_as is not None:
             count = len(location.tensor_bases)
             nbytes = count * sum(run.nbytes for run in runs)
             seconds = time.perf_counter() - started
-            self._stats.transfer(*count_as, transport(mover, location), nbytes, count * len(runs), seconds)
+            self._stats.transfer(
+                *count_as, mover.transport(location.segment), nbytes, count * len(runs), seconds
+            )
 
 
 class LeasedPush:
@@ -279,8 +279,8 @@ class LeasedPush:
         "_generation",
         "_grant",
         "_lease",
-        "_link",
         "_links",
+        "_peer",
         "_spans",
         "_src",
         "_stats",
@@ -308,42 +308,42 @@ class LeasedPush:
         self._spans = spans
         self._lease: WriteLease | None = None
         self._grant: WriteGrant | None = None
-        self._link: ClientLink | None = None
+        self._peer: Peer | None = None
 
     def push(self, first: int, count: int) -> None:
         """Copy spans `first` to `first + count` into the leased ranges (leasing every span first)."""
         started = time.perf_counter()
         deadline = time.monotonic() + self._timeout_s
-        link = self._links.link_to(self._cluster_id, deadline)
-        with link.exclusive(deadline):
+        peer = self._links.link_to(self._cluster_id, deadline)
+        with peer.exclusive(deadline):
             grant = self._grant
-            if self._link is not None and link is not self._link:
+            if self._peer is not None and peer is not self._peer:
                 raise StatusError(
                     LLMStatusCode.LLM_LINK_FAILED,
-                    f"the link to cluster {self._cluster_id} was made again during the transfer",
+                    f"the peer to cluster {self._cluster_id} was made again during the transfer",
                 )
             if self._lease is None:
                 spans = self._spans
                 lease = self._acquirer.write_lease(
-                    link, tuple(s.dst_addr for s in spans), tuple(s.nbytes for s in spans), deadline
+                    peer, tuple(s.dst_addr for s in spans), tuple(s.nbytes for s in spans), deadline
                 )
                 grant = lease.__enter__()
-                self._lease, self._grant, self._link = lease, grant, link
+                self._lease, self._grant, self._peer = lease, grant, peer
             else:
                 # Nothing was asked of the peer for this push: its socket says whether it is still there to
                 # receive it (a dead peer's memory stays mapped here, and the copy would succeed).
-                link.check_peer_alive()
+                peer.check_peer_alive()
             assert grant is not None
             spans = self._spans[first : first + count]
-            mover = mover_of(link)
-            mover.write_ranges(link, grant, self._src, spans, deadline, first)
-            link.check_peer_alive()  # and whether it was there to receive it
+            mover = peer.mover
+            mover.write_ranges(peer, grant, self._src, spans, deadline, first)
+            peer.check_peer_alive()  # and whether it was there to receive it
         runs = sum(len(span.runs) for span in spans)
         nbytes = sum(run.nbytes for span in spans for run in span.runs)
         self._stats.transfer(
             self._generation,
             PUSH,
-            SHM if mover.sees_peer_memory else MOONCAKE,
+            mover.transport(grant.segments[0] if grant.segments else ""),
             nbytes,
             runs,
             time.perf_counter() - started,
@@ -356,12 +356,12 @@ class LeasedPush:
     def end(self, ok: bool) -> None:
         """Release the lease (`ok`: every push of it landed; else the peer is told the transfer failed).
         Never raises: a link that cannot carry the release has ended, and the lease with it."""
-        lease, self._lease, link = self._lease, None, self._link
-        if lease is None or link is None:
+        lease, self._lease, peer = self._lease, None, self._peer
+        if lease is None or peer is None:
             return
         deadline = time.monotonic() + self._timeout_s
         try:
-            with link.exclusive(deadline):
+            with peer.exclusive(deadline):
                 lease.release(ok=ok, deadline=deadline)
         except StatusError as exc:
             log.warning("transfer_cache_async: releasing the pushes to cluster %d: %s", self._cluster_id, exc)

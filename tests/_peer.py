@@ -477,13 +477,16 @@ def _index_holder_main(
     import time
     from pathlib import Path
 
+    from llm_datadist._copy import Copier
     from llm_datadist._dataplane import peer_index, pin, unpin
+    from llm_datadist._movers import HostMover
+    from llm_datadist._peer import Peer
     from llm_datadist._source import V1, V2, SourceRef
     from llm_datadist._wire.client import ClientLink
     from llm_datadist.status import LLMStatusCode
 
     incarnation = 4242
-    link = ClientLink.connect(
+    wire = ClientLink.connect(
         Path(socket_file),
         cluster_id=77,
         remote_cluster_id=remote_cluster_id,
@@ -491,6 +494,7 @@ def _index_holder_main(
         deadline=time.monotonic() + 10,
         incarnation=incarnation,
     )
+    link = Peer(wire, HostMover(Copier(1)))
     index = peer_index(link, incarnation, time.monotonic() + 10, LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT)
     assert index is not None
     if mode == "lock":

@@ -196,6 +196,7 @@ PULLER = {
     "_pushplan",
     "_peer_engine",
     "_fresh",
+    "_peer",
 }
 # Leaves both sides use: _errors, _keys, _runtime, _unpins (the owed unpins a link's index mapping waits
 # for), _library (the memory ext.shared_arrays hands out), status, utils. They import none of the layers

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from .. import _stats
 from .._core import Core
 from .._errors import StatusError
-from .._links import mover_of
 from .._movers import UnitRun
 from .._source import RemoteTable
 from ..status import LLMStatusCode
@@ -76,8 +75,8 @@ class Mover:
             raise
         if moved:
             nbytes, runs = moved
-            link = self._core.links.get(cluster_id)
-            how = _stats.CMA if mover_of(link).sees_peer_memory else _stats.MOONCAKE
+            peer = self._core.links.get(cluster_id)
+            how = peer.mover.transport("")  # hixl names registered memory by address
             self._core.stats.transfer(
                 _stats.GEN_HIXL, operation, how, nbytes, runs, time.perf_counter() - started
             )
@@ -149,11 +148,11 @@ class Mover:
                     cluster_id, region.cache, region.tensor, local, 0, 1, runs, write=True, deadline=deadline
                 )
                 return
-            link = core.links.get(cluster_id)
-            if mover_of(link).sees_peer_memory and not core.oneside.remote_cache_current(link, region.cache):
+            peer = core.links.get(cluster_id)
+            if not core.oneside.remote_is_current(cluster_id, region.cache):
                 raise StatusError(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, "the peer deregistered that memory")
             core.oneside.read(
-                cluster_id, region.cache, region.tensor, local, 0, 1, runs, link=link, deadline=deadline
+                cluster_id, region.cache, region.tensor, local, 0, 1, runs, peer=peer, deadline=deadline
             )
 
     def forget(self, cluster_id: int) -> None:

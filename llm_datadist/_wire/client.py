@@ -30,11 +30,7 @@ from llm_datadist._protocol.messages import (
     Message,
     Welcome,
 )
-from llm_datadist._shm.index import Index
-from llm_datadist._shm.mappings import MappingCache
-from llm_datadist._shm.segment import Segment
 
-from .. import _unpins
 from .._errors import PeerGone, StatusError, TransferTimeout
 from ..status import LLMStatusCode, code_2_status
 from . import auth
@@ -54,16 +50,9 @@ class ClientLink:
         self.peer = peer
         self.path = path  # the Unix socket, or "ip:port" over TCP
         self.local_ip = ""  # over TCP: the address we connect from (our engine and callback listen there)
-        # Over TCP: where the peer has its segments mapped (asked once per segment; a name is never reused).
-        self.segment_addrs: dict[str, int] = {}
-        self.mappings = _LockedMappings()
-        self.owned_segments: set[str] = set()  # segment names already checked to be the peer's own
-        # What was learnt from this peer incarnation (its one-sided table, its index): it dies with the link.
-        self.remote_table: object | None = None
-        self.index_name = ""
-        self.index_row = 0
-        self.index_ticket = 0  # names this connection in its row of the peer's index
-        self.index: Index | None = None  # mapped on first use (see llm_datadist._dataplane)
+        # The row of the peer's published index this connection was given (its name, the row, the ticket
+        # naming us there), from the handshake; empty over TCP.
+        self.index_grant: tuple[str, int, int] = ("", 0, 0)
         self._poller: select.poll | None = None  # check_peer_alive's, registered once
         self._lock = threading.Lock()  # held by the one transfer using the link (`exclusive`)
         # `close` while a transfer holds the link: the transfer's end closes it (say_bye), so that what the
@@ -74,8 +63,9 @@ class ClientLink:
         self.broken: str | None = None
         # Called once when the link breaks (the owner of the link uses it to clean up after a dead peer).
         self.on_broken: Callable[[ClientLink], None] | None = None
-        # How bytes move to and from this peer, chosen by whoever made the link (`_links.Links`).
-        self.mover: object = None
+        # Called once when the link is closed for good, with True in a forked child (`abandon`): what the
+        # puller's side learnt over it (mappings, the peer's index) goes with it.
+        self.on_closed: Callable[[bool], None] | None = None
 
     @classmethod
     def connect(
@@ -109,11 +99,7 @@ class ClientLink:
                     LLMStatusCode.LLM_LINK_FAILED, f"peer claims pid {welcome.pid}, socket says {pid}"
                 )
             link = cls(sock, conn, PeerInfo(welcome.cluster_id, welcome.role, pid, welcome.incarnation), path)
-            link.index_name, link.index_row, link.index_ticket = (
-                welcome.index,
-                welcome.index_row,
-                welcome.index_ticket,
-            )
+            link.index_grant = (welcome.index, welcome.index_row, welcome.index_ticket)
             link._announce(Announce(link.next_seq(), callback), deadline)
             return link
         raise AssertionError("unreachable")  # _handshake_errors raises
@@ -281,11 +267,7 @@ class ClientLink:
         self.broken = self.broken or "closed"
         self._poller = None  # it names the socket's fd, which the kernel may hand out again
         self._sock.close()
-        self.mappings.clear()
-        self.remote_table = None
-        index, self.index = self.index, None
-        if index is not None:
-            _unpins.release(index)  # closed now, or once the unpins owed through it are done
+        self._closed(abandoned=False)
 
     def abandon(self) -> None:
         """In a forked child: close this process's copy of the socket and of the peer's index, without a
@@ -293,9 +275,12 @@ class ClientLink:
         self.broken = self.broken or "this process was forked from the one that made the link"
         self._poller = None
         self._sock.close()
-        index, self.index = self.index, None
-        if index is not None:
-            index.close()
+        self._closed(abandoned=True)
+
+    def _closed(self, *, abandoned: bool) -> None:
+        on_closed, self.on_closed = self.on_closed, None
+        if on_closed is not None:
+            on_closed(abandoned)
 
     @property
     def socket_fd(self) -> int:
@@ -338,30 +323,6 @@ class ClientLink:
             self._sock.shutdown(socket.SHUT_RDWR)
         if first and self.on_broken is not None:
             self.on_broken(self)
-
-
-class _LockedMappings(MappingCache):
-    """A link's mappings: used by transfers and swept by the server thread (housekeeping) at once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.RLock()  # drop_unlinked calls drop
-
-    def get(self, name: str, *, min_nbytes: int = 0, writable: bool = False) -> Segment:
-        with self._lock:
-            return super().get(name, min_nbytes=min_nbytes, writable=writable)
-
-    def drop(self, name: str) -> None:
-        with self._lock:
-            super().drop(name)
-
-    def drop_unlinked(self) -> list[str]:
-        with self._lock:
-            return super().drop_unlinked()
-
-    def clear(self) -> None:
-        with self._lock:
-            super().clear()
 
 
 class _Exclusive:

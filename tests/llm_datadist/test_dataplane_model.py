@@ -54,7 +54,7 @@ class _Row:
 
     index_row: int
     index_ticket: int
-    peer: PeerInfo = field(default_factory=lambda: PeerInfo(9, 2, os.getpid(), 1))
+    info: PeerInfo = field(default_factory=lambda: PeerInfo(9, 2, os.getpid(), 1))
     broken: str | None = None
 
     def fail(self, reason: str) -> None:

@@ -563,6 +563,7 @@ def test_a_prompt_killed_during_the_copy_leaves_the_bytes_readable(seed: int, _r
     # The Decoder's side of a pull, step by step: granted, then the Prompt dies before the copy.
     from llm_datadist._errors import PeerGone
     from llm_datadist._protocol.messages import KEY_REQ, Ping, PullGrant, PullRequest, Release
+    from llm_datadist._shm.mappings import MappingCache
     from llm_datadist._wire.client import ClientLink
 
     with PromptPeer(P, _port(), seed) as peer:
@@ -580,7 +581,8 @@ def test_a_prompt_killed_during_the_copy_leaves_the_bytes_readable(seed: int, _r
                 PullRequest(seq, KEY_REQ, 1, 0, 0, 0, 2, True, 6666, 0, True), seq, time.monotonic() + 5
             )
             assert isinstance(grant, PullGrant)
-            segment = link.mappings.get(grant.segment, min_nbytes=grant.segment_nbytes)
+            mappings = MappingCache()
+            segment = mappings.get(grant.segment, min_nbytes=grant.segment_nbytes)
             peer.kill()
             # The mapping outlives its owner: the granted bytes are still there to copy.
             for t, offset in enumerate(grant.tensor_offsets):
