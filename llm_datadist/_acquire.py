@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import contextlib
 
+from llm_datadist._protocol.messages import Location as LocationMessage
 from llm_datadist._protocol.messages import (
-    BlocksGrant,
-    PullGrant,
     Release,
     WriteGrant,
     WriteRequest,
 )
-from llm_datadist._protocol.messages import Location as LocationMessage
 from llm_datadist._shm.index import Index
 
 from . import _faults
@@ -132,9 +130,8 @@ class Held(_Holding):
         else:
             seq = peer.next_seq()
             reply = peer.request(ref.to_message(seq), seq, self._deadline)
-            expected = ref.grant_type()
-            if not isinstance(reply, expected):
-                raise PeerGone(f"expected {expected.__name__}, got {type(reply).__name__}")
+            if not isinstance(reply, LocationMessage):
+                raise PeerGone(f"expected Location, got {type(reply).__name__}")
             location = _checked(peer, reply, ref, self._deadline)
         self._location = location
         self._begun()
@@ -191,9 +188,7 @@ class WriteLease(_Holding):
             end_lease(self._peer, grant.lease_id, ok=ok, deadline=self._deadline)
 
 
-def _checked(
-    peer: Peer, reply: PullGrant | BlocksGrant | LocationMessage, ref: SourceRef, deadline: float
-) -> Location:
+def _checked(peer: Peer, reply: LocationMessage, ref: SourceRef, deadline: float) -> Location:
     """The grant as a location; a grant that does not match what was asked is released (not ok) first."""
     try:
         return Location.from_message(peer.info.pid, reply, ref)

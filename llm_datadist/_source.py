@@ -14,13 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from llm_datadist._protocol.messages import (
-    BlocksGrant,
-    BlocksRequest,
-    PullGrant,
-    PullRequest,
-    ResolveRequest,
-)
+from llm_datadist._protocol.messages import RULES_V1, RULES_V2, PinRequest
 from llm_datadist._protocol.messages import Location as LocationMessage
 from llm_datadist._shm.index_layout import CacheEntry
 
@@ -30,10 +24,8 @@ from .status import LLMStatusCode
 
 # Which rules name the source: v1 (`pull_cache`/`pull_blocks`: keys on pool memory, a blocks cache only
 # by its blocks key, a push into our cluster makes pulls busy) or the cache manager's (v2).
-V1 = 1
-V2 = 2
-
-SourceRequest = PullRequest | BlocksRequest | ResolveRequest
+V1 = RULES_V1
+V2 = RULES_V2
 
 
 class SourceRef(NamedTuple):
@@ -63,24 +55,11 @@ class SourceRef(NamedTuple):
         reaches a cache its user still holds)."""
         return not self.for_write and not (self.consume and self.key_kind in (KEY_REQ, KEY_CACHE_ID))
 
-    def to_message(self, seq: int) -> SourceRequest:
-        """The request that asks the owner for it (when its index cannot serve it)."""
-        if self.rules == V2:
-            return ResolveRequest(
-                seq,
-                self.key_kind,
-                self.key_id,
-                self.model_id,
-                self.batch_index,
-                self.tensor_start,
-                self.tensor_count,
-                self.whole,
-                self.for_write,
-                self.consume and not self.for_write,
-            )
-        if self.key_kind == KEY_BLOCKS:
-            return BlocksRequest(seq, self.model_id, self.tensor_start, self.tensor_count, self.whole)
-        return PullRequest(
+    def to_message(self, seq: int) -> PinRequest:
+        """The request that asks the owner for it (when its index cannot serve it); a `Location` grants
+        it."""
+        v1_key_pull = self.rules == V1 and self.key_kind != KEY_BLOCKS
+        return PinRequest(
             seq,
             self.key_kind,
             self.key_id,
@@ -89,16 +68,12 @@ class SourceRef(NamedTuple):
             self.tensor_start,
             self.tensor_count,
             self.whole,
-            self.nbytes,
-            self.src_offset,
-            self.consume,
+            self.nbytes if v1_key_pull else 0,
+            self.src_offset if v1_key_pull else 0,
+            self.consume and not self.for_write,
+            self.for_write,
+            self.rules,
         )
-
-    def grant_type(self) -> type[PullGrant | BlocksGrant | LocationMessage]:
-        """The reply that grants what `to_message` asks (any other reply is the peer's error)."""
-        if self.rules == V2:
-            return LocationMessage
-        return BlocksGrant if self.key_kind == KEY_BLOCKS else PullGrant
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,31 +110,25 @@ class Location:
         )
 
     @classmethod
-    def from_message(
-        cls, pid: int, msg: PullGrant | BlocksGrant | LocationMessage, ref: SourceRef
-    ) -> Location:
-        """A grant of the owner (a lease), checked against what was asked."""
-        if isinstance(msg, PullGrant):
-            if len(msg.tensor_offsets) != ref.tensor_count or msg.nbytes != ref.nbytes:
+    def from_message(cls, pid: int, msg: LocationMessage, ref: SourceRef) -> Location:
+        """A grant of the owner (a lease), checked against what was asked. A v1 pull of a key reads its
+        `ref.nbytes` from `ref.src_offset` of the granted slot, which must hold them."""
+        if len(msg.tensor_bases) != ref.tensor_count:
+            raise _other_range()
+        if ref.rules == V1 and ref.key_kind != KEY_BLOCKS:
+            if msg.pid != pid or not msg.segment or ref.src_offset + ref.nbytes > msg.unit_nbytes:
                 raise _other_range()
-            return cls(
-                pid, msg.segment, msg.segment_nbytes, msg.tensor_offsets, msg.nbytes, 1, 0, msg.lease_id
-            )
-        if isinstance(msg, BlocksGrant):
-            if len(msg.tensor_offsets) != ref.tensor_count:
-                raise _other_range()
+            shift = msg.slot * msg.unit_nbytes + ref.src_offset
             return cls(
                 pid,
                 msg.segment,
                 msg.segment_nbytes,
-                msg.tensor_offsets,
-                msg.block_nbytes,
-                msg.num_blocks,
+                tuple(base + shift for base in msg.tensor_bases),
+                msg.unit_nbytes,
+                msg.num_units,
                 0,
                 msg.lease_id,
             )
-        if len(msg.tensor_bases) != ref.tensor_count:
-            raise StatusError(LLMStatusCode.LLM_FAILED, "peer resolved a different tensor range")
         return cls(
             msg.pid,
             msg.segment,

@@ -22,8 +22,6 @@ from .messages import (
     Addresses,
     AddressRequest,
     Announce,
-    BlocksGrant,
-    BlocksRequest,
     Bye,
     Challenge,
     Error,
@@ -32,11 +30,9 @@ from .messages import (
     Message,
     Notify,
     Ping,
+    PinRequest,
     Pong,
-    PullGrant,
-    PullRequest,
     Release,
-    ResolveRequest,
     Table,
     TableRequest,
     Welcome,
@@ -88,10 +84,8 @@ SENDABLE: dict[tuple[ConnRole, ConnPhase], frozenset[type[Message]]] = {
     (_CLIENT, ConnPhase.READY): frozenset(
         {
             Announce,
-            PullRequest,
-            BlocksRequest,
+            PinRequest,
             WriteRequest,
-            ResolveRequest,
             TableRequest,
             Release,
             Ping,
@@ -104,9 +98,7 @@ SENDABLE: dict[tuple[ConnRole, ConnPhase], frozenset[type[Message]]] = {
     # An Error here refuses a peer that is slow to say Hello, or whose slot a newer connection needs.
     (_SERVER, ConnPhase.AWAIT_HELLO): frozenset({Error}),
     (_SERVER, ConnPhase.AWAIT_WELCOME): frozenset({Welcome, Error}),
-    (_SERVER, ConnPhase.READY): frozenset(
-        {PullGrant, BlocksGrant, WriteGrant, Location, Table, Addresses, Ack, Error, Pong, Bye}
-    ),
+    (_SERVER, ConnPhase.READY): frozenset({Location, WriteGrant, Table, Addresses, Ack, Error, Pong, Bye}),
 }
 
 # Messages that move the phase forward.

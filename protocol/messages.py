@@ -61,14 +61,14 @@ __all__ = [
     "MAX_TEXT_CHARS",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
+    "RULES_V1",
+    "RULES_V2",
     "U32",
     "U64",
     "Ack",
     "AddressRequest",
     "Addresses",
     "Announce",
-    "BlocksGrant",
-    "BlocksRequest",
     "Bye",
     "Challenge",
     "Error",
@@ -77,12 +77,10 @@ __all__ = [
     "Location",
     "Message",
     "Notify",
+    "PinRequest",
     "Ping",
     "Pong",
-    "PullGrant",
-    "PullRequest",
     "Release",
-    "ResolveRequest",
     "Table",
     "TableRequest",
     "Welcome",
@@ -92,16 +90,23 @@ __all__ = [
     "encode_message",
 ]
 
-PROTOCOL_VERSION = 7  # 6: Notify; 7: PullDone (type 5) gone, Release ends every lease
+# 6: Notify; 7: PullDone (type 5) gone, Release ends every lease; 8: one request and one grant for every
+# pin: type 3 is PinRequest (PullRequest's fields in their order, then for_write and rules) and Location
+# (17) its grant; PullGrant (4), BlocksRequest and BlocksGrant (12, 13) and ResolveRequest (16) gone.
+PROTOCOL_VERSION = 8
 
-# PullRequest.key_kind: what key_id names at the owner.
+# PinRequest.key_kind: what key_id names at the owner.
 KEY_REQ = 1  # key_id is a req_id
 KEY_PREFIX = 2  # key_id is a prefix_id
 KEY_CACHE_ID = 3  # key_id is the owner's cache_id, batch_index the slot
-KEY_BLOCKS = 4  # ResolveRequest only: model_id names a blocks cache
+KEY_BLOCKS = 4  # model_id names a blocks cache (key_id unused)
 
-_KEY_KIND = int_in(frozenset({KEY_REQ, KEY_PREFIX, KEY_CACHE_ID}), "key_kind in {1, 2, 3}")
-_RESOLVE_KIND = int_in(frozenset({KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, KEY_BLOCKS}), "key_kind in {1, 2, 3, 4}")
+# PinRequest.rules: whose rules name the cache (the API generation that asks).
+RULES_V1 = 1
+RULES_V2 = 2
+
+_KEY_KIND = int_in(frozenset({KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, KEY_BLOCKS}), "key_kind in {1, 2, 3, 4}")
+_RULES = int_in(frozenset({RULES_V1, RULES_V2}), "rules in {1, 2}")
 
 # A message class and its instances in `from_wire` and `_register` (typing.Self is 3.11+).
 _M = TypeVar("_M", bound="Message")
@@ -247,11 +252,19 @@ class Welcome(Message):
 
 @_register
 @dataclass(frozen=True, slots=True)
-class PullRequest(Message):
-    """Client -> server: resolve a key and pin its source tensors for a one-copy pull.
+class PinRequest(Message):
+    """Client -> server: find the cache a key names, pin it under a lease and say where its tensors are
+    (answered with `Location`), to read from it (a pull) or write into it (`for_write`: a push, which
+    consumes nothing and only reaches a cache its user still holds). key_kind KEY_BLOCKS names a blocks
+    cache by model_id (key_id unused); KEY_CACHE_ID a cache by id, batch_index its slot. whole=True: the
+    cache must have exactly tensor_count tensors. consume: a pull that ends well consumes the req key's
+    pulled tensors (see Release).
 
-    whole=True means the source must have exactly tensor_count tensors (no layer range on the source side).
-    consume asks the owner to consume the key's pulled tensors when the pull ends ok (see Release).
+    rules RULES_V1 (`pull_cache`, `pull_blocks`): keys on pool memory only, a blocks cache only by its
+    blocks key, refused with LLM_LINK_BUSY while a layer-wise push into the client's cluster runs, and a
+    key pull names `nbytes` of each tensor's slot from `src_offset` (checked against the slot by the
+    owner, and against the Location by the client). RULES_V2: the cache manager's (registered memory too;
+    nbytes and src_offset are 0).
     """
 
     TYPE: ClassVar[int] = 3
@@ -263,32 +276,22 @@ class PullRequest(Message):
     tensor_start: Annotated[int, U32]
     tensor_count: Annotated[int, U32_POSITIVE]
     whole: Annotated[bool, BOOL]
-    nbytes: Annotated[int, U64_POSITIVE]
+    nbytes: Annotated[int, U64]
     src_offset: Annotated[int, U64]
     consume: Annotated[bool, BOOL]
-
-
-@_register
-@dataclass(frozen=True, slots=True)
-class PullGrant(Message):
-    """Server -> client: the source is pinned under lease_id; read nbytes at each tensor offset of the
-    segment. Every offset + nbytes must lie inside the segment: a grant pointing outside is malformed."""
-
-    TYPE: ClassVar[int] = 4
-    seq: Annotated[int, U32]
-    lease_id: Annotated[int, U64]
-    segment: Annotated[str, SEGMENT]
-    segment_nbytes: Annotated[int, U64]
-    tensor_offsets: Annotated[tuple[int, ...], OFFSETS]
-    nbytes: Annotated[int, U64_POSITIVE]
+    for_write: Annotated[bool, BOOL]
+    rules: Annotated[int, _RULES]
 
     def _check_fields_together(self) -> None:
-        last_offset = max(self.tensor_offsets)
-        if last_offset + self.nbytes > self.segment_nbytes:
+        v1_key_pull = self.rules == RULES_V1 and self.key_kind != KEY_BLOCKS
+        if v1_key_pull != (self.nbytes > 0):
             raise MalformedFrame(
-                f"PullGrant: tensor_offsets entry {last_offset} + nbytes {self.nbytes} exceeds "
-                f"segment_nbytes {self.segment_nbytes}"
+                "PinRequest: nbytes must be > 0 for a v1 pull of a key, and 0 for anything else"
             )
+        if self.rules == RULES_V1 and self.for_write:
+            raise MalformedFrame("PinRequest: v1 pushes go by address (WriteRequest)")
+        if not v1_key_pull and self.src_offset:
+            raise MalformedFrame("PinRequest: src_offset is for v1 pulls of a key")
 
 
 @_register
@@ -352,46 +355,6 @@ class Announce(Message):
 
 @_register
 @dataclass(frozen=True, slots=True)
-class BlocksRequest(Message):
-    """Client -> server: pin the blocks cache indexed by model_id (a BlocksCacheKey) for a block pull.
-
-    whole=True means the source must have exactly tensor_count tensors (no layer range on the source side).
-    """
-
-    TYPE: ClassVar[int] = 12
-    seq: Annotated[int, U32]
-    model_id: Annotated[int, U64]
-    tensor_start: Annotated[int, U32]
-    tensor_count: Annotated[int, U32_POSITIVE]
-    whole: Annotated[bool, BOOL]
-
-
-@_register
-@dataclass(frozen=True, slots=True)
-class BlocksGrant(Message):
-    """Server -> client: the blocks cache is pinned under lease_id; tensor i starts at tensor_offsets[i] and
-    holds num_blocks blocks of block_nbytes. Every tensor must lie inside the segment."""
-
-    TYPE: ClassVar[int] = 13
-    seq: Annotated[int, U32]
-    lease_id: Annotated[int, U64]
-    segment: Annotated[str, SEGMENT]
-    segment_nbytes: Annotated[int, U64]
-    tensor_offsets: Annotated[tuple[int, ...], OFFSETS]
-    block_nbytes: Annotated[int, U64_POSITIVE]
-    num_blocks: Annotated[int, U64_POSITIVE]
-
-    def _check_fields_together(self) -> None:
-        last_offset = max(self.tensor_offsets)
-        if last_offset + self.block_nbytes * self.num_blocks > self.segment_nbytes:
-            raise MalformedFrame(
-                f"BlocksGrant: tensor_offsets entry {last_offset} + num_blocks {self.num_blocks} x "
-                f"block_nbytes {self.block_nbytes} exceeds segment_nbytes {self.segment_nbytes}"
-            )
-
-
-@_register
-@dataclass(frozen=True, slots=True)
 class WriteRequest(Message):
     """Client -> server: pin the server's memory at these addresses (in the server's address space) for a
     one-copy push. Range i is [addrs[i], addrs[i] + nbytes[i]); each must lie inside one tensor of one of
@@ -439,31 +402,12 @@ class WriteGrant(Message):
 
 @_register
 @dataclass(frozen=True, slots=True)
-class ResolveRequest(Message):
-    """Client -> server (cache-manager mode): find the cache a key names and pin it under a lease, to read
-    from it (pull) or write into it (push). key_kind adds KEY_BLOCKS (key_id is unused, model_id names the
-    blocks cache). whole=True: the cache must have exactly tensor_count tensors."""
-
-    TYPE: ClassVar[int] = 16
-    seq: Annotated[int, U32]
-    key_kind: Annotated[int, _RESOLVE_KIND]
-    key_id: Annotated[int, U64]
-    model_id: Annotated[int, U64]
-    batch_index: Annotated[int, U32]
-    tensor_start: Annotated[int, U32]
-    tensor_count: Annotated[int, U32_POSITIVE]
-    whole: Annotated[bool, BOOL]
-    for_write: Annotated[bool, BOOL]
-    consume: Annotated[bool, BOOL]
-
-
-@_register
-@dataclass(frozen=True, slots=True)
 class Location(Message):
-    """Server -> client: where the resolved cache's tensors are, pinned under lease_id. Tensor i starts at
-    tensor_bases[i] and holds num_units units (batch slots or blocks) of unit_nbytes; slot is the unit the
-    key is bound to. With a segment, tensor_bases are offsets in it (and must fit it); with segment "",
-    they are addresses in process `pid` (memory the owner registered), reached by cross-memory attach."""
+    """Server -> client, the answer to a PinRequest: where the cache's tensors are, pinned under lease_id.
+    Tensor i starts at tensor_bases[i] and holds num_units units (batch slots or blocks) of unit_nbytes;
+    slot is the unit the key is bound to. With a segment, tensor_bases are offsets in it (and must fit
+    it); with segment "", they are addresses in process `pid` (memory the owner registered), reached by
+    cross-memory attach."""
 
     TYPE: ClassVar[int] = 17
     seq: Annotated[int, U32]

@@ -419,7 +419,7 @@ def _lease_holder_main(pipe: Connection, socket_file: str, remote_cluster_id: in
     import time
     from pathlib import Path
 
-    from llm_datadist._protocol.messages import KEY_REQ, PullRequest
+    from llm_datadist._protocol.messages import KEY_REQ, RULES_V1, PinRequest
     from llm_datadist._wire.client import ClientLink
 
     link = ClientLink.connect(
@@ -431,7 +431,9 @@ def _lease_holder_main(pipe: Connection, socket_file: str, remote_cluster_id: in
     )
     seq = link.next_seq()
     grant = link.request(
-        PullRequest(seq, KEY_REQ, req_id, 0, 0, 0, 2, True, 64, 0, True), seq, time.monotonic() + 10
+        PinRequest(seq, KEY_REQ, req_id, 0, 0, 0, 2, True, 64, 0, True, False, RULES_V1),
+        seq,
+        time.monotonic() + 10,
     )
     pipe.send(("ok", type(grant).__name__))
     time.sleep(600)
@@ -463,7 +465,7 @@ def start_lease_holder(socket_file: str, remote_cluster_id: int, req_id: int) ->
         _lease_holder_main, (socket_file, remote_cluster_id, req_id), "lease holder"
     )
     pipe.close()
-    assert value == "PullGrant", value
+    assert value == "Location", value
     return process
 
 

@@ -22,16 +22,7 @@ import secrets
 import time
 from collections.abc import Callable
 
-from llm_datadist._protocol.messages import (
-    BlocksGrant,
-    BlocksRequest,
-    Location,
-    PullGrant,
-    PullRequest,
-    ResolveRequest,
-    WriteGrant,
-    WriteRequest,
-)
+from llm_datadist._protocol.messages import RULES_V1, Location, PinRequest, WriteGrant, WriteRequest
 
 from .._errors import IndexBusy, StatusError
 from .._keys import (
@@ -44,6 +35,7 @@ from .._keys import (
     check_source_bytes,
     check_tensors,
     not_found,
+    registered_for_v1,
 )
 from ..status import LLMStatusCode
 from .mirror import SERVER_LOCK_TIMEOUT_S
@@ -148,44 +140,44 @@ class Leases:
 
     # ----------------------------------------------------------------- grants (server thread)
 
-    def resolve(self, msg: PullRequest, owner: object) -> PullGrant:
-        """Find the slot a v1 pull names, check the ranges against it and pin it with a lease."""
+    def resolve(self, msg: PinRequest, owner: object) -> Location:
+        """Pin the cache a request names with a lease and say where its tensors are (segment offsets, or
+        addresses for registered memory), under the request's rules: v1 reaches pool memory only, a
+        blocks cache only by its blocks key, and checks the bytes a key pull names against the slot; keys
+        on registered memory are never consumed. A write (a peer's push) only reaches a cache its user
+        still holds, and consumes nothing."""
         with self.table.lock, self._mirror.locked(SERVER_LOCK_TIMEOUT_S):
             self.table.catch_up()
             record, slot, consume_key = find(
                 self.table, msg.key_kind, msg.key_id, msg.model_id, msg.batch_index
             )
-            if msg.key_kind == KEY_CACHE_ID and record.is_blocks:
-                # v1 pulls a continuous slot by cache id; a paged cache is pulled by its blocks key.
-                raise blocks_by_id(msg.key_id)
+            if msg.rules == RULES_V1:
+                if msg.key_kind == KEY_CACHE_ID and record.is_blocks:
+                    # v1 pulls a continuous slot by cache id; a paged cache is pulled by its blocks key.
+                    raise blocks_by_id(msg.key_id)
+                if record.registered:
+                    raise registered_for_v1(record.cache_id)
+            if msg.for_write and not record.external:
+                raise StatusError(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {record.cache_id} was deallocated"
+                )
             check_tensors(record.num_tensors, msg.tensor_start, msg.tensor_count, msg.whole)
-            check_source_bytes(record.slot_nbytes, msg.src_offset, msg.nbytes)
-            segment = record.segment
-            base = slot * record.slot_nbytes + msg.src_offset
+            if msg.nbytes:  # a v1 pull of a key
+                check_source_bytes(record.slot_nbytes, msg.src_offset, msg.nbytes)
+            consume = consume_key if msg.consume and not msg.for_write and not record.registered else None
             tensors = range(msg.tensor_start, msg.tensor_start + msg.tensor_count)
-            offsets = tuple(record.tensor_offset(t) + base for t in tensors)
-            consume = consume_key if msg.consume else None
             lease = self._lease((record,), consume, set(tensors), owner)
-            return PullGrant(msg.seq, lease.lease_id, segment.name, segment.nbytes, offsets, msg.nbytes)
-
-    def resolve_blocks(self, msg: BlocksRequest, owner: object) -> BlocksGrant:
-        """Pin the blocks cache a BlocksCacheKey's model_id names (blocks keys are never consumed)."""
-        with self.table.lock, self._mirror.locked(SERVER_LOCK_TIMEOUT_S):
-            self.table.catch_up()
-            record, _, _ = find(self.table, KEY_BLOCKS, 0, msg.model_id, 0)
-            check_tensors(record.num_tensors, msg.tensor_start, msg.tensor_count, msg.whole)
-            segment = record.segment
-            tensors = range(msg.tensor_start, msg.tensor_start + msg.tensor_count)
-            offsets = tuple(record.tensor_offset(t) for t in tensors)
-            lease = self._lease((record,), None, set(), owner)
-            return BlocksGrant(
+            where = record.location(msg.tensor_start, msg.tensor_count)
+            return Location(
                 msg.seq,
                 lease.lease_id,
-                segment.name,
-                segment.nbytes,
-                offsets,
-                record.slot_nbytes,
-                record.batch_size,
+                os.getpid(),
+                where.segment_name,
+                where.segment_nbytes,
+                where.tensor_bases,
+                where.unit_nbytes,
+                where.num_units,
+                slot,
             )
 
     def resolve_write(self, msg: WriteRequest, owner: object) -> WriteGrant:
@@ -223,36 +215,6 @@ class Leases:
                 tuple(segment_nbytes),
                 tuple(range_segments),
                 tuple(range_offsets),
-            )
-
-    def resolve_location(self, msg: ResolveRequest, owner: object) -> Location:
-        """Cache-manager mode: pin the cache a key names and say where its tensors are (segment offsets
-        for pool caches, addresses for registered memory). Keys on registered memory are never consumed.
-        A write (a peer's push) only reaches a cache its user still holds, and consumes nothing."""
-        with self.table.lock, self._mirror.locked(SERVER_LOCK_TIMEOUT_S):
-            self.table.catch_up()
-            record, slot, consume_key = find(
-                self.table, msg.key_kind, msg.key_id, msg.model_id, msg.batch_index
-            )
-            if msg.for_write and not record.external:
-                raise StatusError(
-                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {record.cache_id} was deallocated"
-                )
-            check_tensors(record.num_tensors, msg.tensor_start, msg.tensor_count, msg.whole)
-            consume = consume_key if msg.consume and not msg.for_write and not record.registered else None
-            tensors = range(msg.tensor_start, msg.tensor_start + msg.tensor_count)
-            lease = self._lease((record,), consume, set(tensors), owner)
-            where = record.location(msg.tensor_start, msg.tensor_count)
-            return Location(
-                msg.seq,
-                lease.lease_id,
-                os.getpid(),
-                where.segment_name,
-                where.segment_nbytes,
-                where.tensor_bases,
-                where.unit_nbytes,
-                where.num_units,
-                slot,
             )
 
     # ----------------------------------------------------------------- releases

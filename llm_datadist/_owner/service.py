@@ -15,14 +15,13 @@ import os
 
 from llm_datadist._protocol.messages import (
     MAX_TABLE_ENTRIES,
+    RULES_V1,
     Ack,
     Addresses,
     AddressRequest,
-    BlocksRequest,
     Message,
     Notify,
-    PullRequest,
-    ResolveRequest,
+    PinRequest,
     Table,
     TableRequest,
     WriteRequest,
@@ -114,17 +113,15 @@ class CacheService:
     def answer(self, conn: object, peer: PeerInfo, msg: Message) -> Message:
         """The reply to one request of a linked peer."""
         leases = self.leases
-        if isinstance(msg, PullRequest | BlocksRequest):
-            with self.hooks.pull_gate:
-                if self.hooks.is_pushing_to(peer.cluster_id):
-                    raise StatusError(
-                        LLMStatusCode.LLM_LINK_BUSY, "a layer-wise transfer into this cluster is running"
-                    )
-                if isinstance(msg, PullRequest):
+        if isinstance(msg, PinRequest):
+            if msg.rules == RULES_V1:
+                with self.hooks.pull_gate:
+                    if self.hooks.is_pushing_to(peer.cluster_id):
+                        raise StatusError(
+                            LLMStatusCode.LLM_LINK_BUSY, "a layer-wise transfer into this cluster is running"
+                        )
                     return leases.resolve(msg, conn)
-                return leases.resolve_blocks(msg, conn)
-        if isinstance(msg, ResolveRequest):
-            location = leases.resolve_location(msg, conn)
+            location = leases.resolve(msg, conn)
             if peer.remote and not location.segment:
                 # Registered memory: its engine reaches it only once it is registered there.
                 try:

@@ -470,7 +470,7 @@ def test_v2_timeout_is_llm_timeout(seed: int, _runtime_dir) -> None:  # type: ig
 
 
 def test_forged_requests_are_refused_without_touching_memory(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
-    from llm_datadist._protocol.messages import KEY_BLOCKS, ResolveRequest, WriteRequest
+    from llm_datadist._protocol.messages import KEY_BLOCKS, RULES_V2, PinRequest, WriteRequest
     from llm_datadist._wire.client import ClientLink
 
     extra = _v2_options(remote_access=False)
@@ -496,7 +496,9 @@ def test_forged_requests_are_refused_without_touching_memory(seed: int, _runtime
             seq = link.next_seq()
             with pytest.raises(Exception, match="exceed"):
                 link.request(
-                    ResolveRequest(seq, KEY_BLOCKS, 0, 0, 0, 1, 5, False, False, False), seq, deadline
+                    PinRequest(seq, KEY_BLOCKS, 0, 0, 0, 1, 5, False, 0, 0, False, False, RULES_V2),
+                    seq,
+                    deadline,
                 )
         finally:
             link.close(say_bye=True)

@@ -11,7 +11,7 @@ from llm_datadist._errors import StatusError
 from llm_datadist._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
 from llm_datadist._owner.leases import Leases
 from llm_datadist._owner.table import CacheTable
-from llm_datadist._protocol.messages import PullGrant, PullRequest
+from llm_datadist._protocol.messages import RULES_V1, Location, PinRequest
 from llm_datadist._shm.pool import Pool
 from llm_datadist.status import LLMStatusCode
 
@@ -30,7 +30,7 @@ def leases(table: CacheTable) -> Iterator[Leases]:
     book.close()
 
 
-def _resolve(leases: Leases, kind: int, ident: int, owner: object, **overrides: object) -> PullGrant:
+def _resolve(leases: Leases, kind: int, ident: int, owner: object, **overrides: object) -> Location:
     args: dict[str, object] = {
         "seq": 1,
         "key_kind": kind,
@@ -43,9 +43,16 @@ def _resolve(leases: Leases, kind: int, ident: int, owner: object, **overrides: 
         "nbytes": 100,
         "src_offset": 0,
         "consume": True,
+        "for_write": False,
+        "rules": RULES_V1,
     }
     args.update(overrides)
-    return leases.resolve(PullRequest(**args), owner)  # type: ignore[arg-type]
+    return leases.resolve(PinRequest(**args), owner)  # type: ignore[arg-type]
+
+
+def _pulled_from(grant: Location, src_offset: int) -> tuple[int, ...]:
+    """Where a v1 pull of a key reads each tensor (the puller adds the slot and the offset)."""
+    return tuple(base + grant.slot * grant.unit_nbytes + src_offset for base in grant.tensor_bases)
 
 
 def test_keys_bind_slots_and_grants_point_at_them(table: CacheTable, leases: Leases) -> None:
@@ -54,7 +61,8 @@ def test_keys_bind_slots_and_grants_point_at_them(table: CacheTable, leases: Lea
     )
     assert record.cache_id == 1 and record.slot_nbytes == 100
     grant = _resolve(leases, KEY_REQ, 2, owner="a", src_offset=7, nbytes=93)
-    assert grant.tensor_offsets == tuple(record.tensor_offset(t) + 2 * 100 + 7 for t in range(4))
+    assert (grant.slot, grant.unit_nbytes) == (2, 100)
+    assert _pulled_from(grant, 7) == tuple(record.tensor_offset(t) + 2 * 100 + 7 for t in range(4))
     assert grant.segment == record.block.segment.name
     leases.release(grant.lease_id, ok=True, owner="a")
     assert table.bound((KEY_REQ, 2, 0)) is None and table.bound((KEY_REQ, 1, 0)) is not None
@@ -65,7 +73,7 @@ def test_duplicate_keys_last_wins_and_bound_keys_are_refused(table: CacheTable, 
         num_tensors=1, tensor_nbytes=20, batch_size=2, keys=[(KEY_REQ, 1, 0), (KEY_REQ, 1, 0)]
     )
     grant = _resolve(leases, KEY_REQ, 1, owner="a", tensor_count=1, nbytes=10, consume=False)
-    assert grant.tensor_offsets == (record.tensor_offset(0) + 10,)
+    assert _pulled_from(grant, 0) == (record.tensor_offset(0) + 10,)
     with pytest.raises(StatusError) as exc_info:
         table.allocate(num_tensors=1, tensor_nbytes=20, batch_size=1, keys=[(KEY_REQ, 1, 0)])
     assert exc_info.value.code == LLMStatusCode.LLM_PARAM_INVALID

@@ -46,12 +46,12 @@ from llm_datadist._protocol.messages import (
     KEY_REQ,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
+    RULES_V1,
+    RULES_V2,
     Ack,
     Addresses,
     AddressRequest,
     Announce,
-    BlocksGrant,
-    BlocksRequest,
     Bye,
     Challenge,
     Error,
@@ -60,11 +60,9 @@ from llm_datadist._protocol.messages import (
     Message,
     Notify,
     Ping,
+    PinRequest,
     Pong,
-    PullGrant,
-    PullRequest,
     Release,
-    ResolveRequest,
     Table,
     TableRequest,
     Welcome,
@@ -97,16 +95,18 @@ MAX_LIVE_CACHES = 10
 # Every message the client side may send once READY, and the one reply type each gets besides Error.
 _REPLY_TO: dict[type[Message], type[Message]] = {
     Announce: Ack,
-    PullRequest: PullGrant,
-    BlocksRequest: BlocksGrant,
+    PinRequest: Location,
     WriteRequest: WriteGrant,
-    ResolveRequest: Location,
     TableRequest: Table,
     Ping: Pong,
     AddressRequest: Addresses,  # refused on the Unix socket: only a peer on another host may ask
     Notify: Ack,  # refused by an owner that is no HIXL engine
 }
-_GRANTS = (PullGrant, BlocksGrant, WriteGrant, Location)
+_GRANTS = (WriteGrant, Location)
+# PinRequest and Location each stand for three message types of protocol 7 (a v1 pull of a key, a v1 blocks
+# pull and a cache-manager pin; and their grants): drawn three times as often as another class, the programs
+# send them as often as they sent those.
+_WEIGHTS: dict[type[Message], int] = {PinRequest: 3, Location: 3}
 # Requests that must never be refused.
 _NEVER_REFUSED = (Announce, TableRequest, Ping)
 _STATUS_NAMES = {int(code): code.name for code in LLMStatusCode}
@@ -183,28 +183,42 @@ def _offsets_within(draw: st.DrawFn, extent_nbytes: int) -> tuple[list[int], int
 
 
 @st.composite
-def _pull_grant(draw: st.DrawFn, v: _View) -> PullGrant:
-    offsets, nbytes = draw(_offsets_within(2**40))
-    segment_nbytes = max(offsets) + nbytes + draw(st.integers(0, 4096))
-    segment = draw(_plausible_name(v))
-    return PullGrant(
-        draw(_U32), draw(_plausible(v.lease_ids, _U64)), segment, segment_nbytes, offsets, nbytes
+def _pull_location(draw: st.DrawFn, v: _View) -> Location:
+    """A Location shaped as the grant of a v1 pull of a key: each tensor's slots (a few, of any size up to
+    2**40 bytes) anywhere up to 2**40 in a named segment that holds them, the key's slot among them."""
+    offsets, slot_nbytes = draw(_offsets_within(2**40))
+    batch_size = draw(st.integers(1, 4))
+    segment_nbytes = max(offsets) + slot_nbytes * batch_size + draw(st.integers(0, 4096))
+    return Location(
+        draw(_U32),
+        draw(_plausible(v.lease_ids, _U64)),
+        draw(_plausible([v.pid], _U32)),
+        draw(_plausible_name(v)),
+        segment_nbytes,
+        offsets,
+        slot_nbytes,
+        batch_size,
+        draw(st.integers(0, batch_size - 1)),
     )
 
 
 @st.composite
-def _blocks_grant(draw: st.DrawFn, v: _View) -> BlocksGrant:
+def _blocks_location(draw: st.DrawFn, v: _View) -> Location:
+    """A Location shaped as the grant of a v1 blocks pull: up to 1024 blocks per tensor in a named segment
+    that holds them."""
     offsets, block_nbytes = draw(_offsets_within(2**40))
     num_blocks = draw(st.integers(1, 1024))
     segment_nbytes = max(offsets) + block_nbytes * num_blocks + draw(st.integers(0, 4096))
-    return BlocksGrant(
+    return Location(
         draw(_U32),
         draw(_plausible(v.lease_ids, _U64)),
+        draw(_plausible([v.pid], _U32)),
         draw(_plausible_name(v)),
         segment_nbytes,
         offsets,
         block_nbytes,
         num_blocks,
+        0,
     )
 
 
@@ -275,8 +289,9 @@ def _table(draw: st.DrawFn, v: _View) -> Table:
 
 
 def _any_of(strategies: dict[type[Message], st.SearchStrategy[Message]]) -> st.SearchStrategy[Message]:
-    """A message of any class in `strategies`, each class equally likely."""
-    return st.sampled_from(list(strategies)).flatmap(strategies.__getitem__)
+    """A message of any class in `strategies`, each class equally likely but for `_WEIGHTS`."""
+    classes = [cls for cls in strategies for _ in range(_WEIGHTS.get(cls, 1))]
+    return st.sampled_from(classes).flatmap(strategies.__getitem__)
 
 
 def _plausible_name(v: _View) -> st.SearchStrategy[str]:
@@ -324,7 +339,8 @@ def _tensor_range(draw: st.DrawFn) -> tuple[int, int, bool]:
 
 
 @st.composite
-def _aimed_pull(draw: st.DrawFn, v: _View) -> PullRequest:
+def _aimed_pull(draw: st.DrawFn, v: _View) -> PinRequest:
+    """A v1 pull of a key: a slot of a real cache, some of its bytes."""
     cache = _target(v, draw(_INDEX))
     kind = draw(st.sampled_from([KEY_REQ, KEY_CACHE_ID, KEY_PREFIX]))
     slot = draw(st.integers(0, SLOT_SHAPE[0] - 1))
@@ -332,28 +348,56 @@ def _aimed_pull(draw: st.DrawFn, v: _View) -> PullRequest:
     offset = draw(st.integers(0, 64))
     nbytes = 1 + draw(_INDEX) % (_SLOT_NBYTES - offset)
     key_id = cache.req_ids[slot] if kind != KEY_CACHE_ID and cache.req_ids else cache.cache_id
-    return PullRequest(
-        draw(_U32), kind, key_id, 0, slot, start, count, whole, nbytes, offset, draw(st.booleans())
+    return PinRequest(
+        draw(_U32),
+        kind,
+        key_id,
+        0,
+        slot,
+        start,
+        count,
+        whole,
+        nbytes,
+        offset,
+        draw(st.booleans()),
+        False,
+        RULES_V1,
     )
 
 
 @st.composite
-def _aimed_blocks(draw: st.DrawFn, v: _View) -> BlocksRequest:
+def _aimed_blocks(draw: st.DrawFn, v: _View) -> PinRequest:
+    """A v1 pin of a blocks cache by its blocks key."""
     model_id = _target(v, draw(_INDEX)).model_id or 0
     start, count, whole = draw(_tensor_range())
-    return BlocksRequest(draw(_U32), model_id, start, count, whole)
+    return PinRequest(
+        draw(_U32), KEY_BLOCKS, 0, model_id, 0, start, count, whole, 0, 0, False, False, RULES_V1
+    )
 
 
 @st.composite
-def _aimed_resolve(draw: st.DrawFn, v: _View) -> ResolveRequest:
+def _aimed_v2(draw: st.DrawFn, v: _View) -> PinRequest:
+    """A cache-manager (v2) pin of a real cache, to read from or write into."""
     cache = _target(v, draw(_INDEX))
     kind = draw(st.sampled_from([KEY_REQ, KEY_CACHE_ID, KEY_BLOCKS]))
     slot = draw(st.integers(0, SLOT_SHAPE[0] - 1))
     start, count, whole = draw(_tensor_range())
     key_id = cache.req_ids[slot] if kind == KEY_REQ and cache.req_ids else cache.cache_id
     for_write, consume = draw(st.booleans()), draw(st.booleans())
-    return ResolveRequest(
-        draw(_U32), kind, key_id, cache.model_id or 0, slot, start, count, whole, for_write, consume
+    return PinRequest(
+        draw(_U32),
+        kind,
+        key_id,
+        cache.model_id or 0,
+        slot,
+        start,
+        count,
+        whole,
+        0,
+        0,
+        consume,
+        for_write,
+        RULES_V2,
     )
 
 
@@ -381,35 +425,61 @@ def _client_requests(v: _View) -> dict[type[Message], st.SearchStrategy[Message]
     model_ids = _plausible([0, *v.model_ids], _U64)
     leases = _plausible(v.lease_ids, _U64)
     random: dict[type[Message], st.SearchStrategy[Message]] = {
-        PullRequest: st.builds(
-            PullRequest,
-            _U32,
-            st.sampled_from([1, 2, 3]),
-            key_ids,
-            model_ids,
-            _SMALL_U32,
-            _SMALL_U32,
-            _COUNT,
-            st.booleans(),
-            st.one_of(st.integers(1, _SLOT_NBYTES + 1), _U64_POS),
-            st.one_of(st.integers(0, _SLOT_NBYTES), _U64),
-            st.booleans(),
+        # A PinRequest of each of its shapes (see `_WEIGHTS`), any ids and ranges.
+        PinRequest: st.one_of(
+            # A v1 pull of a key: nbytes and src_offset inside the slot, past its end, or anything.
+            st.builds(
+                PinRequest,
+                _U32,
+                st.sampled_from([KEY_REQ, KEY_PREFIX, KEY_CACHE_ID]),
+                key_ids,
+                model_ids,
+                _SMALL_U32,
+                _SMALL_U32,
+                _COUNT,
+                st.booleans(),
+                st.one_of(st.integers(1, _SLOT_NBYTES + 1), _U64_POS),
+                st.one_of(st.integers(0, _SLOT_NBYTES), _U64),
+                st.booleans(),
+                st.just(False),
+                st.just(RULES_V1),
+            ),
+            # A v1 blocks pin (key_id, batch_index and consume mean nothing to it: any value).
+            st.builds(
+                PinRequest,
+                _U32,
+                st.just(KEY_BLOCKS),
+                key_ids,
+                model_ids,
+                _SMALL_U32,
+                _SMALL_U32,
+                _COUNT,
+                st.booleans(),
+                st.just(0),
+                st.just(0),
+                st.booleans(),
+                st.just(False),
+                st.just(RULES_V1),
+            ),
+            # A v2 pin of any key kind, to read or to write.
+            st.builds(
+                PinRequest,
+                _U32,
+                st.sampled_from([KEY_REQ, KEY_PREFIX, KEY_CACHE_ID, KEY_BLOCKS]),
+                key_ids,
+                model_ids,
+                _SMALL_U32,
+                _SMALL_U32,
+                _COUNT,
+                st.booleans(),
+                st.just(0),
+                st.just(0),
+                st.booleans(),
+                st.booleans(),
+                st.just(RULES_V2),
+            ),
         ),
-        BlocksRequest: st.builds(BlocksRequest, _U32, model_ids, _SMALL_U32, _COUNT, st.booleans()),
         WriteRequest: _write_request(v),
-        ResolveRequest: st.builds(
-            ResolveRequest,
-            _U32,
-            st.sampled_from([1, 2, 3, 4]),
-            key_ids,
-            model_ids,
-            _SMALL_U32,
-            _SMALL_U32,
-            _COUNT,
-            st.booleans(),
-            st.booleans(),
-            st.booleans(),
-        ),
         TableRequest: st.builds(TableRequest, _U32, _plausible([0, 1, *v.cache_ids], _U64)),
         Release: st.builds(Release, leases, st.booleans()),
         Announce: st.builds(Announce, _U32, _CALLBACK, st.integers(0, 65535)),
@@ -420,10 +490,8 @@ def _client_requests(v: _View) -> dict[type[Message], st.SearchStrategy[Message]
         AddressRequest: st.builds(AddressRequest, _U32, st.lists(_plausible_name(v), min_size=1, max_size=4)),
     }
     aimed: dict[type[Message], st.SearchStrategy[Message]] = {
-        PullRequest: _aimed_pull(v),
-        BlocksRequest: _aimed_blocks(v),
+        PinRequest: st.one_of(_aimed_pull(v), _aimed_blocks(v), _aimed_v2(v)),
         WriteRequest: _aimed_write(v),
-        ResolveRequest: _aimed_resolve(v),
         Release: st.builds(Release, _held(v), st.booleans()),
     }
     return {
@@ -454,10 +522,8 @@ def _every_message(v: _View) -> dict[type[Message], st.SearchStrategy[Message]]:
         Hello: _hello(v),
         Bye: st.builds(Bye, _TEXT),
         Welcome: st.builds(Welcome, _U32, _U64, _ROLE, _plausible([v.pid], _U32), _U64),
-        PullGrant: _pull_grant(v),
-        BlocksGrant: _blocks_grant(v),
         WriteGrant: _write_grant(v),
-        Location: _location(v),
+        Location: st.one_of(_location(v), _pull_location(v), _blocks_location(v)),
         Table: _table(v),
         Ack: st.builds(Ack, _U32),
         Pong: st.builds(Pong, _U32),
@@ -867,6 +933,14 @@ class _Owner:
             conn.held.add(reply.lease_id)
         if isinstance(reply, Location):
             assert reply.pid == self.peer.pid, reply
+        if isinstance(msg, PinRequest) and isinstance(reply, Location):
+            # What the pulling client checks a grant against: one base per tensor asked for; v1 reaches
+            # pool memory only, and a v1 pull of a key reads its bytes inside the granted slot.
+            assert len(reply.tensor_bases) == msg.tensor_count, (msg, reply)
+            if msg.rules == RULES_V1:
+                assert reply.segment, (msg, reply)
+                if msg.key_kind != KEY_BLOCKS:
+                    assert msg.src_offset + msg.nbytes <= reply.unit_nbytes, (msg, reply)
         if isinstance(reply, Table) and isinstance(msg, TableRequest):
             ids = [entry[0] for entry in reply.entries]
             assert ids == sorted(ids) and all(i >= msg.start_cache_id for i in ids), reply
@@ -1148,9 +1222,27 @@ def _one_of_each(owner: _Owner) -> None:
             Announce(1, "cb.sock"),
             Ping(2),
             TableRequest(3, 1),
-            PullRequest(4, KEY_REQ, cache.req_ids[0], 0, 0, 0, NUM_TENSORS, True, _SLOT_NBYTES, 0, True),
-            BlocksRequest(5, blocks.model_id, 0, NUM_TENSORS, True),
-            ResolveRequest(6, KEY_CACHE_ID, cache.cache_id, 0, 1, 0, NUM_TENSORS, True, False, False),
+            PinRequest(
+                4,
+                KEY_REQ,
+                cache.req_ids[0],
+                0,
+                0,
+                0,
+                NUM_TENSORS,
+                True,
+                _SLOT_NBYTES,
+                0,
+                True,
+                False,
+                RULES_V1,
+            ),
+            PinRequest(
+                5, KEY_BLOCKS, 0, blocks.model_id, 0, 0, NUM_TENSORS, True, 0, 0, False, False, RULES_V1
+            ),
+            PinRequest(
+                6, KEY_CACHE_ID, cache.cache_id, 0, 1, 0, NUM_TENSORS, True, 0, 0, False, False, RULES_V2
+            ),
             WriteRequest(7, [addr + 5], [16]),
             # Refused on the Unix socket (a peer on this host maps segments itself), answered over TCP.
             AddressRequest(10, [owner.segments[0]]),
@@ -1166,10 +1258,10 @@ def _one_of_each(owner: _Owner) -> None:
     not_for_a_server: list[Message] = [
         Hello(PROTOCOL_VERSION, 66, P, 2, _MY_PID, 66),
         Welcome(PROTOCOL_VERSION, 66, 2, _MY_PID, 66),
-        PullGrant(1, granted[2], seg, 64, [0], 64),
-        BlocksGrant(1, granted[2], seg, 64, [0], 8, 8),
+        Location(1, granted[2], owner.peer.pid, seg, 64, [0], 64, 1, 0),  # as a v1 key pull's grant
+        Location(1, granted[2], owner.peer.pid, seg, 64, [0], 8, 8, 0),  # as a v1 blocks pull's
         WriteGrant(1, granted[2], [seg], [64], [0], [0]),
-        Location(1, granted[2], owner.peer.pid, "", 0, [0], 8, 8, 0),
+        Location(1, granted[2], owner.peer.pid, "", 0, [0], 8, 8, 0),  # registered memory
         Table(1, owner.peer.pid, seg, [entry], 0, 1),
         Ack(1),
         Error(1, -1, "no"),
@@ -1180,7 +1272,10 @@ def _one_of_each(owner: _Owner) -> None:
     ]
     for msg in not_for_a_server:
         holder = owner.connect()
-        owner.exchange(holder, [PullRequest(1, KEY_CACHE_ID, cache.cache_id, 0, 0, 0, 1, False, 8, 0, False)])
+        owner.exchange(
+            holder,
+            [PinRequest(1, KEY_CACHE_ID, cache.cache_id, 0, 0, 0, 1, False, 8, 0, False, False, RULES_V1)],
+        )
         assert holder.held
         owner.sync()
         owner.exchange(holder, [msg])  # the owner hangs up, and the lease goes with the connection
@@ -1195,8 +1290,10 @@ def _one_of_each(owner: _Owner) -> None:
         ]
         assert registered.model_id is not None
         holder = owner.connect()
-        resolve = ResolveRequest(1, KEY_BLOCKS, 0, registered.model_id, 0, 0, NUM_TENSORS, True, False, False)
-        owner.exchange(holder, [resolve])
+        pin = PinRequest(
+            1, KEY_BLOCKS, 0, registered.model_id, 0, 0, NUM_TENSORS, True, 0, 0, False, False, RULES_V2
+        )
+        owner.exchange(holder, [pin])
         assert len(holder.held) == 1, "no lease on the registered cache"
         owner.owner_op("unregister", 0)
         assert owner.sent["owner unregister timed out"] == 1 and registered.model_id is None
@@ -1232,8 +1329,8 @@ def _v2_decoder() -> Iterator[LLMDataDist]:
 
 
 def test_every_message_type_against_a_v2_owner_with_registered_memory(seed: int, _runtime_dir: Path) -> None:
-    """Found that a BlocksRequest naming registered memory was answered Error yet left a lease (see
-    test_a_refused_blocks_request_on_registered_memory_pins_nothing)."""
+    """Found that a v1 blocks pin (protocol 7's BlocksRequest) naming registered memory was answered Error
+    yet left a lease (see test_a_refused_v1_blocks_pin_on_registered_memory_pins_nothing)."""
     port = PORT + 2
     with PromptPeer(P, port, seed, extra=_v2_extra()) as peer, _v2_decoder() as dd:
         print(f"owner pid {peer.pid}")
@@ -1375,10 +1472,10 @@ def test_the_connection_past_the_limit_is_refused_and_the_rest_stay_served(
 # ---------------------------------------------------------------------------- what the programs above found
 
 
-def test_a_refused_blocks_request_on_registered_memory_pins_nothing(seed: int, _runtime_dir: Path) -> None:
-    """A BlocksRequest naming registered memory (only cache-manager transfers reach it) is refused with
-    Error and pins nothing: a lease left by a refused request would make the owner's unregister_cache
-    time out. Found by the v2 program above."""
+def test_a_refused_v1_blocks_pin_on_registered_memory_pins_nothing(seed: int, _runtime_dir: Path) -> None:
+    """A v1 blocks pin (a PinRequest with KEY_BLOCKS under RULES_V1) naming registered memory (only
+    cache-manager transfers reach it) is refused with Error and pins nothing: a lease left by a refused
+    request would make the owner's unregister_cache time out. Found by the v2 program above."""
     port = PORT + 4
     with PromptPeer(P, port, seed, extra=_v2_extra()) as peer:
         print(f"owner pid {peer.pid}")
@@ -1387,7 +1484,13 @@ def test_a_refused_blocks_request_on_registered_memory_pins_nothing(seed: int, _
         try:
             conn.send(encode_frame(Hello(PROTOCOL_VERSION, 66, P, 2, _MY_PID, 66).to_wire()))
             assert isinstance(conn.receive(), Welcome)
-            conn.send(encode_frame(BlocksRequest(1, 5, 0, NUM_TENSORS, True).to_wire()))
+            conn.send(
+                encode_frame(
+                    PinRequest(
+                        1, KEY_BLOCKS, 0, 5, 0, 0, NUM_TENSORS, True, 0, 0, False, False, RULES_V1
+                    ).to_wire()
+                )
+            )
             reply = conn.receive()
             assert isinstance(reply, Error) and reply.status_code == LLMStatusCode.LLM_PARAM_INVALID, reply
             assert peer.call("stats")["leases"] == 0, "an Error reply left a lease pinned"
@@ -1396,10 +1499,10 @@ def test_a_refused_blocks_request_on_registered_memory_pins_nothing(seed: int, _
             conn.close()
 
 
-def test_a_pull_request_on_registered_memory_is_refused_not_a_crash(_runtime_dir: Path) -> None:
-    """A PullRequest naming registered (non-blocks) memory, by cache id or by a key, is answered Error
-    (not dropped as an internal error) and pins nothing. The owner here is this process: PromptPeer
-    cannot register non-blocks memory."""
+def test_a_v1_key_pull_on_registered_memory_is_refused_not_a_crash(_runtime_dir: Path) -> None:
+    """A v1 pull of a key (a PinRequest under RULES_V1) naming registered (non-blocks) memory, by cache
+    id or by a key, is answered Error (not dropped as an internal error) and pins nothing. The owner here
+    is this process: PromptPeer cannot register non-blocks memory."""
     port = PORT + 5
     datadist = LLMDataDist(LLMRole.PROMPT, P)
     datadist.init(prompt_options(port, extra=_v2_extra()))
@@ -1412,7 +1515,11 @@ def test_a_pull_request_on_registered_memory_is_refused_not_a_crash(_runtime_dir
             conn.send(encode_frame(Hello(PROTOCOL_VERSION, 66, P, 2, _MY_PID, 66).to_wire()))
             assert isinstance(conn.receive(), Welcome)
             conn.send(
-                encode_frame(PullRequest(1, 3, cache.cache_id, 0, 0, 0, 1, True, 128, 0, False).to_wire())
+                encode_frame(
+                    PinRequest(
+                        1, 3, cache.cache_id, 0, 0, 0, 1, True, 128, 0, False, False, RULES_V1
+                    ).to_wire()
+                )
             )
             reply = conn.receive()
             assert isinstance(reply, Error), f"the owner answered {reply!r} (None: it dropped the connection)"

@@ -24,7 +24,7 @@ from llm_datadist import (
     LLMRole,
     LLMStatusCode,
 )
-from llm_datadist._protocol.messages import KEY_REQ, Ping, PullGrant, PullRequest, Release
+from llm_datadist._protocol.messages import KEY_REQ, RULES_V1, Location, Ping, PinRequest, Release
 from llm_datadist._shm.index import Index
 from llm_datadist._shm.index_layout import KIND_REQ
 from llm_datadist._wire.client import ClientLink
@@ -100,7 +100,7 @@ def test_the_server_answers_and_loses_nothing_while_a_stopped_process_holds_the_
         _kill(leaser)
         # A request that needs the lock waits in its queue (no error, no five-second stall of the server).
         seq = asker.next_seq()
-        request = PullRequest(seq, KEY_REQ, 5, 0, 0, 0, 2, True, 64, 0, True)
+        request = PinRequest(seq, KEY_REQ, 5, 0, 0, 0, 2, True, 64, 0, True, False, RULES_V1)
         # The owner's own call: LLM_TIMEOUT after its 5 s, and the cache stays usable.
         with pytest.raises(LLMException) as exc_info:
             manager.deallocate_cache(cache)
@@ -111,7 +111,7 @@ def test_the_server_answers_and_loses_nothing_while_a_stopped_process_holds_the_
         _kill(locker)
         pipe.close()
         grant = asker.request(request, seq, time.monotonic() + 10)
-        assert isinstance(grant, PullGrant)
+        assert isinstance(grant, Location)
         asker.send_only(Release(grant.lease_id, False), time.monotonic() + 5)  # give it back unused
         deadline = time.monotonic() + 10
         while _key_in_index(datadist, 5) != 0b11:

@@ -607,7 +607,7 @@ from llm_datadist._protocol.frames import encode_frame
 from llm_datadist._protocol.integrity import derive_frame_keys
 from llm_datadist._protocol.messages import (
     PROTOCOL_VERSION, KEY_REQ, AddressRequest, Addresses, Challenge, Error, Hello, Ping, Pong,
-    PullGrant, PullRequest, Table, TableRequest, Welcome,
+    RULES_V1, PinRequest, Table, TableRequest, Welcome,
 )
 
 class Peer:
@@ -674,7 +674,7 @@ for seq, names in ((2, (table.generations,)), (3, ("/no-such-segment",))):
     peer.send(AddressRequest(seq, names))
     answers.append(type(peer.receive()).__name__)
 # A pull granted, then the connection dropped without a release: the owner gives the key back.
-peer.send(PullRequest(4, KEY_REQ, 1, 0, 0, 0, 2, True, 4096, 0, True))
+peer.send(PinRequest(4, KEY_REQ, 1, 0, 0, 0, 2, True, 4096, 0, True, False, RULES_V1))
 grant = peer.receive()
 answers.append(type(grant).__name__)
 peer.send(AddressRequest(5, (grant.segment,)))
@@ -701,7 +701,7 @@ answers.append(peer.closed())
 result = answers
 """,
     )
-    assert result == ["Error", "Error", "PullGrant", "Addresses", True, True, True, True]
+    assert result == ["Error", "Error", "Location", "Addresses", True, True, True, True]
     # The owner still serves: the key the dropped connection was granted came back, and the real
     # Decoder pulls both requests.
     pulled = decoder.run(

@@ -562,7 +562,7 @@ def test_several_devices_in_one_process_pull_every_device(seed: int) -> None:
 def test_a_prompt_killed_during_the_copy_leaves_the_bytes_readable(seed: int, _runtime_dir) -> None:  # type: ignore[no-untyped-def]
     # The Decoder's side of a pull, step by step: granted, then the Prompt dies before the copy.
     from llm_datadist._errors import PeerGone
-    from llm_datadist._protocol.messages import KEY_REQ, Ping, PullGrant, PullRequest, Release
+    from llm_datadist._protocol.messages import KEY_REQ, RULES_V1, Location, Ping, PinRequest, Release
     from llm_datadist._shm.mappings import MappingCache
     from llm_datadist._wire.client import ClientLink
 
@@ -578,14 +578,17 @@ def test_a_prompt_killed_during_the_copy_leaves_the_bytes_readable(seed: int, _r
         try:
             seq = link.next_seq()
             grant = link.request(
-                PullRequest(seq, KEY_REQ, 1, 0, 0, 0, 2, True, 6666, 0, True), seq, time.monotonic() + 5
+                PinRequest(seq, KEY_REQ, 1, 0, 0, 0, 2, True, 6666, 0, True, False, RULES_V1),
+                seq,
+                time.monotonic() + 5,
             )
-            assert isinstance(grant, PullGrant)
+            assert isinstance(grant, Location)
             mappings = MappingCache()
             segment = mappings.get(grant.segment, min_nbytes=grant.segment_nbytes)
             peer.kill()
             # The mapping outlives its owner: the granted bytes are still there to copy.
-            for t, offset in enumerate(grant.tensor_offsets):
+            for t, base in enumerate(grant.tensor_bases):
+                offset = base + grant.slot * grant.unit_nbytes  # the puller adds the key's slot
                 np.testing.assert_array_equal(
                     segment.array[offset : offset + 6666], peer.expected(cache_id, t, 6666)
                 )

@@ -38,13 +38,14 @@ from llm_datadist._owner.table import CacheTable
 from llm_datadist._protocol.frames import encode_frame
 from llm_datadist._protocol.messages import (
     PROTOCOL_VERSION,
-    BlocksRequest,
+    RULES_V1,
+    RULES_V2,
     Hello,
     Location,
     Ping,
+    PinRequest,
     Pong,
     Release,
-    ResolveRequest,
     Table,
     TableRequest,
 )
@@ -131,7 +132,7 @@ def test_unregister_waits_for_a_peers_lease_and_the_server_keeps_serving(
         holder = _raw_link(_runtime_dir, port)
         try:
             seq = holder.next_seq()
-            request = ResolveRequest(seq, KEY_BLOCKS, 0, 5, 0, 0, 2, True, False, False)
+            request = PinRequest(seq, KEY_BLOCKS, 0, 5, 0, 0, 2, True, 0, 0, False, False, RULES_V2)
             location = holder.request(request, seq, time.monotonic() + 5)
             assert isinstance(location, Location)
             # The owner unregisters while we hold the lease: it waits for us (its caller reuses the memory
@@ -142,7 +143,7 @@ def test_unregister_waits_for_a_peers_lease_and_the_server_keeps_serving(
             assert peer.call_finish() is None
             _ping(holder)  # the server thread is alive and serves this very connection
             seq = holder.next_seq()
-            again = ResolveRequest(seq, KEY_BLOCKS, 0, 5, 0, 0, 2, True, False, False)
+            again = PinRequest(seq, KEY_BLOCKS, 0, 5, 0, 0, 2, True, 0, 0, False, False, RULES_V2)
             with pytest.raises(StatusError) as info:
                 holder.request(again, seq, time.monotonic() + 5)
             assert info.value.code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
@@ -160,7 +161,9 @@ def test_unregister_times_out_while_a_lease_is_held_and_a_dead_holder_frees_it(
         holder = _raw_link(_runtime_dir, port)
         seq = holder.next_seq()
         location = holder.request(
-            ResolveRequest(seq, KEY_BLOCKS, 0, 5, 0, 0, 2, True, False, False), seq, time.monotonic() + 5
+            PinRequest(seq, KEY_BLOCKS, 0, 5, 0, 0, 2, True, 0, 0, False, False, RULES_V2),
+            seq,
+            time.monotonic() + 5,
         )
         assert isinstance(location, Location)
         with pytest.raises(RuntimeError, match="LLM_TIMEOUT"):
@@ -187,7 +190,9 @@ def test_a_release_for_a_deallocated_cache_and_a_dropped_connection_leave_the_se
             holder = _raw_link(_runtime_dir, port)
             seq = holder.next_seq()
             location = holder.request(
-                ResolveRequest(seq, KEY_BLOCKS, 0, 7, 0, 0, 2, True, False, False), seq, time.monotonic() + 5
+                PinRequest(seq, KEY_BLOCKS, 0, 7, 0, 0, 2, True, 0, 0, False, False, RULES_V2),
+                seq,
+                time.monotonic() + 5,
             )
             assert isinstance(location, Location)
             peer.call("v2_dealloc_blocks", cache_id)  # deferred: the lease keeps the memory
@@ -222,11 +227,14 @@ def test_an_exception_while_handling_one_message_drops_only_that_connection(tmp_
             path, cluster_id=4, remote_cluster_id=P, role=2, deadline=time.monotonic() + 5, incarnation=4
         )
         assert victim.peer.incarnation == 5
-        from llm_datadist._protocol.messages import PullRequest
 
         seq = victim.next_seq()
         with pytest.raises(PeerGone):
-            victim.request(PullRequest(seq, 1, 1, 0, 0, 0, 1, False, 8, 0, True), seq, time.monotonic() + 5)
+            victim.request(
+                PinRequest(seq, 1, 1, 0, 0, 0, 1, False, 8, 0, True, False, RULES_V1),
+                seq,
+                time.monotonic() + 5,
+            )
         _ping(bystander)
         server.check_alive()
         bystander.close(say_bye=True)
@@ -401,18 +409,18 @@ def test_leases_per_connection_are_bounded(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(_leases, "MAX_LEASES_PER_OWNER", 3)
     table = CacheTable({1: Pool(capacity_nbytes=1 << 20)}, oom_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
     leases = Leases(table)
-    request = BlocksRequest(1, model_id=0, tensor_start=0, tensor_count=1, whole=True)
+    request = PinRequest(1, KEY_BLOCKS, 0, 0, 0, 0, 1, True, 0, 0, False, False, RULES_V1)
     try:
         record = table.allocate(num_tensors=1, tensor_nbytes=4096, batch_size=1, keys=[], is_blocks=True)
         table.bind_blocks_key(0, record.cache_id)
         owner, other = object(), object()
-        grants = [leases.resolve_blocks(request, owner) for _ in range(3)]
+        grants = [leases.resolve(request, owner) for _ in range(3)]
         with pytest.raises(StatusError) as info:
-            leases.resolve_blocks(request, owner)
+            leases.resolve(request, owner)
         assert info.value.code == LLMStatusCode.LLM_FAILED and "limit" in info.value.detail
-        leases.resolve_blocks(request, other)
+        leases.resolve(request, other)
         leases.release(grants[0].lease_id, ok=True, owner=owner)
-        leases.resolve_blocks(request, owner)
+        leases.resolve(request, owner)
         assert leases.drop_owner(owner) == 3 and leases.drop_owner(other) == 1
         assert not leases.holds(owner)
     finally:

@@ -20,7 +20,7 @@ from llm_datadist._owner.service import CacheService, NodeHooks
 from llm_datadist._owner.table import CacheTable
 from llm_datadist._protocol.frames import HEADER_NBYTES
 from llm_datadist._protocol.integrity import TAG_NBYTES
-from llm_datadist._protocol.messages import Ping, Pong, PullGrant, PullRequest, Release
+from llm_datadist._protocol.messages import RULES_V1, Location, Ping, PinRequest, Pong, Release
 from llm_datadist._shm.pool import Pool
 from llm_datadist._wire.client import ClientLink
 from llm_datadist._wire.server import Server
@@ -131,12 +131,12 @@ def _ping(link: ClientLink) -> None:
     assert link.request(Ping(seq), seq, time.monotonic() + _WAIT_S) == Pong(seq)
 
 
-def _pull(link: ClientLink) -> PullGrant:
+def _pull(link: ClientLink) -> Location:
     """Pin key 1 of the owner (consumed once the pull ends well)."""
     seq = link.next_seq()
-    request = PullRequest(seq, KEY_REQ, 1, 0, 0, 0, 2, True, 3333, 0, True)
+    request = PinRequest(seq, KEY_REQ, 1, 0, 0, 0, 2, True, 3333, 0, True, False, RULES_V1)
     grant = link.request(request, seq, time.monotonic() + _WAIT_S)
-    assert isinstance(grant, PullGrant)
+    assert isinstance(grant, Location)
     return grant
 
 

@@ -308,7 +308,7 @@ def test_a_transfer_waits_for_a_destinations_pull_to_end_and_is_busy_past_the_ti
     """A pull whose call returned may still hold its lease at the owner for a moment (the release is one
     way): a transfer into that cluster waits for it, and is LLM_LINK_BUSY only if the pull still holds
     its lease when the transfer's timeout ran out."""
-    from llm_datadist._protocol.messages import KEY_REQ, PullGrant, PullRequest, Release
+    from llm_datadist._protocol.messages import KEY_REQ, RULES_V1, Location, PinRequest, Release
     from llm_datadist._wire.client import ClientLink
 
     extra = {"llm.SyncKvCacheWaitTime": "800"}
@@ -328,9 +328,9 @@ def test_a_transfer_waits_for_a_destinations_pull_to_end_and_is_busy_past_the_ti
         )
         try:
             seq = holder.next_seq()
-            request = PullRequest(seq, KEY_REQ, 9, 0, 0, 0, 2, True, 128, 0, False)
+            request = PinRequest(seq, KEY_REQ, 9, 0, 0, 0, 2, True, 128, 0, False, False, RULES_V1)
             grant = holder.request(request, seq, time.monotonic() + 5)
-            assert isinstance(grant, PullGrant)
+            assert isinstance(grant, Location)
             with pytest.raises(RuntimeError, match="LLM_LINK_BUSY"):
                 peer.call("transfer", push)  # the lease outlives the transfer's 800 ms
             peer.call_start("transfer", push)

@@ -22,12 +22,11 @@ from llm_datadist._protocol.messages import (
     KEY_REQ,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
+    RULES_V1,
     Ack,
     Addresses,
     AddressRequest,
     Announce,
-    BlocksGrant,
-    BlocksRequest,
     Bye,
     Challenge,
     Error,
@@ -36,11 +35,9 @@ from llm_datadist._protocol.messages import (
     Message,
     Notify,
     Ping,
+    PinRequest,
     Pong,
-    PullGrant,
-    PullRequest,
     Release,
-    ResolveRequest,
     Table,
     TableRequest,
     Welcome,
@@ -50,8 +47,8 @@ from llm_datadist._protocol.messages import (
 
 HELLO = Hello(PROTOCOL_VERSION, 11, 22, 2, 4242, 1)
 WELCOME = Welcome(PROTOCOL_VERSION, 22, 1, 3333, 2)
-REQUEST = PullRequest(1, KEY_REQ, 7, 0, 0, 0, 3, True, 4097, 0, True)
-GRANT = PullGrant(1, 99, "/llmdd_seg", 3 * 4097, (0, 4097, 8194), 4097)
+REQUEST = PinRequest(1, KEY_REQ, 7, 0, 0, 0, 3, True, 4097, 0, True, False, RULES_V1)
+GRANT = Location(1, 99, 3333, "/llmdd_seg", 3 * 4097, (0, 4097, 8194), 4097, 1, 0)
 DONE = Release(99, True)
 LINK_FAILED = -1  # any I64 status code; the real LLMStatusCode values live in llm_datadist
 SECRET = b"the-secret-of-these-tests"  # what a TCP connection keys its frame tags from
@@ -59,8 +56,8 @@ SECRET = b"the-secret-of-these-tests"  # what a TCP connection keys its frame ta
 ONE_OF_EACH: dict[type[Message], Message] = {
     Hello: HELLO,
     Welcome: WELCOME,
-    PullRequest: REQUEST,
-    PullGrant: GRANT,
+    PinRequest: REQUEST,
+    Location: GRANT,
     Ack: Ack(1),
     Error: Error(1, LINK_FAILED, "no"),
     Bye: Bye("bye"),
@@ -300,10 +297,8 @@ def test_sendable_tables_as_specified() -> None:
     c, s = ConnRole.CLIENT, ConnRole.SERVER
     assert SENDABLE[(c, ConnPhase.READY)] == {
         Announce,
-        PullRequest,
-        BlocksRequest,
+        PinRequest,
         WriteRequest,
-        ResolveRequest,
         TableRequest,
         Release,
         Ping,
@@ -312,10 +307,8 @@ def test_sendable_tables_as_specified() -> None:
         Bye,
     }
     assert SENDABLE[(s, ConnPhase.READY)] == {
-        PullGrant,
-        BlocksGrant,
-        WriteGrant,
         Location,
+        WriteGrant,
         Table,
         Addresses,
         Ack,
@@ -384,14 +377,14 @@ def test_second_hello_fails_the_server() -> None:
         server.next_event()
 
 
-def test_pull_request_before_hello_fails_the_server() -> None:
+def test_pin_request_before_hello_fails_the_server() -> None:
     server = Connection(ConnRole.SERVER)
     server.receive_data(raw(REQUEST.to_wire()))
-    with pytest.raises(RemoteProtocolError, match="PullRequest"):
+    with pytest.raises(RemoteProtocolError, match="PinRequest"):
         server.next_event()
 
 
-def test_pull_request_before_welcome_fails_the_server() -> None:
+def test_pin_request_before_welcome_fails_the_server() -> None:
     # The client may not pipeline requests behind its Hello: READY starts with the Welcome.
     server = Connection(ConnRole.SERVER)
     server.receive_data(raw(HELLO.to_wire()) + raw(REQUEST.to_wire()))
@@ -412,7 +405,10 @@ def test_pull_request_before_welcome_fails_the_server() -> None:
         (encode_frame([99, 1]), MalformedFrame),
         (encode_frame([6, True]), MalformedFrame),
         (encode_frame([6, -1]), MalformedFrame),
-        (encode_frame([4, 1, 2, "/seg", 10, [8], 3]), MalformedFrame),  # grant beyond its segment
+        (
+            encode_frame([17, 1, 2, 3333, "/seg", 10, [8], 3, 1, 0]),
+            MalformedFrame,
+        ),  # grant beyond its segment
         (struct.pack(">I", (1 << 20) + 1), FrameTooLarge),  # refused from the header alone
     ],
     ids=["garbage", "empty", "map", "unknown-type", "bool-seq", "negative-seq", "grant-outside", "too-large"],
@@ -450,7 +446,7 @@ def test_small_frame_limit_applies_both_ways() -> None:
     server = Connection(ConnRole.SERVER, max_frame_nbytes=4097)
     deliver(client.send(HELLO), server)
     deliver(server.send(WELCOME), client)
-    big_grant = PullGrant(1, 1, "/seg", 3333 * 100, tuple(range(0, 3333 * 100, 3333)), 3333)
+    big_grant = Location(1, 1, 3333, "/seg", 3333 * 100, tuple(range(0, 3333 * 100, 3333)), 3333, 1, 0)
     data = server.send(big_grant)
     assert len(data) > 64 + 4
     client.receive_data(data[:4])  # the header alone is enough to refuse it

@@ -13,7 +13,15 @@ from hypothesis import strategies as st
 
 from llm_datadist._protocol.errors import FrameTooLarge, MalformedFrame
 from llm_datadist._protocol.frames import DEFAULT_MAX_FRAME_NBYTES, HEADER_NBYTES, FrameDecoder, encode_frame
-from llm_datadist._protocol.messages import PROTOCOL_VERSION, Hello, PullGrant, decode_message
+from llm_datadist._protocol.messages import (
+    KEY_REQ,
+    PROTOCOL_VERSION,
+    RULES_V1,
+    Hello,
+    Location,
+    PinRequest,
+    decode_message,
+)
 
 
 def _frame(payload: bytes) -> bytes:
@@ -36,7 +44,7 @@ def test_golden_hello() -> None:
         "0000001f"  # payload length 31
         "9a"  # array of 10
         "01"  # TYPE 1 (Hello)
-        "07"  # version 7
+        "08"  # version 8
         "cf0102030405060708"  # cluster_id as uint64
         "cfffffffffffffffff"  # remote_cluster_id 2**64-1
         "02"  # role DECODER
@@ -52,25 +60,54 @@ def test_golden_hello() -> None:
     assert decode_message(decoder.next_frame()) == hello
 
 
-def test_golden_pull_grant() -> None:
-    grant = PullGrant(3333, 2**32, "/llmdd.1000-77_kv", 4 * 3333 + 1, (0, 3333, 6666, 9999), 3333)
+def test_golden_location() -> None:
+    grant = Location(3333, 2**32, 4242, "/llmdd.1000-77_kv", 4 * 3333 + 1, (0, 3333, 6666, 9999), 3333, 1, 0)
     expected = bytes.fromhex(
-        "00000031"  # payload length 49
-        "97"  # array of 7
-        "04"  # TYPE 4 (PullGrant)
+        "00000036"  # payload length 54
+        "9a"  # array of 10
+        "11"  # TYPE 17 (Location)
         "cd0d05"  # seq 3333
         "cf0000000100000000"  # lease_id 2**32 (needs uint64)
+        "cd1092"  # pid 4242 as uint16
         "b1"
         + b"/llmdd.1000-77_kv".hex()  # segment, fixstr of 17
         + "cd3415"  # segment_nbytes 13333
-        "94"  # tensor_offsets: array of 4
+        "94"  # tensor_bases: array of 4
         "00cd0d05cd1a0acd270f"  # 0, 3333, 6666, 9999
-        "cd0d05"  # nbytes 3333
+        "cd0d05"  # unit_nbytes 3333
+        "01"  # num_units 1
+        "00"  # slot 0
     )
     assert encode_frame(grant.to_wire()) == expected
     decoder = FrameDecoder()
     decoder.feed(expected)
     assert decode_message(decoder.next_frame()) == grant
+
+
+def test_golden_pin_request() -> None:
+    request = PinRequest(4097, KEY_REQ, 2**40, 0, 1, 0, 61, True, 3333, 128, True, False, RULES_V1)
+    expected = bytes.fromhex(
+        "0000001c"  # payload length 28
+        "9e"  # array of 14
+        "03"  # TYPE 3 (PinRequest)
+        "cd1001"  # seq 4097
+        "01"  # key_kind KEY_REQ
+        "cf0000010000000000"  # key_id 2**40 (needs uint64)
+        "00"  # model_id 0
+        "01"  # batch_index 1
+        "00"  # tensor_start 0
+        "3d"  # tensor_count 61
+        "c3"  # whole True
+        "cd0d05"  # nbytes 3333
+        "cc80"  # src_offset 128 as uint8
+        "c3"  # consume True
+        "c2"  # for_write False
+        "01"  # rules RULES_V1
+    )
+    assert encode_frame(request.to_wire()) == expected
+    decoder = FrameDecoder()
+    decoder.feed(expected)
+    assert decode_message(decoder.next_frame()) == request
 
 
 # -- incremental decoding ------------------------------------------------------------------------------------

@@ -24,15 +24,16 @@ from llm_datadist._protocol.integrity import (
 from llm_datadist._protocol.messages import (
     KEY_REQ,
     PROTOCOL_VERSION,
+    RULES_V1,
     Bye,
     Challenge,
     Error,
     Hello,
+    Location,
     Message,
     Ping,
+    PinRequest,
     Pong,
-    PullGrant,
-    PullRequest,
     Welcome,
 )
 
@@ -213,8 +214,8 @@ def test_an_injected_untagged_frame_is_refused() -> None:
 
 HELLO = Hello(PROTOCOL_VERSION, 11, 22, 2, 4242, 1, CLIENT_NONCE, b"p" * 32, "10.0.0.1:17000")
 WELCOME = Welcome(PROTOCOL_VERSION, 22, 1, 3333, 2, "", 0, 0, b"q" * 32, "10.0.0.2:17001")
-REQUEST = PullRequest(1, KEY_REQ, 7, 0, 0, 0, 3, True, 4097, 0, True)
-GRANT = PullGrant(1, 99, "/llmdd_seg", 3 * 4097, (0, 4097, 8194), 4097)
+REQUEST = PinRequest(1, KEY_REQ, 7, 0, 0, 0, 3, True, 4097, 0, True, False, RULES_V1)
+GRANT = Location(1, 99, 3333, "/llmdd_seg", 3 * 4097, (0, 4097, 8194), 4097, 1, 0)
 
 
 def _deliver(data: bytes, to: Connection) -> list[Message | Closed]:
