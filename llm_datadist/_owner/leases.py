@@ -358,7 +358,7 @@ class Leases:
             record.leases -= 1
             # A record the owner dropped meanwhile (unregistered) is no longer in the table: nothing to free.
             self.table.maybe_free(record)
-        self.table.changed.notify_all()
+        self.table.changed.notify()
 
 
 def _record_holding(records: list[CacheRecord], addr: int, nbytes: int) -> CacheRecord | None:

@@ -53,7 +53,7 @@ class LocalPins:
             record.pins -= 1
             if not record.referenced and self._table.caches.get(record.cache_id) is record:
                 self._table.mirror.now_or_later(lambda: self._table.maybe_free(record))
-            self._table.changed.notify_all()
+            self._table.changed.notify()
 
     def hold(self, record: CacheRecord) -> Callable[[], None]:
         """Pin `record` (which the caller holds pinned already) until the returned release is called: a

@@ -31,6 +31,29 @@ from .mirror import INDEX_LOCK_TIMEOUT_S, SERVER_LOCK_TIMEOUT_S, IndexMirror
 from .records import TENSOR_ALIGN_NBYTES, CacheRecord, KeyRecord, align_up
 
 
+class Changes:
+    """The ends of references to a table's caches (a lease, a local pin), for those who wait for one: each
+    waits under the table's lock (`wait`) and re-checks what it waits for. An end nobody waits for costs a
+    counter's look (`notify`): a pull's end is on the serving path."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self._condition = threading.Condition(lock)
+        self._waiting = 0  # threads in `wait` (under the lock)
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait (holding the lock) until a reference ends or `timeout_s` passed."""
+        self._waiting += 1
+        try:
+            self._condition.wait(timeout_s)
+        finally:
+            self._waiting -= 1
+
+    def notify(self) -> None:
+        """A reference ended (the caller holds the lock): wake who waits, if anyone does."""
+        if self._waiting:
+            self._condition.notify_all()
+
+
 class CacheTable:
     """Caches and keys of one process, backed by its pools and published through one `IndexMirror`."""
 
@@ -54,8 +77,8 @@ class CacheTable:
         self._oom_code = oom_code
         # Re-entrant: a KvCache finaliser run by the garbage collector may deallocate from inside a call.
         self.lock = threading.RLock()
-        # Signalled whenever a reference ends (a lease, a local pin): who waits for one re-checks.
-        self.changed = threading.Condition(self.lock)
+        # Told whenever a reference ends (a lease, a local pin): who waits for one re-checks.
+        self.changed = Changes(self.lock)
         self._next_cache_id = 1
         self.caches: dict[int, CacheRecord] = {}
         self.keys: dict[KeyId, KeyRecord] = {}
@@ -425,7 +448,7 @@ class CacheTable:
             self.keys.clear()
             self._slot_req_key.clear()
             self.blocks_keys.clear()
-            self.changed.notify_all()
+            self.changed.notify()
             self._pending.clear()
             for pool in self._pools.values():
                 pool.close()

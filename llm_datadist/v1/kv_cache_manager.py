@@ -64,33 +64,39 @@ _MAX_PREPARED = 1024
 
 def _pull_plan_key(
     cache_key: object, kv_cache: object, batch_index: object, size: object, kwargs: dict[str, Any]
-) -> tuple[object, ...] | None:
+) -> tuple[tuple[object, ...], tuple[int, int, int, int, int]] | None:
     """What makes two `pull_cache` calls the same plan whatever key they name (the kind of key, the local
-    cache, the batch index, the size, the layer ranges and offsets), when every argument is of an exact
-    type whose equality is its value and the key is one the full checks pass; None otherwise (the full
-    checks then run, and say what is wrong)."""
+    cache, the batch index, the size, the layer ranges and offsets), with what the key names (as
+    `key_fields` gives it), when every argument is of an exact type whose equality is its value and the
+    key is one the full checks pass; None otherwise (the full checks then run, and say what is wrong)."""
     if type(kv_cache) is not KvCache or type(batch_index) is not int or type(size) is not int:
         return None
     for value in kwargs.values():
         if value is not None and type(value) is not int and type(value) is not range:
             return None
     if type(cache_key) is CacheKey:
-        req_valid = cache_key.req_id != U64_MAX
-        if req_valid == (cache_key.prefix_id != U64_MAX):
+        req_id, prefix_id = cache_key.req_id, cache_key.prefix_id
+        if prefix_id == U64_MAX:
+            if req_id == U64_MAX:
+                return None
+            fields = (cache_key.cluster_id, KEY_REQ, req_id, cache_key.model_id, 0)
+        elif req_id == U64_MAX:
+            fields = (cache_key.cluster_id, KEY_PREFIX, prefix_id, cache_key.model_id, 0)
+        else:
             return None
-        kind = KEY_REQ if req_valid else KEY_PREFIX
     elif type(cache_key) is CacheKeyByIdAndIndex:
-        if cache_key.cache_id < 0:
+        cache_id = cache_key.cache_id
+        if cache_id < 0:
             return None
-        kind = KEY_CACHE_ID
+        fields = (cache_key.cluster_id, KEY_CACHE_ID, cache_id, 0, cache_key.batch_index)
     else:
         return None
-    return (kind, kv_cache.cache_id, batch_index, size, tuple(kwargs.items()))
+    return (fields[1], kv_cache.cache_id, batch_index, size, tuple(kwargs.items())), fields
 
 
-def _spec_for(api: str, key: CacheKey | CacheKeyByIdAndIndex, plan: PullSpec) -> PullSpec:
-    """`plan` (a checked pull of the same plan key, so `key` passes `key_fields`) for `key`."""
-    cluster, kind, key_id, model_id, batch = key_fields(api, key)
+def _spec_for(fields: tuple[int, int, int, int, int], plan: PullSpec) -> PullSpec:
+    """`plan` (a checked pull of the same plan key) for the key whose `fields` `_pull_plan_key` gave."""
+    cluster, kind, key_id, model_id, batch = fields
     ref = plan.ref
     return PullSpec(
         cluster,
@@ -314,8 +320,10 @@ class KvCacheManager:
         with offsets, or with a prefix key, the key stays.
         """
         api = "pull_cache"
-        memo_key = _pull_plan_key(cache_key, kv_cache, batch_index, size, kwargs)
-        if memo_key is not None:
+        planned = _pull_plan_key(cache_key, kv_cache, batch_index, size, kwargs)
+        memo_key = None
+        if planned is not None:
+            memo_key, fields = planned
             entry = self._prepared.get(memo_key)
             if entry is not None:
                 core, role, spec, record = entry
@@ -326,7 +334,7 @@ class KvCacheManager:
                     and kv_cache._is_valid
                     and core.table.get(kv_cache.cache_id) is record
                 ):
-                    _run_pull(api, core, core.transfers.pull, _spec_for(api, cache_key, spec), record)
+                    _run_pull(api, core, core.transfers.pull, _spec_for(fields, spec), record)
                     return
         core = self._require_core(api)
         self._check_role(api, LLMRole.DECODER)
