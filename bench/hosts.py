@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from llm_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType
-from llm_datadist._remote import MAX_DESCRIPTORS
+from llm_datadist._puller.remote import MAX_DESCRIPTORS
 from llm_datadist._shm.reaper import reap
 from llm_datadist._tools.netns import NamespacePair, hosts_unavailable, in_netns, sigterm_as_exit
 from llm_datadist._wire.auth import ENV_SECRET

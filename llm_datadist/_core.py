@@ -1,15 +1,14 @@
 """One initialised `LLMDataDist`: its options, pools and cache table, its server and its links.
 
 Rules: `Core` owns every resource of an initialised instance, makes its parts in order and releases all of
-them in `close` (links said goodbye to, server stopped and its socket unlinked, segments unlinked). The
-public classes validate arguments and translate errors; the parts do the work. A pull holds its link
-exclusively, pins its local destination, pins the source in the owner's published index or asks it for a
-lease (`_acquire`), and its link's mover copies straight from the peer's memory into it (`_movers`): one
-copy, no staging, no message. Everything learnt from a peer (its index, its one-sided table, its mapped
-segments, checked segment names) belongs to the link, so to that peer's incarnation: a peer restarted at
-the same address is a new link with nothing reused. Writes into a peer's memory always pin it there first,
-so the owner cannot free or reuse that memory under the write.
-"""
+them in `close` (links said goodbye to, server stopped and its socket unlinked, segments unlinked). The public
+classes validate arguments and translate errors; the parts do the work. A pull holds its link exclusively,
+pins its local destination, pins the source in the owner's published index or asks it for a lease
+(`_puller.acquire`), and its link's mover copies straight from the peer's memory into it (`_puller.movers`):
+one copy, no staging, no message. Everything learnt from a peer (its index, its one-sided table, its mapped
+segments, checked segment names) belongs to the link, so to that peer's incarnation: a peer restarted at the
+same address is a new link with nothing reused. Writes into a peer's memory always pin it there first, so the
+owner cannot free or reuse that memory under the write."""
 
 from __future__ import annotations
 
@@ -24,20 +23,21 @@ from llm_datadist._shm.index import lock_waits
 from llm_datadist._shm.pool import Pool
 from llm_datadist._shm.reaper import reap, unlink_own
 
-from ._acquire import Acquirer
 from ._comm import Comms
-from ._copy import Copier
-from ._crosshost import CrossHost
-from ._dataplane import settle_owed
 from ._errors import StatusError
-from ._links import Links
-from ._movers import EngineMover, HostMover, process_alive
-from ._oneside import OneSided
 from ._owner.leases import Leases
 from ._owner.mirror import SERVER_LOCK_TIMEOUT_S
 from ._owner.pins import LocalPins
 from ._owner.service import CacheService, NodeHooks
 from ._owner.table import CacheTable
+from ._puller.acquire import Acquirer
+from ._puller.copy import Copier
+from ._puller.crosshost import CrossHost
+from ._puller.dataplane import settle_owed
+from ._puller.links import Links
+from ._puller.movers import EngineMover, HostMover, process_alive
+from ._puller.oneside import OneSided
+from ._puller.transfers import Transfers
 from ._runtime import (
     SHARED_NAMES_HINT,
     ensure_runtime_dir,
@@ -47,7 +47,6 @@ from ._runtime import (
 )
 from ._settings import Settings
 from ._stats import LINKS_BROKEN, Stats
-from ._transfers import Transfers
 from ._wire.client import ClientLink
 from ._wire.peer import PeerInfo
 from ._wire.server import Server

@@ -1,5 +1,5 @@
 """What a pull names and the checks its source gets, shared by the owner (a request over the socket) and
-the puller (a pin in the owner's index, `_dataplane`): the same refusals with the same codes and words,
+the puller (a pin in the owner's index, `_puller.dataplane`): the same refusals with the same codes and words,
 whoever makes them.
 
 The key kinds are the protocol's (`KEY_REQ`, `KEY_PREFIX`, `KEY_CACHE_ID`, `KEY_BLOCKS`), defined once in

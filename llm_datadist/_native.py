@@ -70,9 +70,9 @@ def vm_columns(
     remote_offsets: Sequence[int],
     lengths: Sequence[int],
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """Cross-memory runs as the uint64 columns `_vm` takes: run k of tensor t moves lengths[k] bytes between
-    local_bases[t] + local_offsets[k] and remote_bases[t] + remote_offsets[k] (tensor-major). ValueError
-    when an address would pass 2**64 (a hostile table entry; numpy would wrap silently)."""
+    """Cross-memory runs as the uint64 columns `_puller.vm` takes: run k of tensor t moves lengths[k] bytes
+    between local_bases[t] + local_offsets[k] and remote_bases[t] + remote_offsets[k] (tensor-major).
+    ValueError when an address would pass 2**64 (a hostile table entry; numpy would wrap silently)."""
     end = max(lengths)
     if (
         max(local_bases) + max(local_offsets) + end >= 1 << 64

@@ -212,9 +212,9 @@ class Stats:
 
     def __init__(self, segment: StatsSegment | None) -> None:
         self._segment = segment
-        # Each thread adds to a row of its own (no lock, no lost add): `_local.row` is its first word,
+        # Each thread adds to a row of its own (no lock, no lost add): `_puller.local.row` is its first word,
         # claimed at its first add; once every row but the last is claimed, later threads share the last
-        # one under `_lock` (their `_local.row` is then negative).
+        # one under `_lock` (their `_puller.local.row` is then negative).
         self._local = threading.local()
         self._lock = threading.Lock()
         self._claimed = 0
@@ -333,7 +333,7 @@ class Stats:
 
     def _claim(self, segment: StatsSegment) -> int:
         """The calling thread's row, claimed now (negative: the shared last row), and where it is for the
-        C kernel (`_local.address`: 0 for the shared row, or without the kernel)."""
+        C kernel (`_puller.local.address`: 0 for the shared row, or without the kernel)."""
         with self._lock:
             if self._claimed < segment.rows - 1:
                 row = segment.row_word(self._claimed)

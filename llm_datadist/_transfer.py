@@ -3,7 +3,7 @@ into tensor indices (`TensorSelection`), and `transfer_cache_async`'s checks, pe
 
 Rules: checks raise the real exception types with the real messages (`LLMException` via `make_error`,
 `TypeError`/`ValueError` from `_validate`) and run before anything is sent; v1 and v2 differ only in
-what they pass in (key label, config type, timeout code). The byte runs of a push are `_pushplan`'s.
+what they pass in (key label, config type, timeout code). The byte runs of a push are `_puller.pushplan`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from ._errors import api_errors
 from ._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, KeyId
 from ._owner.records import CacheRecord
-from ._pushplan import TensorPush, blocks_push, slot_push, slot_to_blocks_push
+from ._puller.pushplan import TensorPush, blocks_push, slot_push, slot_to_blocks_push
 from ._stats import GEN_V1, PUSH
 from ._validate import check_index_lists, check_isinstance, check_range_step1, check_uint32, check_uint64
 from .status import LLMStatusCode, make_error, raise_if_true

@@ -4,11 +4,11 @@
  * it maps. A page that vanishes under a mapping mid-copy (a segment truncated by its owner) raises
  * OSError(EFAULT) instead of killing the process with SIGBUS; `copy_run` and `load_word` do the same for one
  * run and one word. `index_pull_key` and `index_unpin_key`: a puller's pull of a key through an owner's
- * published index (llm_datadist/_fresh.py has the rules). Every read or write of memory another process's file backs
+ * published index (llm_datadist/_puller/fresh.py has the rules). Every read or write of memory another process's file backs
  * (the index, a generation word, a segment) runs under the SIGBUS guard: a file truncated under its mapping
  * fails that call, never the process.
  * `vm_read_checked`: a repeated one-sided read of a peer's registered memory with its liveness and
- * generation checks (llm_datadist/_oneside.py has the rules). Built by setup.py when a compiler is present
+ * generation checks (llm_datadist/_puller/oneside.py has the rules). Built by setup.py when a compiler is present
  * (optional); the package falls back to numpy and Python without it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -468,7 +468,7 @@ static int index_locked(int fd, int (*step)(void *), void *arg, int faulted)
     return result;
 }
 
-/* vm_read_checked's results (llm_datadist/_oneside.py has the rules). */
+/* vm_read_checked's results (llm_datadist/_puller/oneside.py has the rules). */
 enum { VM_DONE = 0, VM_GONE = 1, VM_STALE = 2, VM_CHANGED = 3, VM_SHORT = 4 };
 
 /* Whether the peer's end of the link's socket closed: one poll for a hang-up, as ClientLink's. */
@@ -564,7 +564,7 @@ done:
  * hold of the index lock, with nothing written to the row (a copy of at most HOLD_MAX_NBYTES: nothing the
  * owner does can come between the lookup and the copy). Anything it does not handle, or finds changed, odd
  * or refused, is FRESH_STALE with nothing done: the caller takes the full way, which raises what it calls
- * for. shm/index.py has the layout; the checks are those of the full way's pin (`_dataplane._pin_locked`). */
+ * for. shm/index.py has the layout; the checks are those of the full way's pin (`_puller.dataplane._pin_locked`). */
 enum { FRESH_DONE = 0, FRESH_BUSY = 1, FRESH_STALE = 2, FRESH_FAULTED = 3, FRESH_PINNED = 4 };
 /* index_pull_key with `copy`: copied, but the unpin found the lock busy or the row changed (the caller's full
  * unpin waits or says why); or the copy met a vanished page while pinned (the caller ends the pin as failed). */
@@ -577,7 +577,7 @@ enum { KIND_REQ = 1, KIND_CACHE = 3, KIND_SLOT = 5, CACHE_BLOCKS = 1, CACHE_REGI
 enum { SEGMENT_NAME_OFFSET = 64, SEGMENT_NAME_NBYTES = 64, ROW_RANGE_OFFSET = 40 };
 #define MASK_TENSORS 512u
 
-/* llm_datadist/_fresh.py's _PLAN, "<10Q10I": what the caller asks and where things lie, packed. */
+/* llm_datadist/_puller/fresh.py's _PLAN, "<10Q10I": what the caller asks and where things lie, packed. */
 struct fresh_plan {
     uint64_t row_offset, ticket, caches_offset, names_offset, buckets_offset, key_id, model_id, src_offset,
         nbytes, dst_offset;
@@ -586,7 +586,7 @@ struct fresh_plan {
 };
 _Static_assert(sizeof(struct fresh_plan) == 10 * 8 + 10 * 4, "the fresh plan is packed");
 /* The peer's segments the caller mapped, each its name as the index's cache entries hold it, then where it is
- * mapped here and its size (uint64 each): llm_datadist/_fresh.py's _SEGMENT. */
+ * mapped here and its size (uint64 each): llm_datadist/_puller/fresh.py's _SEGMENT. */
 enum { FRESH_SEGMENT_NBYTES = SEGMENT_NAME_NBYTES + 16 };
 
 struct fresh_call {
@@ -711,7 +711,7 @@ static int fresh_locked(void *arg)
         return FRESH_STALE; /* some of it is reserved or pulled by another pull: the full way credits */
     const char *src = seg_base + base + batch_slot * slot_nbytes + plan->src_offset;
     if (call->src_out != NULL) {
-        /* The full way's pin (`_dataplane._pin_locked`): reserve what we pull of the key, name the key and
+        /* The full way's pin (`_puller.dataplane._pin_locked`): reserve what we pull of the key, name the key and
          * the cache in our row (the owner frees neither while it does), and leave the copy to the caller. */
         uint64_t name_number = consumed ? (uint64_t)(consumed - index - plan->names_offset) / NAME_NBYTES + 1 : 0;
         char *pin = index + plan->row_offset;
@@ -1025,8 +1025,8 @@ PyDoc_STRVAR(index_pull_key_doc,
 "index_pull_key(mapping, fd, plan, dst_addrs, segments, src_out, copy)\n--\n\n"
 "A pull of a key looked up afresh, in one hold of the index lock (GIL released): 0 done, 1 the lock is\n"
 "busy, 2 stale (not handled here: nothing done), 3 faulted (memory vanished mid-copy: the key is left\n"
-"as it was). plan: llm_datadist._fresh's plan; dst_addrs: one native uint64 address per tensor;\n"
-"segments: the peer's segments mapped here (llm_datadist._fresh's table). src_out None: the copy is made\n"
+"as it was). plan: llm_datadist._puller.fresh's plan; dst_addrs: one native uint64 address per tensor;\n"
+"segments: the peer's segments mapped here (llm_datadist._puller.fresh's table). src_out None: the copy is made\n"
 "under the lock, at most 64 KiB in all. src_out a writable buffer of one uint64 per tensor: any size, the\n"
 "key pinned through the row, each tensor's source address written to src_out; then with copy 0, 4\n"
 "returned (the caller copies, then index_unpin_key); with copy 1 (| 2: streaming stores, | 4: the helper\n"
@@ -1131,7 +1131,7 @@ release_addrs:
 }
 
 /* Under the lock and the fault guard: end the pin index_pull_key took through the row, after a copy that
- * went well (`_dataplane._unpin_locked` with ok): what it pulled is credited to the key it names, whoever
+ * went well (`_puller.dataplane._unpin_locked` with ok): what it pulled is credited to the key it names, whoever
  * reserved it. Anything unexpected is FRESH_STALE with nothing done: the caller's full unpin says why. */
 static int fresh_unpin_locked(void *arg)
 {

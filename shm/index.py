@@ -492,7 +492,7 @@ class Index:
 
     def regions(self) -> tuple[int, int, int, int, int, int]:
         """(caches offset, caches, names offset, names, buckets offset, buckets): where a lookup reads
-        (`llm_datadist._fresh`, the C kernel's `index_pull_key`)."""
+        (`llm_datadist._puller.fresh`, the C kernel's `index_pull_key`)."""
         return (
             self._caches_offset,
             self.caches,

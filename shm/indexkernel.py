@@ -1,4 +1,5 @@
-"""The C kernel's pulls through an owner's published index (shm/_copykernel.c; `llm_datadist._fresh` has the
+"""The C kernel's pulls through an owner's published index (shm/_copykernel.c; `llm_datadist._puller.fresh`
+has the
 rules): `index_pull_key` looks a key up, checks it as the full way's pin would, and either copies under the
 index lock or pins through the puller's row; `index_unpin_key` ends such a pin, crediting what it pulled.
 

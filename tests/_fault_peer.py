@@ -51,7 +51,7 @@ class Transfer:
     point: str = "pinned"  # where to stop ("" nowhere)
     then_fail: bool = False  # once resumed at `point`, the transfer fails there (an exception at that point)
     # v1 pull: a key pulled first, hook off, from the same pool segment: the pull under test then takes
-    # the C kernel's way (`_fresh`) where it has one
+    # the C kernel's way (`_puller.fresh`) where it has one
     warm_req_id: int = 0
 
 

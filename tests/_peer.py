@@ -479,11 +479,11 @@ def _index_holder_main(
     import time
     from pathlib import Path
 
-    from llm_datadist._copy import Copier
-    from llm_datadist._dataplane import peer_index, pin, unpin
-    from llm_datadist._movers import HostMover
-    from llm_datadist._peer import Peer
-    from llm_datadist._source import V1, V2, SourceRef
+    from llm_datadist._puller.copy import Copier
+    from llm_datadist._puller.dataplane import peer_index, pin, unpin
+    from llm_datadist._puller.movers import HostMover
+    from llm_datadist._puller.peer import Peer
+    from llm_datadist._puller.source import V1, V2, SourceRef
     from llm_datadist._wire.client import ClientLink
     from llm_datadist.status import LLMStatusCode
 

@@ -180,24 +180,7 @@ def test_the_rooms_are_installed_under_the_package() -> None:
 
 WIRE = {"_wire"}
 OWNER = {"_owner"}
-PULLER = {
-    "_source",
-    "_acquire",
-    "_dataplane",
-    "_movers",
-    "_transfers",
-    "_oneside",
-    "_links",
-    "_crosshost",
-    "_copy",
-    "_vm",
-    "_remote",
-    "_local",
-    "_pushplan",
-    "_peer_engine",
-    "_fresh",
-    "_peer",
-}
+PULLER = {"_puller"}
 # Leaves both sides use: _errors, _keys, _runtime, _unpins (the owed unpins a link's index mapping waits
 # for), _library (the memory ext.shared_arrays hands out), status, utils. They import none of the layers
 # above.
@@ -419,5 +402,5 @@ def test_imports_inside_functions_are_for_optional_modules_or_real_module_paths(
         if function != "__getattr__" and module not in LAZY_MODULES
     ]
     assert not found, "\n".join(found)
-    sample = ROOT / "llm_datadist" / "_remote.py"
+    sample = ROOT / "llm_datadist" / "_puller" / "remote.py"
     assert ("_import_engine", "mooncake.engine") in _function_level_imports(sample)

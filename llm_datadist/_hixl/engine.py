@@ -17,7 +17,7 @@ from llm_datadist._protocol.messages import Ack, Notify
 from .._core import PLACEMENT_DEVICE, PLACEMENT_HOST
 from .._errors import StatusError
 from .._procmaps import require_mapped
-from .._vm import allow_peers_to_attach, cross_memory_supported
+from .._puller.vm import allow_peers_to_attach, cross_memory_supported
 from ..status import LLMStatusCode
 from ..utils.log import log
 from .codes import (

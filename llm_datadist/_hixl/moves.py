@@ -1,4 +1,5 @@
-"""One HIXL transfer: raw addresses become runs for `llm_datadist`'s movers (`_oneside`, `_transfers`).
+"""One HIXL transfer: raw addresses become runs for `llm_datadist`'s movers (`_puller.oneside`,
+`_puller.transfers`).
 
 Rules: every local range wholly in memory this engine registered, every remote one in memory the peer
 registered as its table says now (read again once on a miss or stale entry), else PARAM_INVALID and nothing
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 from .. import _stats
 from .._core import Core
 from .._errors import StatusError
-from .._movers import UnitRun
-from .._source import RemoteTable
+from .._puller.movers import UnitRun
+from .._puller.source import RemoteTable
 from ..status import LLMStatusCode
 from .codes import WRITE
 from .regions import Region, Regions, RemoteRegion, RemoteRegions

@@ -13,7 +13,7 @@ import itertools
 import threading
 from dataclasses import dataclass
 
-from .._source import RemoteCache, RemoteTable
+from .._puller.source import RemoteCache, RemoteTable
 
 _HANDLES = itertools.count(0x1000)
 

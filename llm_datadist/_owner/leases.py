@@ -12,7 +12,7 @@ request pins nothing. The server thread never waits for the index lock: a reques
 raises IndexBusy (nothing done) and is retried; a connection's end or a release that cannot wait is
 deferred (done when the lock is next had, never dropped).
 
-A pin through a row is the puller's: see `rows` for a row's life, `_dataplane` for the puller's side.
+A pin through a row is the puller's: see `rows` for a row's life, `_puller.dataplane` for the puller's side.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from llm_datadist import _remote
+from llm_datadist._puller import remote as _remote
 from llm_datadist._runtime import ENV_RUNTIME_DIR, runtime_dir
 from llm_datadist._wire.auth import ENV_SECRET
 

@@ -2,9 +2,8 @@
 `swap_blocks` (blocks between a user-owned HOST cpu cache and a DEVICE cache of this process).
 
 Rules: every argument is checked before a byte moves; device caches are pinned for the copy (a concurrent
-deallocate cannot free them mid-copy); the copy itself is the library's (`_local`: one plan of contiguous
-runs, run by `core.copier`, with no Python loop per block per tensor).
-"""
+deallocate cannot free them mid-copy); the copy itself is the library's (`_puller.local`: one plan of
+contiguous runs, run by `core.copier`, with no Python loop per block per tensor)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, NoReturn
 
-from .. import _local
 from .._errors import api_errors
 from .._owner.records import CacheRecord
+from .._puller import local as _local
 from .._validate import check_dict, check_int64, check_isinstance, check_items, check_uint32, check_uint64
 from ..status import LLMStatusCode, make_error
 from ..utils.log import log

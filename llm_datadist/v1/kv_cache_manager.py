@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from .._errors import FINALIZED, FORK_HINT, api_errors
 from .._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, KeyId
 from .._owner.records import CacheRecord
-from .._source import SourceRef
+from .._puller.source import SourceRef
+from .._puller.transfers import BlocksSpec, PullSpec
 from .._stats import GEN_V1, PULL
 from .._transfer import (
     LayerArgs,
@@ -27,7 +28,6 @@ from .._transfer import (
     plan_transfer,
     start_transfer,
 )
-from .._transfers import BlocksSpec, PullSpec
 from .._validate import (
     check_index_lists,
     check_int64,

@@ -14,9 +14,9 @@ import threading
 from typing import TYPE_CHECKING, NoReturn
 
 from .._errors import FINALIZED, FORK_HINT, StatusError, api_errors
-from .._oneside import check_remote_tensors
 from .._owner.records import CacheRecord
-from .._source import RemoteCache
+from .._puller.oneside import check_remote_tensors
+from .._puller.source import RemoteCache
 from .._transfer import LayerArgs, TensorSelection, check_cache_key
 from .._validate import check_isinstance
 from ..status import LLMStatusCode, make_error
@@ -25,7 +25,7 @@ from .llm_types import CacheKey
 
 if TYPE_CHECKING:
     from .._core import Core
-    from .._oneside import PreparedRead
+    from .._puller.oneside import PreparedRead
 
 
 def _invalid(api: str, context: str) -> NoReturn:

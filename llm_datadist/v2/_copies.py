@@ -2,7 +2,7 @@
 
 Rules: both sides are pinned for the copy (a cpu cache of `swap_blocks` is memory the caller owns and
 pins nothing); ranges are checked against both caches before any byte moves; the copy itself is the
-library's (`_local.copy_units_at`: through address views, one plan per pair of tensors).
+library's (`_puller.local.copy_units_at`: through address views, one plan per pair of tensors).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .._core import PLACEMENT_DEVICE, PLACEMENT_HOST
-from .._local import TensorAddrs, copy_units_at
+from .._puller.local import TensorAddrs, copy_units_at
 from .._validate import (
     check_int64,
     check_isinstance,
@@ -198,5 +198,5 @@ class _SwapSide:
     placement: int
 
     def tensors(self) -> TensorAddrs:
-        """The side's tensors as `_local` copies them: by address, a block a unit."""
+        """The side's tensors as `_puller.local` copies them: by address, a block a unit."""
         return TensorAddrs(self.addrs, self.span_nbytes, self.block_nbytes)

@@ -2,7 +2,7 @@
 address, and the keys bound to them (the real class's allocation, registration and key calls).
 
 Rules: every check comes before the table is changed; registered memory is checked against what the
-kernel allows peers to attach (`_vm`) and capped at `MAX_REGISTERED_ADDRS` addresses over all calls.
+kernel allows peers to attach (`_puller.vm`) and capped at `MAX_REGISTERED_ADDRS` addresses over all calls.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from .._core import PLACEMENT_DEVICE
 from .._errors import StatusError, api_errors
 from .._keys import KeyId
 from .._owner.records import CacheRecord
+from .._puller.vm import allow_peers_to_attach, cross_memory_supported
 from .._validate import (
     check_int64,
     check_isinstance,
     check_uint64,
 )
-from .._vm import allow_peers_to_attach, cross_memory_supported
 from ..status import LLMStatusCode, make_error
 from ..utils.log import log
 from .cache import Cache

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .._keys import KEY_BLOCKS
-from .._movers import UnitRun
-from .._oneside import PreparedRead, RunsFor
 from .._owner.records import CacheRecord
-from .._source import V2, SourceRef
+from .._puller.movers import UnitRun
+from .._puller.oneside import PreparedRead, RunsFor
+from .._puller.source import V2, SourceRef
 from .._stats import GEN_V2, PULL, READ
 from .._transfer import (
     TensorSelection,

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 from .._core import PLACEMENT_HOST
 from .._errors import api_errors
-from .._movers import UnitRun
 from .._owner.records import CacheRecord
-from .._source import RemoteCache
+from .._puller.movers import UnitRun
+from .._puller.source import RemoteCache
 from .._stats import GEN_V2, PUSH, WRITE
 from .._transfer import (
     TensorSelection,

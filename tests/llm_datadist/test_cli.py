@@ -138,7 +138,7 @@ def test_hosts_without_root_says_why_and_exits_2(
 def test_hosts_without_mooncake_says_why_and_exits_2(
     command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from llm_datadist import _remote
+    from llm_datadist._puller import remote as _remote
     from llm_datadist._tools import netns
     from llm_datadist._tools.cli import main
 

@@ -15,8 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_datadist import _copy, _native
-from llm_datadist._copy import Copier
+from llm_datadist import _native
+from llm_datadist._puller import copy as _copy
+from llm_datadist._puller.copy import Copier
 from llm_datadist._shm.copyplan import BlockPlan, Run, StridedCopy
 from llm_datadist._shm.errors import InvalidRange
 from tests.shm.test_shm_blockplan import reference_blocks
@@ -296,7 +297,7 @@ def test_the_c_kernel_takes_every_copy_between_two_arrays(
 
 
 def test_the_environment_variable_turns_the_extension_off() -> None:
-    probe = "from llm_datadist import _copy; print(_copy._copy_runs is None)"
+    probe = "from llm_datadist._puller import copy; print(copy._copy_runs is None)"
     for value, off in (("1", True), ("0", built_kernel is None), ("", built_kernel is None)):
         env = {**os.environ, _native.ENV_NO_EXTENSION: value}
         result = subprocess.run(

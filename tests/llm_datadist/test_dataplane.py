@@ -219,8 +219,8 @@ def test_a_row_the_owner_took_back_ends_the_link(linked) -> None:  # type: ignor
     """The owner ends a connection (finalizing, or dropping it) between the puller's look at the socket
     and its lock on the index: the row it finds is no longer its own, and the pull reports the link gone
     (LLM_LINK_FAILED), not a corrupt index. The race is made deterministic by pinning without the look."""
-    from llm_datadist._dataplane import peer_index, pin
-    from llm_datadist._source import SourceRef
+    from llm_datadist._puller.dataplane import peer_index, pin
+    from llm_datadist._puller.source import SourceRef
 
     peer, dd = linked
     peer.alloc(2, [1, 32], [(P, 1)])

@@ -5,7 +5,7 @@ connections from its side while their pullers still pin (a live holder's pin out
 dead holder's is cleared), and another process stops while it holds the index lock (the owner's calls then
 change nothing and fail with LLM_TIMEOUT, what ends meanwhile is done once the lock is back).
 
-Everything here is the shipped code (the cache table, the index, `_dataplane.pin` / `unpin`) in one
+Everything here is the shipped code (the cache table, the index, `_puller.dataplane.pin` / `unpin`) in one
 process: the pullers' links are stood in for by their rows and tickets, which is all pinning uses of a
 link. What the model checks after every step: a pinned cache's bytes are still the ones it was filled
 with (its memory was neither freed nor reused), a key is consumed once pulls that ended well copied all
@@ -24,20 +24,20 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llm_datadist._dataplane import pin, unpin
 from llm_datadist._errors import StatusError
-from llm_datadist._fresh import DONE as FRESH_DONE
-from llm_datadist._fresh import PINNED as FRESH_PINNED
-from llm_datadist._fresh import STALE as FRESH_STALE
-from llm_datadist._fresh import pack_plan, segment_table
 from llm_datadist._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
 from llm_datadist._owner.leases import Leases
 from llm_datadist._owner.rows import Holder
 from llm_datadist._owner.table import CacheTable
+from llm_datadist._puller.dataplane import pin, unpin
+from llm_datadist._puller.fresh import DONE as FRESH_DONE
+from llm_datadist._puller.fresh import PINNED as FRESH_PINNED
+from llm_datadist._puller.fresh import STALE as FRESH_STALE
+from llm_datadist._puller.fresh import pack_plan, segment_table
+from llm_datadist._puller.source import V2, SourceRef
 from llm_datadist._shm.index import Index
 from llm_datadist._shm.indexkernel import kernel as _kernel
 from llm_datadist._shm.pool import Pool
-from llm_datadist._source import V2, SourceRef
 from llm_datadist._wire.peer import PeerInfo
 from llm_datadist.status import LLMStatusCode
 
@@ -50,7 +50,7 @@ KEYS = [(KEY_REQ, 1), (KEY_REQ, 2), (KEY_PREFIX, 3)]
 
 @dataclass
 class _Row:
-    """A puller's link as pinning sees it (see `_dataplane.RowHolder`)."""
+    """A puller's link as pinning sees it (see `_puller.dataplane.RowHolder`)."""
 
     index_row: int
     index_ticket: int
@@ -453,7 +453,7 @@ test_index_protocol = IndexMachine.TestCase
 
 
 class FreshMachine(IndexMachine):
-    """The same machine with pulls of keys looked up afresh by the C kernel (`_fresh`): one hold of the
+    """The same machine with pulls of keys looked up afresh by the C kernel (`_puller.fresh`): one hold of the
     index lock that checks, copies and consumes; or a pin through the row like the full way's, with the
     copy and the kernel's unpin in the same call, or the unpin later. Each takes what the full way would,
     or nothing (then the caller pins the full way), and what it consumes follows the same rules: the

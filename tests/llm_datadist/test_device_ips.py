@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_datadist._remote import engine_available
+from llm_datadist._puller.remote import engine_available
 
 PREAMBLE = """
 import multiprocessing as mp

@@ -138,7 +138,7 @@ def port(request: pytest.FixtureRequest) -> int:
 def test_a_pull_never_returns_reused_memory(v2: bool, path: str, point: str, fault: str, port: int) -> None:
     """A Decoder stopped mid-pull while the owner drops its link (v2: `unlink_clusters` from the serving
     side), frees the cache and reuses the pool, or the Decoder is killed. "kernel": a v1 pull after a first
-    pull from the same segment, which the C kernel pins (`_fresh`)."""
+    pull from the same segment, which the C kernel pins (`_puller.fresh`)."""
     if path == "kernel" and (v2 or indexkernel.kernel is None):
         pytest.skip("the C kernel's way is v1's, and needs the kernel built")
     tensors = LEASED_TENSORS if path == "lease" else 4

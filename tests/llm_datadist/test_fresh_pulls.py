@@ -1,6 +1,6 @@
 """Small pulls of keys as serving clients make them (a new key object per request, each pulled once) take
-one kernel call (`_fresh.FreshPulls`), and mean what the full way means: the bytes of the key's slot, a req
-key consumed once every tensor of it was copied (so a second pull is `LLM_KV_CACHE_NOT_EXIST` and the
+one kernel call (`_puller.fresh.FreshPulls`), and mean what the full way means: the bytes of the key's slot, a
+req key consumed once every tensor of it was copied (so a second pull is `LLM_KV_CACHE_NOT_EXIST` and the
 owner lets the key go), layer by layer too, a prefix key never consumed. Real processes: the owner is a
 spawned Prompt, the puller this process; without the C kernel the same outcomes come the full way."""
 

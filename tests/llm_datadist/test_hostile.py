@@ -70,7 +70,7 @@ from llm_datadist._protocol.messages import (
     WriteRequest,
     decode_message,
 )
-from llm_datadist._remote import engine_available
+from llm_datadist._puller.remote import engine_available
 from llm_datadist._wire import auth as _auth
 from llm_datadist._wire.client import ClientLink
 from llm_datadist._wire.server import MAX_CONNECTIONS

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from llm_datadist._remote import engine_available
+from llm_datadist._puller.remote import engine_available
 from llm_datadist._shm.reaper import reap
 from tests._netns import HostPair, HostProcess, require_netns
 

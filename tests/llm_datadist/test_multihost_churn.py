@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from llm_datadist._remote import engine_available
+from llm_datadist._puller.remote import engine_available
 from llm_datadist._shm.reaper import reap
 from tests._netns import HostPair, HostProcess, require_netns
 
@@ -27,7 +27,7 @@ import os, signal, socket, threading, time
 import numpy as np
 from llm_datadist import *
 from llm_datadist.ext import tensor_views
-from llm_datadist._peer_engine import ORPHANS
+from llm_datadist._puller.peer_engine import ORPHANS
 
 def fill(cache, base):
     for t, view in enumerate(tensor_views(cache)):

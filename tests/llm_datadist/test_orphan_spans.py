@@ -9,7 +9,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llm_datadist._peer_engine import overlap, spans_of
+from llm_datadist._puller.peer_engine import overlap, spans_of
 
 runs = st.lists(st.tuples(st.integers(0, 200), st.integers(1, 40)), min_size=1, max_size=12)
 

@@ -27,7 +27,6 @@ from llm_datadist import (
     LLMException,
     LLMRole,
     LLMStatusCode,
-    _links,
 )
 from llm_datadist._errors import PeerGone, StatusError
 from llm_datadist._keys import KEY_BLOCKS
@@ -49,6 +48,7 @@ from llm_datadist._protocol.messages import (
     Table,
     TableRequest,
 )
+from llm_datadist._puller import links as _links
 from llm_datadist._shm.pool import Pool
 from llm_datadist._wire import conn as _conn
 from llm_datadist._wire.client import ClientLink

@@ -1,4 +1,4 @@
-"""A pull repeated with the same arguments takes the kernel's way (`_fresh`: one call looks the key up
+"""A pull repeated with the same arguments takes the kernel's way (`_puller.fresh`: one call looks the key up
 afresh), and still sees everything the owner did in between: new bytes under the key, the key gone, the
 key bound to another cache, a cache its user let go, a lock holder that stopped, a push into our
 cluster, a link the owner dropped. Real processes: the owner is a spawned Prompt, the puller this
@@ -147,7 +147,8 @@ def test_a_repeated_one_sided_read_follows_the_owners_registered_memory(seed: in
     model id, the cache unregistered, and the owner killed."""
     import json
 
-    from llm_datadist import BlocksCacheKey, LLMClusterInfo, _oneside
+    from llm_datadist import BlocksCacheKey, LLMClusterInfo
+    from llm_datadist._puller import oneside as _oneside
     from llm_datadist._shm.reaper import reap
     from tests._peer import decoder, tensor_views_v2
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llm_datadist._remote import engine_available
+from llm_datadist._puller.remote import engine_available
 from llm_datadist._wire.admission import AdmissionLimits
 from tests._netns import HostPair, HostProcess, require_netns
 

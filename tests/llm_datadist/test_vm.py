@@ -1,7 +1,7 @@
-"""Cross-memory attach (`llm_datadist._vm`) between real processes: a spawned child driven over a Pipe holds
-memory with known patterns; the test process reads and writes it with one copy. Also the kernel's refusals
-(an unmapped range, a reaped pid, a lower-privileged reader), short transfers that stop inside a run, and a
-printed bandwidth measurement (numbers recorded at the top of `_vm.py`)."""
+"""Cross-memory attach (`llm_datadist._puller.vm`) between real processes: a spawned child driven over a Pipe
+holds memory with known patterns; the test process reads and writes it with one copy. Also the kernel's
+refusals (an unmapped range, a reaped pid, a lower-privileged reader), short transfers that stop inside a
+run, and a printed bandwidth measurement (numbers recorded at the top of `llm_datadist/_puller/vm.py`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from llm_datadist._vm import (
+from llm_datadist._puller.vm import (
     IOV_MAX,
     PreparedRuns,
     VmBadAddress,

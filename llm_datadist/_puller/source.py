@@ -18,9 +18,9 @@ from llm_datadist._protocol.messages import RULES_V1, RULES_V2, PinRequest
 from llm_datadist._protocol.messages import Location as LocationMessage
 from llm_datadist._shm.index_layout import CacheEntry
 
-from ._errors import StatusError
-from ._keys import KEY_BLOCKS, KEY_CACHE_ID, KEY_REQ
-from .status import LLMStatusCode
+from .._errors import StatusError
+from .._keys import KEY_BLOCKS, KEY_CACHE_ID, KEY_REQ
+from ..status import LLMStatusCode
 
 # Which rules name the source: v1 (`pull_cache`/`pull_blocks`: keys on pool memory, a blocks cache only
 # by its blocks key, a push into our cluster makes pulls busy) or the cache manager's (v2).
@@ -92,7 +92,7 @@ class Location:
 
     @classmethod
     def from_pin(cls, pid: int, cache: CacheEntry, batch_slot: int, ref: SourceRef) -> Location:
-        """A cache pinned through our row of the owner's index (`_dataplane.pin`)."""
+        """A cache pinned through our row of the owner's index (`dataplane.pin`)."""
         bases = cache.tensor_bases(ref.tensor_start, ref.tensor_count)
         if ref.rules == V1 and ref.key_kind != KEY_BLOCKS:
             shift = batch_slot * cache.slot_nbytes + ref.src_offset

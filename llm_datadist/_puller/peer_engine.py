@@ -31,11 +31,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._errors import StatusError, TransferTimeout
-from ._remote import DEFAULT_PROGRESS_TIMEOUT_S, MAX_DESCRIPTORS, register, start_engine, unregister
-from ._signals import hold_here
-from .status import LLMStatusCode
-from .utils.log import log
+from .._errors import StatusError, TransferTimeout
+from .._signals import hold_here
+from ..status import LLMStatusCode
+from ..utils.log import log
+from .remote import DEFAULT_PROGRESS_TIMEOUT_S, MAX_DESCRIPTORS, register, start_engine, unregister
 
 _POLL_S = 0.02  # how often a waiting caller looks at its deadline and at the peer
 IDLE_CHECK_S = 0.5  # how often an idle worker asks whether a link still uses its engine
@@ -220,7 +220,7 @@ class PeerEngine:
 
     def _end(self) -> None:
         # Destroying the engine closes its connections and joins its threads, the GIL held: quick only
-        # once its handshake listener's long accept() is over (`_remote.start_engine`).
+        # once its handshake listener's long accept() is over (`remote.start_engine`).
         wait_s = self._quick_from - time.monotonic()
         if 0 < wait_s <= 2.0:
             time.sleep(wait_s)

@@ -1,8 +1,8 @@
 """The puller's side of one link (`Peer`): the wire's link to a peer and everything this process learnt
-over it and keeps for its transfers, in one object that `_links` makes with the link and that dies with it.
+over it and keeps for its transfers, in one object that `links` makes with the link and that dies with it.
 
 Rules: a `Peer` holds its link (`ClientLink`, the wire's), the mover chosen for it when it was made (a peer
-on this host or on another: `_movers`), the peer's published index as mapped here with our row in it, the
+on this host or on another: `movers`), the peer's published index as mapped here with our row in it, the
 peer's segments mapped here and the names checked to be its own, the addresses a peer on another host gave
 for its segments, its one-sided table, and what the C kernel's pulls read (`FreshSource`). Nothing of it
 outlives the link: when the link closes for good (`ClientLink.on_closed`), the mappings close and the index
@@ -23,14 +23,14 @@ from llm_datadist._shm.index import Index
 from llm_datadist._shm.mappings import MappingCache
 from llm_datadist._shm.segment import Segment
 
-from . import _unpins
-from ._wire.client import ClientLink
-from ._wire.peer import PeerInfo
+from .. import _unpins
+from .._wire.client import ClientLink
+from .._wire.peer import PeerInfo
 
 if TYPE_CHECKING:
-    from ._fresh import FreshSource
-    from ._movers import Mover
-    from ._source import RemoteTable
+    from .fresh import FreshSource
+    from .movers import Mover
+    from .source import RemoteTable
 
 
 class Peer:
@@ -57,13 +57,13 @@ class Peer:
         self.info: PeerInfo = link.peer
         self.mover = mover
         self.index_name, self.index_row, self.index_ticket = link.index_grant
-        self.index: Index | None = None  # the peer's index, mapped on first use (`_dataplane.peer_index`)
+        self.index: Index | None = None  # the peer's index, mapped on first use (`dataplane.peer_index`)
         self.mappings = LockedMappings()
         self.owned_segments: set[str] = set()  # segment names already checked to be the peer's own
         # Over TCP: where the peer has its segments mapped (asked once per segment; a name is never reused).
         self.segment_addrs: dict[str, int] = {}
-        self.table: RemoteTable | None = None  # its one-sided table (`_oneside`), read on first use
-        self.fresh: FreshSource | None = None  # what the kernel's pulls read (`_fresh`)
+        self.table: RemoteTable | None = None  # its one-sided table (`oneside`), read on first use
+        self.fresh: FreshSource | None = None  # what the kernel's pulls read (`fresh`)
         ref = weakref.ref(self)
         link.on_closed = lambda abandoned: _release(ref, abandoned)
 

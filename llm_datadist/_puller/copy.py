@@ -36,9 +36,9 @@ from llm_datadist._shm.copyplan import (
 )
 from llm_datadist._shm.errors import InvalidRange, ShmError
 
-from ._native import CopyRuns, kernel_function, load_copy_kernel, vm_columns
-from ._signals import held
-from ._vm import VmError, VmNotPermitted, VmRun, read_from, read_from_arrays, write_to_arrays
+from .._native import CopyRuns, kernel_function, load_copy_kernel, vm_columns
+from .._signals import held
+from .vm import VmError, VmNotPermitted, VmRun, read_from, read_from_arrays, write_to_arrays
 
 ENV_COPY_THREADS = "LLM_DATADIST_COPY_THREADS"
 # Below this much per thread a hand-off to another thread costs more than it saves.
@@ -428,7 +428,7 @@ class Copier:
     ) -> None:
         """Cross-memory copies with process `pid` (reads, or writes with `write`): run i moves nbytes[i]
         between local[i] here and remote[i] there (uint64 columns), split over the copy threads by bytes
-        when there is enough to split. Raises what `_vm` raises."""
+        when there is enough to split. Raises what `vm` raises."""
         total = int(nbytes.sum())
         parts = self.threads if total >= 2 * _MIN_PART_NBYTES and nbytes.size > 1 else 1
         self._kernel_copy(pid, local, remote, nbytes, parts, write=write)

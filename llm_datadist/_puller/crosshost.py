@@ -2,11 +2,11 @@
 memory it exposes to it, the engines its own transfers go through, and where peers on other hosts keep
 their segments.
 
-Rules: the served engine starts on first use (a TCP link made or served, `_remote.shared_engine`). Memory
+Rules: the served engine starts on first use (a TCP link made or served, `remote.shared_engine`). Memory
 is exposed to it only when a peer on another host was granted it (our pool segments, registered caches),
 and withdrawn before it is unmapped or handed back to the user (`segment_released`,
 `registered_released`); `close` withdraws the rest. Our transfers go through an engine per peer
-incarnation (`_peer_engine.PeerEngine`, over RDMA with our side of the transfer registered with it), which
+incarnation (`peer_engine.PeerEngine`, over RDMA with our side of the transfer registered with it), which
 ends when no live link uses it any more: so do its connections to that peer. A transfer that fails or
 times out breaks its link: whatever the engine still does, our memory stays pinned (`pins.hold`) until it
 ended, and only transfers into that memory wait for it.
@@ -23,19 +23,19 @@ from llm_datadist import _library as library
 from llm_datadist._protocol.messages import MAX_ADDRESS_NAMES, Addresses, AddressRequest
 from llm_datadist._shm.segment import Segment
 
-from ._errors import PeerGone, StatusError
-from ._owner.pins import LocalPins
-from ._owner.records import CacheRecord
-from ._owner.table import CacheTable
-from ._peer_engine import ORPHANS, PeerEngine, progress_timeout_s
-from ._remote import MissingExtra, RemoteEngine, engine_available, shared_engine
-from ._wire import auth
-from ._wire.client import ClientLink
-from .status import LLMStatusCode
-from .utils.log import log
+from .._errors import PeerGone, StatusError
+from .._owner.pins import LocalPins
+from .._owner.records import CacheRecord
+from .._owner.table import CacheTable
+from .._wire import auth
+from .._wire.client import ClientLink
+from ..status import LLMStatusCode
+from ..utils.log import log
+from .peer_engine import ORPHANS, PeerEngine, progress_timeout_s
+from .remote import MissingExtra, RemoteEngine, engine_available, shared_engine
 
 if TYPE_CHECKING:
-    from ._peer import Peer
+    from .peer import Peer
 
 
 class CrossHost:

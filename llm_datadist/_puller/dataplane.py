@@ -8,7 +8,7 @@ index, so the link stays). A lock not had by the deadline is the transfer's time
 not hold while the owner flags keys it could not publish makes `pin` return None: the caller asks the
 owner instead. A pin is ours until we clear it, whatever happens to the link: an unpin that cannot be done
 now is owed, and done later (`settle_owed`); one whose row the owner took back fails the transfer. The C
-kernel's pulls (`_fresh`) pin through the same row with the same checks.
+kernel's pulls (`fresh`) pin through the same row with the same checks.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from llm_datadist._shm.index_layout import (
     CacheEntry,
 )
 
-from . import _unpins
-from ._errors import StatusError
-from ._keys import (
+from .. import _unpins
+from .._errors import StatusError
+from .._keys import (
     KEY_BLOCKS,
     KEY_CACHE_ID,
     KEY_REQ,
@@ -43,10 +43,10 @@ from ._keys import (
     not_found,
     registered_for_v1,
 )
-from ._peer import Peer
-from ._source import V2, SourceRef
-from ._wire.peer import PeerInfo
-from .status import LLMStatusCode
+from .._wire.peer import PeerInfo
+from ..status import LLMStatusCode
+from .peer import Peer
+from .source import V2, SourceRef
 
 # An unpin after the copy gets at least this long for the lock, whatever the transfer's deadline left.
 _UNPIN_TIMEOUT_S = 5.0

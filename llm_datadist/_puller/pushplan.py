@@ -1,6 +1,6 @@
 """The push plans of `transfer_cache_async` (v1, and v2 without remote cache access): how each pushed tensor
 of our pool cache lands in the range the peer named for it, planned once per TransferConfig and turned into
-`PushSpan`s (`_movers`) as each layer is pushed (`Transfers.push`).
+`PushSpan`s (`movers`) as each layer is pushed (`Transfers.push`).
 
 Rules: pure arithmetic on offsets the caller has checked (every index, size and count, before anything is
 planned); source offsets are relative to a tensor, destination offsets to the span. Nothing here moves a
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from llm_datadist._shm.copyplan import Run, plan_block_copy
 
-from ._movers import PushSpan
-from ._owner.records import CacheRecord
+from .._owner.records import CacheRecord
+from .movers import PushSpan
 
 
 @dataclass(frozen=True)

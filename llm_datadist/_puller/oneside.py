@@ -25,21 +25,21 @@ from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.index_layout import CACHE_REMOTE, CACHE_WITHDRAWN, FLAG_CACHES_UNPUBLISHED, STATE_OPEN
 from llm_datadist._shm.segment import Segment
 
-from ._acquire import Acquirer
-from ._copy import load_word
-from ._dataplane import index_not_open, peer_index, raise_index_error
-from ._errors import PeerGone, StatusError
-from ._links import Links
-from ._movers import RangeUnmapped, UnitRun, peer_segment
-from ._native import kernel_function
-from ._owner.pins import LocalPins
-from ._owner.records import CacheRecord
-from ._peer import Peer
-from ._source import RemoteCache, RemoteTable
-from ._stats import GEN_V2, READ, Stats
-from ._transfers import Transfers
-from ._vm import PreparedRuns
-from .status import LLMStatusCode
+from .._errors import PeerGone, StatusError
+from .._native import kernel_function
+from .._owner.pins import LocalPins
+from .._owner.records import CacheRecord
+from .._stats import GEN_V2, READ, Stats
+from ..status import LLMStatusCode
+from .acquire import Acquirer
+from .copy import load_word
+from .dataplane import index_not_open, peer_index, raise_index_error
+from .links import Links
+from .movers import RangeUnmapped, UnitRun, peer_segment
+from .peer import Peer
+from .source import RemoteCache, RemoteTable
+from .transfers import Transfers
+from .vm import PreparedRuns
 
 # A peer's one-sided table comes in pages; more pages than this is a peer describing more than it can own.
 _MAX_TABLE_PAGES = 1024

@@ -4,7 +4,7 @@ Rules: an engine starts in P2PHANDSHAKE mode, no metadata service (`start_engine
 (`shared_engine`, started on first use: a TCP link made or served), whose address peers learn in the link
 handshake; memory is registered with it only when a remote peer was granted it (our pool segments and
 registered caches) and unregistered before it is unmapped or handed back to the user. The transfers this
-process starts go through an engine per peer incarnation instead (`_peer_engine.PeerEngine`).
+process starts go through an engine per peer incarnation instead (`peer_engine.PeerEngine`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import threading
 import time
 from typing import Any
 
-from ._errors import StatusError
-from ._signals import held
-from .status import LLMStatusCode
-from .utils.log import log
+from .._errors import StatusError
+from .._signals import held
+from ..status import LLMStatusCode
+from ..utils.log import log
 
 ENV_PROTOCOL = "LLM_DATADIST_MOONCAKE_PROTOCOL"
 ENV_DEVICES = "LLM_DATADIST_MOONCAKE_DEVICES"

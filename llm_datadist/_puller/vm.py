@@ -373,7 +373,7 @@ class PreparedRuns:
     @property
     def read_iovecs(self) -> tuple[Any, Any, int] | None:
         """A read's (local, remote) struct iovec arrays and the bytes they move, for a caller that makes the
-        system call itself (`_oneside`'s checked read); None for a write or where they were not built."""
+        system call itself (`oneside`'s checked read); None for a write or where they were not built."""
         if self._call != "process_vm_readv" or not self._args or self._iovecs is None:
             return None
         return self._iovecs

@@ -13,7 +13,7 @@ caller takes the full way, which raises what it calls for and maps what it needs
 (`_faults`) every pull is pinned by the kernel and copied and unpinned here, through the full way's points
 ("pinned", "copied", "released"), so that fault tests reach this path too. Once pinned, it is the full
 way's pin: a copy that fails gives back what it reserved, and an unpin that cannot be done at once is the
-full way's (`_dataplane.unpin`: it waits, or fails the transfer and says why). A pull of the full way out
+full way's (`dataplane.unpin`: it waits, or fails the transfer and says why). A pull of the full way out
 of a segment makes that segment the one the next fresh pulls from that peer read (`remember`). The only memo
 is the destination's addresses by value: the cache, its tensor range.
 """
@@ -34,13 +34,13 @@ from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.index import _LOCK_RETRY_MAX_S, _LOCK_RETRY_MIN_S, Index, count_lock_wait
 from llm_datadist._shm.segment import Segment
 
-from . import _faults
-from ._copy import Copier
-from ._dataplane import unpin
-from ._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
-from ._owner.records import CacheRecord
-from ._peer import Peer
-from ._source import SourceRef
+from .. import _faults
+from .._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
+from .._owner.records import CacheRecord
+from .copy import Copier
+from .dataplane import unpin
+from .peer import Peer
+from .source import SourceRef
 
 DONE, BUSY, STALE, FAULTED, PINNED, COPIED, PIN_FAULTED = 0, 1, 2, 3, 4, 5, 6
 MAX_NBYTES = 64 << 10  # the kernel's HOLD_MAX_NBYTES: copies this small are made under the index lock
@@ -256,7 +256,7 @@ class FreshPulls:
         nbytes: int,
     ) -> None:
         """Copy what the kernel pinned (each tensor's source address in `sources`), then unpin; the fault
-        points of the full way's pin on the way (`_acquire._Holding`)."""
+        points of the full way's pin on the way (`acquire._Holding`)."""
         kernel = indexkernel.kernel
         assert kernel is not None
         src = np.frombuffer(sources, dtype=np.uint64)

@@ -17,15 +17,15 @@ from pathlib import Path
 
 from llm_datadist._protocol.messages import Ping, Pong
 
-from ._crosshost import CrossHost
-from ._errors import PeerGone, StatusError
-from ._movers import EngineMover, HostMover
-from ._peer import Peer
-from ._runtime import ENV_RUNTIME_DIR, is_local_ip, socket_path, socket_path_in_runtime
-from ._wire.client import ClientLink
-from ._wire.server import Server
-from .status import LLMStatusCode
-from .utils.log import log
+from .._errors import PeerGone, StatusError
+from .._runtime import ENV_RUNTIME_DIR, is_local_ip, socket_path, socket_path_in_runtime
+from .._wire.client import ClientLink
+from .._wire.server import Server
+from ..status import LLMStatusCode
+from ..utils.log import log
+from .crosshost import CrossHost
+from .movers import EngineMover, HostMover
+from .peer import Peer
 
 # Per process: links we made (one per remote cluster).
 MAX_LINKS = 512

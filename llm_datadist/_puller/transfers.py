@@ -5,7 +5,7 @@ transfers the peer resolves or pins by cache id. Each is one shape:
         peer.mover.<read or write>(peer, location, ...)
 
 Rules: a transfer holds its link exclusively, its local cache pinned (the caller's `table.pinned`) and the
-peer's memory pinned (`_acquire`) for the whole copy; checks of what the peer granted against our side come
+peer's memory pinned (`acquire`) for the whole copy; checks of what the peer granted against our side come
 before any byte moves. Deadlines are the instance's `sync_kv_timeout`. Nothing here asks where the peer
 is: its mover (`Peer.mover`) knows.
 """
@@ -20,20 +20,20 @@ from typing import NamedTuple
 from llm_datadist._protocol.messages import WriteGrant
 from llm_datadist._shm.copyplan import BlockPlan
 
-from ._acquire import Acquirer, WriteLease
-from ._copy import Copier
-from ._errors import StatusError
-from ._fresh import DONE as FRESH_DONE
-from ._fresh import FreshPulls
-from ._keys import KEY_BLOCKS, KEY_CACHE_ID
-from ._links import Links
-from ._movers import PushSpan, UnitRun
-from ._owner.records import CacheRecord
-from ._peer import Peer
-from ._source import V2, Location, RemoteCache, SourceRef
-from ._stats import GEN_V1, PULL, PUSH, SHM, Stats
-from .status import LLMStatusCode
-from .utils.log import log
+from .._errors import StatusError
+from .._keys import KEY_BLOCKS, KEY_CACHE_ID
+from .._owner.records import CacheRecord
+from .._stats import GEN_V1, PULL, PUSH, SHM, Stats
+from ..status import LLMStatusCode
+from ..utils.log import log
+from .acquire import Acquirer, WriteLease
+from .copy import Copier
+from .fresh import DONE as FRESH_DONE
+from .fresh import FreshPulls
+from .links import Links
+from .movers import PushSpan, UnitRun
+from .peer import Peer
+from .source import V2, Location, RemoteCache, SourceRef
 
 
 class PullSpec(NamedTuple):

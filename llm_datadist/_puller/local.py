@@ -17,8 +17,8 @@ import numpy.typing as npt
 
 from llm_datadist._shm.copyplan import plan_block_copy, plan_tensor_copy
 
-from ._copy import Copier
-from ._native import address_view
+from .._native import address_view
+from .copy import Copier
 
 Bytes = npt.NDArray[np.uint8]
 

@@ -3,7 +3,7 @@ peer on this host (its segments mapped here and copied by the copy kernel, its r
 cross-memory attach), `EngineMover` for a peer on another host (Mooncake Transfer Engine).
 
 Rules: a mover only moves bytes between memory that is already pinned on both sides (the caller holds the
-source or destination through `_acquire` and its own cache through the table); it never asks the peer to
+source or destination through `acquire` and its own cache through the table); it never asks the peer to
 pin anything. Every range it is given is checked against what it lands in before any byte moves: a
 peer's description of its memory is never trusted (a segment must be the peer's own and hold the range).
 A device-memory mover fits beside these two: it implements `Mover` and is chosen when the link is made.
@@ -25,19 +25,19 @@ from llm_datadist._shm.errors import ShmError
 from llm_datadist._shm.names import parse_segment_name
 from llm_datadist._shm.segment import Segment
 
-from ._copy import Copier
-from ._errors import PeerGone, StatusError
-from ._fresh import FreshPulls
-from ._native import address_view, vm_columns
-from ._owner.records import CacheRecord
-from ._peer import Peer
-from ._source import Location
-from ._stats import CMA, MOONCAKE, SHM
-from ._vm import FEW_RUNS, PreparedRuns, VmBadAddress, VmError, VmNotPermitted, VmProcessGone, VmRun
-from .status import LLMStatusCode
+from .._errors import PeerGone, StatusError
+from .._native import address_view, vm_columns
+from .._owner.records import CacheRecord
+from .._stats import CMA, MOONCAKE, SHM
+from ..status import LLMStatusCode
+from .copy import Copier
+from .fresh import FreshPulls
+from .peer import Peer
+from .source import Location
+from .vm import FEW_RUNS, PreparedRuns, VmBadAddress, VmError, VmNotPermitted, VmProcessGone, VmRun
 
 if TYPE_CHECKING:
-    from ._crosshost import CrossHost
+    from .crosshost import CrossHost
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Mover(Protocol):
 
     def words(self, peer: Peer, name: str, nbytes: int) -> Segment | None:
         """The peer's generation segment `name` (at least `nbytes`) as mapped here, for reads that need no
-        pin (`_oneside`: the words say whether the owner still holds what was read); None when nothing of
+        pin (`oneside`: the words say whether the owner still holds what was read); None when nothing of
         the peer is visible here, and reads must pin."""
         ...
 
@@ -281,7 +281,7 @@ class HostMover:
                 prepared()
                 return prepared
             local_addrs = _local_addrs(local, local_tensor_start, len(bases), runs)
-            if len(runs) * len(bases) <= FEW_RUNS:  # `_vm`'s ctypes fast path
+            if len(runs) * len(bases) <= FEW_RUNS:  # `vm`'s ctypes fast path
                 vm_runs = [
                     VmRun(addr + run.local_offset, base + run.remote_offset, run.nbytes)
                     for addr, base in zip(local_addrs, bases, strict=True)

@@ -1,7 +1,7 @@
 """The one home of the puller's pin and lease life cycle: `Acquirer.acquire(link, ref, deadline)`.
 
 Rules: the caller holds the link exclusively. `acquire` pins what `ref` names through the link's row of
-the owner's index when the owner gave one and published it there (no message: `_dataplane`), and asks the
+the owner's index when the owner gave one and published it there (no message: `dataplane`), and asks the
 owner for a lease otherwise (peers on other hosts, what the owner could not publish); either way it yields
 one `Location` and, however the with-block ends, ends what it began: an unpin (after a failed copy, what
 the pin consumed goes back) or a one-way `Release` (ok or not). A push by address (`write_lease`, v1
@@ -27,12 +27,12 @@ from llm_datadist._protocol.messages import (
 )
 from llm_datadist._shm.index import Index
 
-from . import _faults
-from ._dataplane import peer_index, pin, unpin
-from ._errors import PeerGone, StatusError
-from ._peer import Peer
-from ._source import Location, SourceRef
-from .status import LLMStatusCode
+from .. import _faults
+from .._errors import PeerGone, StatusError
+from ..status import LLMStatusCode
+from .dataplane import peer_index, pin, unpin
+from .peer import Peer
+from .source import Location, SourceRef
 
 
 class Acquirer:
