@@ -569,6 +569,9 @@ enum { FRESH_DONE = 0, FRESH_BUSY = 1, FRESH_STALE = 2, FRESH_FAULTED = 3, FRESH
 /* index_pull_key with `copy`: copied, but the unpin found the lock busy or the row changed (the caller's full
  * unpin waits or says why); or the copy met a vanished page while pinned (the caller ends the pin as failed). */
 enum { FRESH_COPIED = 5, FRESH_PIN_FAULTED = 6 };
+/* index_pull_key: the plan names the link's socket (`spare` = its fd + 1) and the peer hung up on it: nothing
+ * done (the caller breaks the link and says so). */
+enum { FRESH_GONE = 7 };
 /* index_pull_key's `copy`: copy here, with streaming stores, with the helper thread taking a share. */
 enum { FRESH_COPY = 1, FRESH_COPY_STREAMING = 2, FRESH_COPY_HELPER = 4 };
 enum { FRESH_CHECK_BUSY = 1, FRESH_WHOLE = 2 }; /* plan flags: v1's busy rule; the source must have exactly the tensors */
@@ -582,7 +585,7 @@ struct fresh_plan {
     uint64_t row_offset, ticket, caches_offset, names_offset, buckets_offset, key_id, model_id, src_offset,
         nbytes, dst_offset;
     uint32_t caches_cap, names_cap, buckets_cap, kind, consume, flags, tensor_start, tensor_count, batch_index,
-        spare;
+        spare; /* the link's socket + 1, polled for a hang-up before anything else; 0: none */
 };
 _Static_assert(sizeof(struct fresh_plan) == 10 * 8 + 10 * 4, "the fresh plan is packed");
 /* The peer's segments the caller mapped, each its name as the index's cache entries hold it, then where it is
@@ -1025,7 +1028,7 @@ PyDoc_STRVAR(index_pull_key_doc,
 "index_pull_key(mapping, fd, plan, dst_addrs, segments, src_out, copy)\n--\n\n"
 "A pull of a key looked up afresh, in one hold of the index lock (GIL released): 0 done, 1 the lock is\n"
 "busy, 2 stale (not handled here: nothing done), 3 faulted (memory vanished mid-copy: the key is left\n"
-"as it was). plan: llm_datadist._puller.fresh's plan; dst_addrs: one native uint64 address per tensor;\n"
+"as it was), 7 the peer hung up on the socket the plan names (nothing done). plan: llm_datadist._puller.fresh's plan; dst_addrs: one native uint64 address per tensor;\n"
 "segments: the peer's segments mapped here (llm_datadist._puller.fresh's table). src_out None: the copy is made\n"
 "under the lock, at most 64 KiB in all. src_out a writable buffer of one uint64 per tensor: any size, the\n"
 "key pinned through the row, each tensor's source address written to src_out; then with copy 0, 4\n"
@@ -1091,7 +1094,10 @@ static PyObject *index_pull_key(PyObject *module, PyObject *const *args, Py_ssiz
                               pin ? out_view.buf : NULL};
     int outcome, error = 0;
     Py_BEGIN_ALLOW_THREADS
-    outcome = index_locked((int)fd, fresh_locked, &call, FRESH_FAULTED);
+    if (plan.spare != 0 && hung_up((int)plan.spare - 1))
+        outcome = FRESH_GONE; /* a dead owner's index is never read */
+    else
+        outcome = index_locked((int)fd, fresh_locked, &call, FRESH_FAULTED);
     if (outcome == FRESH_PINNED && copy) {
         /* Copy with the lock free (the pin holds the cache and the key), then unpin, as index_unpin_key. */
         int streaming = (copy & FRESH_COPY_STREAMING) != 0;

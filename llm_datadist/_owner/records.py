@@ -65,6 +65,9 @@ class CacheRecord:
     cache_name: int = -1
     pending: bool = False
     addr_words: int = -1  # registered: its first word in the index's address region
+    # Each tensor's address here as native uint64 words (the C kernel's destinations), packed on first use
+    # by a pull into the cache (`_puller.fresh`): a record's memory never moves.
+    packed_addrs: bytes = b""
     keys_unpublished: bool = False  # a req key was bound to a slot of it that the index could not hold
     # Registered memory that was not this process's mapped memory at registration (device memory, which
     # the real library takes on trust): each local transfer checks it first (`LocalPins.pin`).

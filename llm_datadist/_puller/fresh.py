@@ -14,8 +14,9 @@ caller takes the full way, which raises what it calls for and maps what it needs
 ("pinned", "copied", "released"), so that fault tests reach this path too. Once pinned, it is the full
 way's pin: a copy that fails gives back what it reserved, and an unpin that cannot be done at once is the
 full way's (`dataplane.unpin`: it waits, or fails the transfer and says why). A pull of the full way out
-of a segment makes that segment the one the next fresh pulls from that peer read (`remember`). The only memo
-is the destination's addresses by value: the cache, its tensor range.
+of a segment makes that segment the one the next fresh pulls from that peer read (`remember`). No memo: the
+destination's addresses are packed once per cache (`CacheRecord.packed_addrs`), and the kernel polls the
+link's socket for a hang-up before it reads the index (a dead owner's index is never read).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from .dataplane import unpin
 from .peer import Peer
 from .source import SourceRef
 
-DONE, BUSY, STALE, FAULTED, PINNED, COPIED, PIN_FAULTED = 0, 1, 2, 3, 4, 5, 6
+DONE, BUSY, STALE, FAULTED, PINNED, COPIED, PIN_FAULTED, GONE = 0, 1, 2, 3, 4, 5, 6, 7
 MAX_NBYTES = 64 << 10  # the kernel's HOLD_MAX_NBYTES: copies this small are made under the index lock
 _CHECK_BUSY, _WHOLE = 1, 2
 # row offset, ticket, caches, names and buckets offsets, key id, model id, source offset, bytes per tensor,
@@ -52,7 +53,6 @@ _PLAN = struct.Struct("<10Q10I")
 # A peer's segment mapped here: its name as the index's cache entries hold it, its address here, its size.
 _SEGMENT = struct.Struct("<64sQQ")
 _MAX_SEGMENTS = 16  # segments of one peer remembered (a pool grows by a few)
-_MAX_DST = 1024  # destination address lists kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +61,8 @@ class FreshSource:
     the peer's segments full pulls read (mapped here), with their table for the kernel."""
 
     index: weakref.ref[Index]  # weak, as the segments below: a peer's mapping of a dead owner's index goes
+    handle: tuple[int, mmap.mmap]  # the index's (fd, mapping), while it is the peer's open index
+    socket_fd: int  # the link's socket, polled by the kernel for a hang-up (the link outlives the source)
     row_offset: int
     ticket: int
     regions: tuple[int, int, int, int, int, int]
@@ -95,7 +97,14 @@ class FreshSource:
                 continue
             live.append(weakref.ref(segment))
         return FreshSource(
-            self.index, self.row_offset, self.ticket, self.regions, tuple(live), segment_table(entries)
+            self.index,
+            self.handle,
+            self.socket_fd,
+            self.row_offset,
+            self.ticket,
+            self.regions,
+            tuple(live),
+            segment_table(entries),
         )
 
     def live_segments(self) -> list[Segment]:
@@ -114,9 +123,10 @@ def pack_plan(
     ref: SourceRef,
     dst_offset: int,
     check_busy: bool,
+    socket_fd: int = -1,
 ) -> bytes:
     """The kernel's plan: our row (its offset in the index, our ticket), the index's `regions`
-    (`Index.regions`), the request."""
+    (`Index.regions`), the request, and the link's socket to poll for a hang-up first (-1: none)."""
     caches_offset, caches, names_offset, names, buckets_offset, buckets = regions
     return _PLAN.pack(
         row_offset,
@@ -138,7 +148,7 @@ def pack_plan(
         ref.tensor_start,
         ref.tensor_count,
         ref.batch_index,
-        0,
+        socket_fd + 1,
     )
 
 
@@ -147,7 +157,6 @@ class FreshPulls:
 
     def __init__(self, copier: Copier) -> None:
         self._copier = copier
-        self._dst: dict[tuple[int, int, int, int], bytes] = {}
         self.done = 0  # pulls made here
 
     @staticmethod
@@ -160,6 +169,8 @@ class FreshPulls:
         if source is None or source.index() is not index:
             source = FreshSource(
                 weakref.ref(index),
+                index.handle,
+                peer.link.socket_fd,
                 index.row_offset(peer.index_row),
                 peer.index_ticket,
                 index.regions(),
@@ -202,14 +213,14 @@ class FreshPulls:
             return STALE
         if not src_arrays:
             return STALE
-        link = peer.link
-        link.check_usable()
-        link.check_peer_alive()
-        plan = pack_plan(source.row_offset, source.ticket, source.regions, ref, dst_offset, check_busy)
-        addrs = self._addresses(dst, dst_tensor_start, count)
+        # The link was found usable as the caller took it; the kernel polls its socket for a hang-up first.
+        plan = pack_plan(
+            source.row_offset, source.ticket, source.regions, ref, dst_offset, check_busy, source.socket_fd
+        )
+        addrs = _addresses(dst, dst_tensor_start, count)
         index = peer.index
         assert index is not None  # it is the remembered one (above)
-        fd, mapping = index.handle
+        fd, mapping = source.handle
         total = count * nbytes
         sources, one_call = None, 0
         if total > MAX_NBYTES or _faults.hook is not None:
@@ -233,6 +244,8 @@ class FreshPulls:
         elif outcome == COPIED:  # the unpin found the lock busy or the row changed: the full way's unpin
             unpin(peer, index, ok=True)
             outcome = DONE
+        elif outcome == GONE:
+            peer.link.check_peer_alive()  # breaks the link and raises PeerGone
         elif outcome == PIN_FAULTED:
             unpin(peer, index, ok=False)  # what it reserved goes back: the key can be pulled again
             outcome = FAULTED
@@ -277,16 +290,12 @@ class FreshPulls:
             unpin(peer, index, ok=True)  # waits for a busy lock, or fails the transfer and says why
         _faults.at("released")
 
-    def _addresses(self, dst: CacheRecord, start: int, count: int) -> bytes:
-        """The addresses of `dst`'s tensors [start, start + count), packed (a memo by value: the cache's
-        memory and the range, which requests of one shape share)."""
-        block = dst.block
-        assert block is not None
-        key = (dst.cache_id, block.address, start, count)
-        packed = self._dst.get(key)
-        if packed is None:
-            if len(self._dst) >= _MAX_DST:
-                self._dst.clear()
-            packed = struct.pack(f"<{count}Q", *dst.tensor_addrs()[start : start + count])
-            self._dst[key] = packed
+
+def _addresses(dst: CacheRecord, start: int, count: int) -> bytes:
+    """The addresses of `dst`'s tensors [start, start + count), packed (the record keeps them all)."""
+    packed = dst.packed_addrs
+    if not packed:
+        packed = dst.packed_addrs = struct.pack(f"<{dst.num_tensors}Q", *dst.tensor_addrs())
+    if start == 0 and count == dst.num_tensors:
         return packed
+    return packed[8 * start : 8 * (start + count)]

@@ -209,7 +209,8 @@ class Links:
 
     def get(self, remote_cluster_id: int) -> Peer:
         """Our link to `remote_cluster_id`; StatusError(LLM_NOT_YET_LINK) if there is none."""
-        self._server.check_alive()
+        if self._server.failure is not None:
+            self._server.check_alive()
         with self.lock:
             link = self._links.get(remote_cluster_id)
         if link is None:

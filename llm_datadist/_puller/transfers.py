@@ -87,7 +87,7 @@ class Transfers:
         peer = self._links.get(spec.remote_cluster_id)
         marks = [time.perf_counter()]
         ref = spec.ref
-        with peer.exclusive(deadline):
+        with peer.link.exclusive(deadline):
             fresh = self.fresh.pull(
                 peer, ref, dst, spec.dst_tensor_start, spec.dst_base_offset, deadline, check_busy=True
             )

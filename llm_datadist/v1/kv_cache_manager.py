@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from .._errors import FINALIZED, FORK_HINT, api_errors
-from .._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, KeyId
+from .._keys import KeyId
 from .._owner.records import CacheRecord
 from .._puller.source import SourceRef
 from .._puller.transfers import BlocksSpec, PullSpec
@@ -39,7 +39,6 @@ from ..configs import LLMRole
 from ..status import LLMException, LLMStatusCode, make_error
 from ..v2.cache import KvCache
 from ..v2.llm_types import (
-    U64_MAX,
     BlocksCacheKey,
     CacheDesc,
     CacheKey,
@@ -74,22 +73,10 @@ def _pull_plan_key(
     for value in kwargs.values():
         if value is not None and type(value) is not int and type(value) is not range:
             return None
-    if type(cache_key) is CacheKey:
-        req_id, prefix_id = cache_key.req_id, cache_key.prefix_id
-        if prefix_id == U64_MAX:
-            if req_id == U64_MAX:
-                return None
-            fields = (cache_key.cluster_id, KEY_REQ, req_id, cache_key.model_id, 0)
-        elif req_id == U64_MAX:
-            fields = (cache_key.cluster_id, KEY_PREFIX, prefix_id, cache_key.model_id, 0)
-        else:
-            return None
-    elif type(cache_key) is CacheKeyByIdAndIndex:
-        cache_id = cache_key.cache_id
-        if cache_id < 0:
-            return None
-        fields = (cache_key.cluster_id, KEY_CACHE_ID, cache_id, 0, cache_key.batch_index)
-    else:
+    if type(cache_key) is not CacheKey and type(cache_key) is not CacheKeyByIdAndIndex:
+        return None
+    fields = cache_key._names()
+    if fields is None:
         return None
     return (fields[1], kv_cache.cache_id, batch_index, size, tuple(kwargs.items())), fields
 
@@ -127,12 +114,16 @@ def _select(api: str, core: Core, layers: LayerArgs, record: CacheRecord) -> Ten
     return layers.select(api, record.num_tensors)
 
 
+# The pulls' error translators: they keep nothing of a call, so one of each serves every call and thread.
+_PULL_ERRORS = {api: api_errors(api) for api in ("pull_cache", "pull_blocks")}
+
+
 def _run_pull(
     api: str, core: Core, transfer: Callable[[_Spec, CacheRecord], None], spec: _Spec, record: CacheRecord
 ) -> None:
     """`transfer` (`Transfers.pull`, `pull_blocks`) of `spec` into `record`, pinned; failures counted."""
     try:
-        with api_errors(api), core.pins.pinned(record.cache_id) as pinned:
+        with _PULL_ERRORS[api], core.pins.pinned(record.cache_id) as pinned:
             transfer(spec, pinned)
     except LLMException as exc:
         core.stats.failed(GEN_V1, PULL, exc.status_code)
@@ -327,12 +318,13 @@ class KvCacheManager:
             entry = self._prepared.get(memo_key)
             if entry is not None:
                 core, role, spec, record = entry
+                # The record is the cache's while the cache lives (ids are never reused in an instance);
+                # the local pin refuses it once the user deallocated it.
                 if (
                     core is self._core
                     and role is self._role
                     and core.forked_from is None
                     and kv_cache._is_valid
-                    and core.table.get(kv_cache.cache_id) is record
                 ):
                     _run_pull(api, core, core.transfers.pull, _spec_for(fields, spec), record)
                     return

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any
 
+from llm_datadist._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
 from llm_datadist._validate import (
     U64_MAX,
     check_int32,
@@ -305,6 +306,15 @@ class CacheKey:
     def prefix_id(self) -> int:
         return self._prefix_id
 
+    def _names(self) -> tuple[int, int, int, int, int] | None:
+        """(cluster id, key kind, key id, model id, batch index) of what a pull of this key names (as
+        `_transfer.key_fields` gives them), read in one call; None for a key that sets both req_id and
+        prefix_id or neither, which the full checks refuse."""
+        req_id, prefix_id = self._req_id, self._prefix_id
+        if prefix_id == U64_MAX:
+            return None if req_id == U64_MAX else (self._cluster_id, KEY_REQ, req_id, self._model_id, 0)
+        return None if req_id != U64_MAX else (self._cluster_id, KEY_PREFIX, prefix_id, self._model_id, 0)
+
     def __repr__(self) -> str:
         return (
             f"CacheKey(cluster_id={self._cluster_id}, req_id={self._req_id}, "
@@ -339,6 +349,13 @@ class CacheKeyByIdAndIndex:
     @property
     def batch_index(self) -> int:
         return self._batch_index
+
+    def _names(self) -> tuple[int, int, int, int, int] | None:
+        """(cluster id, key kind, cache id, model id, batch index) of what a pull of this key names (as
+        `_transfer.key_fields` gives them); None for a negative cache id, which the full checks refuse."""
+        if self._cache_id < 0:
+            return None
+        return (self._cluster_id, KEY_CACHE_ID, self._cache_id, 0, self._batch_index)
 
     def __repr__(self) -> str:
         return (
