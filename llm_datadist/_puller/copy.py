@@ -99,6 +99,11 @@ def load_word(address: int) -> int:
     return int(word.value)
 
 
+def load_words(addresses: tuple[int, ...]) -> list[int]:
+    """`load_word` of each of `addresses`, in order."""
+    return [load_word(address) for address in addresses]
+
+
 def _kernel_can_copy(src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> bool:
     """The C kernel takes a base address per side: each array must be one contiguous range, the two must
     not overlap (runs could then depend on each other's writes), and dst writable (numpy would refuse)."""

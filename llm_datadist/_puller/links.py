@@ -228,7 +228,8 @@ class Links:
     def link_to(self, remote_cluster_id: int, deadline: float) -> Peer:
         """A link to `remote_cluster_id`: ours if we linked to it, else the link back to its callback socket
         when it linked to us (in v2 either side may pull and push)."""
-        self._server.check_alive()
+        if self._server.failure is not None:
+            self._server.check_alive()
         with self.lock:
             link = self._links.get(remote_cluster_id)
         return link if link is not None else self.push_link(remote_cluster_id, deadline)

@@ -132,7 +132,8 @@ def _local_addrs(local: CacheRecord, start: int, count: int, runs: list[UnitRun]
     for run in runs:
         if run.local_offset + run.nbytes > local.tensor_nbytes:
             raise StatusError(LLMStatusCode.LLM_PARAM_INVALID, "the transfer does not fit the local tensors")
-    return local.tensor_addrs()[start : start + count]
+    addrs = local.addrs if local.block is None else local.tensor_addrs()  # registered: its own addresses
+    return list(addrs[start : start + count])
 
 
 def _granted(grant: WriteGrant, first: int, count: int) -> list[tuple[int, int]]:

@@ -30,14 +30,14 @@ from .._native import kernel_function
 from .._owner.pins import LocalPins
 from .._owner.records import CacheRecord
 from .._stats import GEN_V2, READ, Stats
-from ..status import LLMStatusCode
+from ..status import LLMException, LLMStatusCode
 from .acquire import Acquirer
-from .copy import load_word
+from .copy import load_words
 from .dataplane import index_not_open, peer_index, raise_index_error
 from .links import Links
 from .movers import RangeUnmapped, UnitRun, peer_segment
 from .peer import Peer
-from .source import RemoteCache, RemoteTable
+from .source import Location, RemoteCache, RemoteTable
 from .transfers import Transfers
 from .vm import PreparedRuns
 
@@ -72,6 +72,7 @@ class _Found:
     prepared: PreparedRuns | None
     words: Segment | None  # None for a peer on another host (nothing of it is mapped here)
     moved: Moved  # what the read moves, for the stats
+    location: Location  # the entry's tensors the read names
 
 
 @dataclass(slots=True, eq=False)
@@ -114,60 +115,80 @@ class OneSided:
         self._transfers = transfers
         self._timeout_s = timeout_s
 
-    def run(self, read: PreparedRead) -> None:
+    def run(self, read: PreparedRead, runs_for: RunsFor | None = None) -> None:
         """Pin the local cache, check the peer, find the remote cache in the peer's table (refetched when
         stale), read, and count the read. When the link and the peer's table are those of the last run, and
         that run's entry is still current (by model id: in a table whose version is current), the lookup
-        would find that entry again: the read reuses what was derived."""
+        would find that entry again: the read reuses what was derived. `runs_for`: this call's runs (a
+        pull of other blocks), instead of the read's own."""
         started = time.perf_counter()
-        moved = self._run(read)
+        moved = self._run(read, runs_for)
         self._stats.transfer(GEN_V2, READ, *moved, time.perf_counter() - started)
 
-    def _run(self, read: PreparedRead) -> Moved:
+    def _run(self, read: PreparedRead, runs_for: RunsFor | None) -> Moved:
         """`run` but the counting: what the read moved."""
         with self._pins.pinned(read.record.cache_id) as pinned:
             if not pinned.remote_accessible:
                 # The real one-sided path needs the local side registered for remote access too.
                 raise _invalid("with remote cache access, the local cache must be remote_accessible too")
-            found = read.found
-            if found is not None and pinned is read.record and self._read_again(read, found):
+            found = read.found if pinned is read.record else None
+            runs_for = runs_for or read.runs_for
+            if (
+                found is not None
+                and self._runs_again(read, found, runs_for)
+                and self._read_again(read, found)
+            ):
                 return found.moved
             peer = self.check_peer(read.cluster_id)
             if (
                 found is not None
                 and found.peer is peer
                 and found.table is peer.table
-                and pinned is read.record
                 and self.remote_cache_current(
                     peer, found.remote, found.table if read.model_id is not None else None, words=found.words
                 )
             ):
-                self.read(
-                    read.cluster_id,
-                    found.remote,
-                    read.src_start,
-                    pinned,
-                    read.dst_start,
-                    read.count,
-                    found.runs,
-                    peer=peer,
-                    prepared=found.prepared,
-                    words=found.words,
-                )
-                return found.moved
-            table, remote = self.find(read.cluster_id, read.cache_id, read.model_id)
-            if read.continuous_source and remote.is_blocks:
-                raise _invalid("the source of pull_cache must not be a blocks cache")
-            check_remote_tensors(remote, read.src_start, read.count, read.whole)
-            runs = read.runs_for(read.slot, remote.unit_nbytes, remote.num_units)
+                table, remote, words, location = found.table, found.remote, found.words, found.location
+            else:
+                table, remote = self.find(read.cluster_id, read.cache_id, read.model_id)
+                if read.continuous_source and remote.is_blocks:
+                    raise _invalid("the source of pull_cache must not be a blocks cache")
+                check_remote_tensors(remote, read.src_start, read.count, read.whole)
+                found, words = None, None
+                location = remote.location(read.src_start, read.count)
+            runs = runs_for(read.slot, remote.unit_nbytes, remote.num_units)
+            # What the last run prepared serves only the very same runs again.
+            prepared = found.prepared if found is not None and runs == found.runs else None
             prepared, words = self.read(
-                read.cluster_id, remote, read.src_start, pinned, read.dst_start, read.count, runs, peer=peer
+                read.cluster_id,
+                remote,
+                read.src_start,
+                pinned,
+                read.dst_start,
+                read.count,
+                runs,
+                peer=peer,
+                prepared=prepared,
+                words=words,
+                location=location,
             )
             nbytes = read.count * sum(run.nbytes for run in runs)
             moved = Moved(peer.mover.transport(remote.segment), nbytes, read.count * len(runs))
             if pinned is read.record:
-                read.found = _Found(peer, table, remote, runs, prepared, words, moved)
+                read.found = _Found(peer, table, remote, runs, prepared, words, moved, location)
             return moved
+
+    @staticmethod
+    def _runs_again(read: PreparedRead, found: _Found, runs_for: RunsFor) -> bool:
+        """Whether `runs_for` gives the last run's runs on the entry it found (a pull of the same blocks): a
+        refusal there is the full way's to make, on the entry a lookup finds now."""
+        if found.prepared is None:
+            return False
+        try:
+            runs = runs_for(read.slot, found.remote.unit_nbytes, found.remote.num_units)
+        except (StatusError, LLMException):
+            return False
+        return runs == found.runs
 
     def _read_again(self, read: PreparedRead, found: _Found) -> bool:
         """The last run's read of registered memory once more, in one call of the C kernel
@@ -339,8 +360,8 @@ class OneSided:
         link (`link_to`)."""
         deadline = time.monotonic() + self._timeout_s
         peer = self._links.link_to(remote_cluster_id, deadline)
-        peer.check_usable()
-        peer.check_peer_alive()
+        peer.link.check_usable()
+        peer.link.check_peer_alive()
         return peer
 
     def read(
@@ -357,6 +378,7 @@ class OneSided:
         prepared: PreparedRuns | None = None,
         words: Segment | None = None,
         deadline: float | None = None,
+        location: Location | None = None,
     ) -> tuple[PreparedRuns | None, Segment | None]:
         """Read from a peer's cache (from its table) into ours with no round trip to the peer.
 
@@ -375,7 +397,7 @@ class OneSided:
         if peer is None:
             peer = self._links.link_to(remote_cluster_id, deadline)
         mover = peer.mover
-        if words is None or words.closed:
+        if words is None:  # (one closed since is mapped again by the check after the copy)
             words = mover.words(peer, remote.generations, (remote.gen_slot + 1) * 8)
         if words is None:
             # Nothing of the peer is mapped here to check a generation in: it pins the cache for the read
@@ -391,8 +413,9 @@ class OneSided:
                 deadline=deadline,
             )
             return None, None
-        location = remote.location(remote_tensor_start, tensor_count)
-        with peer.exclusive(deadline):
+        if location is None:
+            location = remote.location(remote_tensor_start, tensor_count)
+        with peer.link.exclusive(deadline):
             try:
                 prepared = mover.copy_units(
                     peer,
@@ -446,9 +469,9 @@ class OneSided:
         if words is None:
             return False  # nothing of it is mapped here: the caller looks the cache up again
         order_loads()
-        if table is not None and _generation_word(words, 0) != table.version:
-            return False
-        return _generation_word(words, remote.gen_slot) == remote.generation
+        if table is None:
+            return _generation_words(words, (remote.gen_slot,)) == [remote.generation]
+        return _generation_words(words, (0, remote.gen_slot)) == [table.version, remote.generation]
 
     def remote_is_current(self, remote_cluster_id: int, remote: RemoteCache) -> bool:
         deadline = time.monotonic() + self._timeout_s
@@ -460,12 +483,19 @@ class OneSided:
 
 
 def _generation_word(words: Segment, slot: int) -> int:
-    """Word `slot` of a peer's mapped generation segment, read as copies read a peer's memory: a segment
-    another process shrank fails the transfer (LLM_FAILED) instead of the process (SIGBUS)."""
-    if not 0 <= slot < words.nbytes // 8:
-        raise StatusError(LLMStatusCode.LLM_FAILED, f"generation slot {slot} outside the peer's segment")
+    """Word `slot` of a peer's mapped generation segment (`_generation_words`)."""
+    return _generation_words(words, (slot,))[0]
+
+
+def _generation_words(words: Segment, slots: tuple[int, ...]) -> list[int]:
+    """Words `slots` of a peer's mapped generation segment, in order, read as copies read a peer's memory:
+    a segment another process shrank fails the transfer (LLM_FAILED) instead of the process (SIGBUS)."""
+    count, address = words.nbytes // 8, words.address
+    for slot in slots:
+        if not 0 <= slot < count:
+            raise StatusError(LLMStatusCode.LLM_FAILED, f"generation slot {slot} outside the peer's segment")
     try:
-        return load_word(words.address + 8 * slot)
+        return load_words(tuple(address + 8 * slot for slot in slots))
     except ShmError as exc:
         raise StatusError(
             LLMStatusCode.LLM_FAILED, f"the peer's generation segment was shrunk: {exc}"

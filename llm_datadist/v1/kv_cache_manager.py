@@ -75,7 +75,7 @@ def _pull_plan_key(
             return None
     if type(cache_key) is not CacheKey and type(cache_key) is not CacheKeyByIdAndIndex:
         return None
-    fields = cache_key._names()
+    fields = cache_key._names
     if fields is None:
         return None
     return (fields[1], kv_cache.cache_id, batch_index, size, tuple(kwargs.items())), fields

@@ -32,18 +32,6 @@ def _invalid(api: str, context: str) -> NoReturn:
     raise make_error(api, LLMStatusCode.LLM_PARAM_INVALID, context)
 
 
-def _exact_ints(values: object) -> tuple[int, ...] | None:
-    """`values` as a tuple when it is a list or tuple of exact ints (bools and subclasses hash like ints
-    but must still meet the full checks), else None."""
-    if type(values) is not list and type(values) is not tuple:
-        return None
-    items = tuple(values)
-    for value in items:  # a loop, not all(): cheaper for the few items of a repeated pull
-        if type(value) is not int:
-            return None
-    return items
-
-
 @functools.cache
 def _timeout_errors(api: str) -> api_errors:
     """`api_errors` with LLM_TIMEOUT for timeouts; it keeps no state, so one per api serves every call."""

@@ -2,8 +2,9 @@
 access, a one-sided read of the peer's table (`Core.oneside`).
 
 Rules: every argument is checked before anything is read; a one-sided pull's checked arguments become a
-`PreparedRead`, kept by the arguments that made it (at most `_MAX_PREPARED`), so that a repeat with equal
-arguments into the same live cache goes straight to `OneSided.run`, which checks the remote side afresh.
+`PreparedRead`, kept by the arguments that made it but a `pull_blocks`' block lists (at most
+`_MAX_PREPARED`), so that a later pull of the same plan into the same live cache checks only its block
+lists and goes straight to `OneSided.run`, which checks the remote side afresh.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .._transfer import (
     parse_layer_kwargs,
 )
 from .._validate import (
+    U64_MAX,
     check_index_lists,
     check_int64,
     check_isinstance,
@@ -37,10 +39,12 @@ from .llm_types import (
 
 if TYPE_CHECKING:
     from .._core import Core
-from ._base import ManagerBase, _exact_ints, _invalid
+from ._base import ManagerBase, _invalid, _timeout_errors
 
 # Prepared pulls kept per manager; past this many the memo starts over (a connector repeats a few shapes).
 _MAX_PREPARED = 1024
+# The one-sided pulls' error translators: they keep nothing of a call, so one serves every call and thread.
+_ONE_SIDED_ERRORS = {api: _timeout_errors(api) for api in ("pull_cache", "pull_blocks")}
 
 
 class Pulls(ManagerBase):
@@ -57,14 +61,14 @@ class Pulls(ManagerBase):
             entry = self._prepared.get(key)
         if entry is None or entry[0] is not self._core:
             return None
-        core, read = entry
-        record = read.record
+        record = entry[1].record
+        # The record is the cache's while it lives (ids are never reused in an instance); the local pin
+        # refuses it once the user unregistered it.
         if (
             type(cache) is not Cache
             or getattr(cache, "_manager", None) is not self
-            or not cache.tensor_addrs
+            or not cache._tensor_addrs
             or not record.external
-            or core.table.get(cache.cache_id) is not record
         ):
             return None
         return entry
@@ -77,10 +81,12 @@ class Pulls(ManagerBase):
                 self._prepared.clear()
             self._prepared[key] = (core, read)
 
-    def _run_one_sided(self, api: str, core: Core, read: PreparedRead) -> None:
+    def _run_one_sided(
+        self, api: str, core: Core, read: PreparedRead, runs_for: RunsFor | None = None
+    ) -> None:
         try:
-            with self._timeout_errors(api):
-                core.oneside.run(read)
+            with _ONE_SIDED_ERRORS[api]:
+                core.oneside.run(read, runs_for)
         except LLMException as exc:
             core.stats.failed(GEN_V2, READ, exc.status_code)
             raise
@@ -186,24 +192,23 @@ class Pulls(ManagerBase):
         library's engine refuses it)."""
         api = "pull_blocks"
         memo_key: tuple[object, ...] | None = None
-        src_items, dst_items = _exact_ints(src_blocks), _exact_ints(dst_blocks)
-        if not kwargs and src_items is not None and dst_items is not None:
-            if type(src_cache_key) is BlocksCacheKey:
-                remote_id: tuple[object, ...] = ("blocks", src_cache_key.cluster_id, src_cache_key.model_id)
-            elif type(src_cache_key) is CacheKeyByIdAndIndex:
-                remote_id = (
-                    "slot",
-                    src_cache_key.cluster_id,
-                    src_cache_key.cache_id,
-                    src_cache_key.batch_index,
-                )
-            else:
-                remote_id = ()
-            if remote_id:
-                memo_key = (api, remote_id, getattr(dst_cache, "cache_id", None), src_items, dst_items)
-                prepared = self._prepared_pull(memo_key, dst_cache)
-                if prepared is not None:
-                    self._run_one_sided(api, *prepared)
+        lists = _exact_int_lists(src_blocks, dst_blocks)
+        key_type = type(src_cache_key)
+        if (
+            not kwargs
+            and lists is not None
+            and (key_type is BlocksCacheKey or key_type is CacheKeyByIdAndIndex)
+        ):
+            names = src_cache_key._names
+            # The plan, whatever blocks it moves: serving clients pull new block tables every time.
+            memo_key = (api, names, getattr(dst_cache, "_cache_id", None))
+            prepared = self._prepared_pull(memo_key, dst_cache)
+            if prepared is not None:
+                core, read = prepared
+                by_blocks, record = key_type is BlocksCacheKey, read.record
+                if _blocks_fit(record, by_blocks, *lists):
+                    block = record.tensor_nbytes // record.batch_size
+                    self._run_one_sided(api, core, read, _blocks_runs(api, by_blocks, block, *lists))
                     return
         core = self._require_core(api)
         check_isinstance("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
@@ -230,28 +235,7 @@ class Pulls(ManagerBase):
             _invalid(api, "with remote cache access a CacheKey cannot be pulled; use CacheKeyByIdAndIndex")
         layers = parse_layer_kwargs(kwargs)
         selection = self._layers(api, layers, record.num_tensors)
-        block = record.slot_nbytes
-
-        def runs_for(slot: int, unit_nbytes: int, num_units: int) -> list[UnitRun]:
-            if by_blocks:
-                if unit_nbytes != block:
-                    _invalid(api, f"remote blocks are {unit_nbytes} bytes, local blocks {block}")
-                if max(src_blocks) >= num_units:
-                    _invalid(api, f"src block {max(src_blocks)} >= the remote cache's {num_units} blocks")
-                return [
-                    UnitRun(s * block, d * block, block) for s, d in zip(src_blocks, dst_blocks, strict=True)
-                ]
-            if slot >= num_units:
-                _invalid(api, f"remote slot {slot} out of range")
-            pieces = -(-unit_nbytes // block)
-            if pieces > len(dst_blocks):
-                _invalid(api, f"a {unit_nbytes}-byte slot needs {pieces} blocks, {len(dst_blocks)} given")
-            base = slot * unit_nbytes
-            return [
-                UnitRun(base + k * block, d * block, min(block, unit_nbytes - k * block))
-                for k, d in enumerate(dst_blocks[:pieces])
-            ]
-
+        runs_for = _blocks_runs(api, by_blocks, record.slot_nbytes, src_blocks, dst_blocks)
         if core.settings.remote_cache_accessible:
             if isinstance(src_cache_key, BlocksCacheKey):
                 ids: tuple[int | None, int | None, int] = (None, src_cache_key.model_id, 0)
@@ -328,3 +312,60 @@ def _read(
         runs_for,
         continuous_source,
     )
+
+
+def _blocks_fit(
+    record: CacheRecord, by_blocks: bool, src_blocks: tuple[int, ...], dst_blocks: tuple[int, ...]
+) -> bool:
+    """Whether `pull_blocks`' block lists (exact ints) pass the checks its full path makes of them against
+    the destination `record`: else that path runs, and says what is wrong."""
+    if not dst_blocks or min(dst_blocks) < 0 or max(dst_blocks) >= record.batch_size:
+        return False
+    if by_blocks:
+        return len(src_blocks) == len(dst_blocks) and min(src_blocks) >= 0 and max(src_blocks) <= U64_MAX
+    return not src_blocks
+
+
+def _blocks_runs(
+    api: str, by_blocks: bool, block: int, src_blocks: tuple[int, ...], dst_blocks: tuple[int, ...]
+) -> RunsFor:
+    """The runs of a `pull_blocks` into blocks of `block` bytes, for the remote cache a lookup finds: remote
+    block `src_blocks[k]` to local `dst_blocks[k]` (`by_blocks`), or a continuous remote slot cut into local
+    blocks, piece k to `dst_blocks[k]`."""
+
+    def runs_for(slot: int, unit_nbytes: int, num_units: int) -> list[UnitRun]:
+        if by_blocks:
+            if unit_nbytes != block:
+                _invalid(api, f"remote blocks are {unit_nbytes} bytes, local blocks {block}")
+            if max(src_blocks) >= num_units:
+                _invalid(api, f"src block {max(src_blocks)} >= the remote cache's {num_units} blocks")
+            return [UnitRun(s * block, d * block, block) for s, d in zip(src_blocks, dst_blocks, strict=True)]
+        if slot >= num_units:
+            _invalid(api, f"remote slot {slot} out of range")
+        pieces = -(-unit_nbytes // block)
+        if pieces > len(dst_blocks):
+            _invalid(api, f"a {unit_nbytes}-byte slot needs {pieces} blocks, {len(dst_blocks)} given")
+        base = slot * unit_nbytes
+        return [
+            UnitRun(base + k * block, d * block, min(block, unit_nbytes - k * block))
+            for k, d in enumerate(dst_blocks[:pieces])
+        ]
+
+    return runs_for
+
+
+def _exact_int_lists(
+    src_blocks: object, dst_blocks: object
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Both block lists as tuples when each is a list or tuple of exact ints (bools and subclasses hash like
+    ints but must still meet the full checks), else None."""
+    lists = []
+    for values in (src_blocks, dst_blocks):
+        if type(values) is not list and type(values) is not tuple:
+            return None
+        items = tuple(values)
+        for value in items:  # a loop, not all(): cheaper for the few items of a pull
+            if type(value) is not int:
+                return None
+        lists.append(items)
+    return lists[0], lists[1]

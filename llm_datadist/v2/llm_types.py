@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any
 
-from llm_datadist._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
+from llm_datadist._keys import KEY_BLOCKS, KEY_CACHE_ID, KEY_PREFIX, KEY_REQ
 from llm_datadist._validate import (
     U64_MAX,
     check_int32,
@@ -285,6 +285,11 @@ class CacheKey:
         check_uint64("req_id", self._req_id)
         check_uint64("model_id", self._model_id)
         check_uint64("prefix_id", self._prefix_id)
+        # What a pull of it names, as `_transfer.key_fields` gives it (None: the full checks refuse it).
+        req, prefix = self._req_id, self._prefix_id
+        kind, key_id = (KEY_REQ, req) if prefix == U64_MAX else (KEY_PREFIX, prefix)
+        names = (self._cluster_id, kind, key_id, self._model_id, 0)
+        self._names = None if (req == U64_MAX) == (prefix == U64_MAX) else names
 
     @property
     def prompt_cluster_id(self) -> int:
@@ -305,15 +310,6 @@ class CacheKey:
     @property
     def prefix_id(self) -> int:
         return self._prefix_id
-
-    def _names(self) -> tuple[int, int, int, int, int] | None:
-        """(cluster id, key kind, key id, model id, batch index) of what a pull of this key names (as
-        `_transfer.key_fields` gives them), read in one call; None for a key that sets both req_id and
-        prefix_id or neither, which the full checks refuse."""
-        req_id, prefix_id = self._req_id, self._prefix_id
-        if prefix_id == U64_MAX:
-            return None if req_id == U64_MAX else (self._cluster_id, KEY_REQ, req_id, self._model_id, 0)
-        return None if req_id != U64_MAX else (self._cluster_id, KEY_PREFIX, prefix_id, self._model_id, 0)
 
     def __repr__(self) -> str:
         return (
@@ -337,6 +333,8 @@ class CacheKeyByIdAndIndex:
         self._cache_id = cache_id
         self._batch_index = batch_index
         self._req_id = U64_MAX  # the real class carries it for packing: "no req key"
+        # What a pull of it names, as `_transfer.key_fields` gives it (None: the full checks refuse it).
+        self._names = None if cache_id < 0 else (cluster_id, KEY_CACHE_ID, cache_id, 0, batch_index)
 
     @property
     def cluster_id(self) -> int:
@@ -349,13 +347,6 @@ class CacheKeyByIdAndIndex:
     @property
     def batch_index(self) -> int:
         return self._batch_index
-
-    def _names(self) -> tuple[int, int, int, int, int] | None:
-        """(cluster id, key kind, cache id, model id, batch index) of what a pull of this key names (as
-        `_transfer.key_fields` gives them); None for a negative cache id, which the full checks refuse."""
-        if self._cache_id < 0:
-            return None
-        return (self._cluster_id, KEY_CACHE_ID, self._cache_id, 0, self._batch_index)
 
     def __repr__(self) -> str:
         return (
@@ -389,6 +380,7 @@ class BlocksCacheKey:
         self._model_id = kwargs.get("model_id", 0)
         check_isinstance("cluster_id", self._cluster_id, int, extra_fmt="The first param ")
         check_isinstance("model_id", self._model_id, int, extra_fmt="The second param ")
+        self._names = (self._cluster_id, KEY_BLOCKS, 0, self._model_id, 0)  # what a pull of it names
 
     @property
     def prompt_cluster_id(self) -> int:
