@@ -4,8 +4,10 @@ library did not allocate (numpy arrays in both processes), one-sided and two-sid
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import json
+import random
 import time
 
 import numpy as np
@@ -633,3 +635,82 @@ def test_repeated_one_sided_pulls_reuse_their_checks_but_not_stale_state(seed: i
     with pytest.raises(LLMException) as exc_info:
         cm.pull_blocks(BlocksCacheKey(P, 0), again, [1], [2])
     assert exc_info.value.status_code == LLMStatusCode.LLM_ENGINE_FINALIZED
+
+
+def _outcome(call) -> object:  # type: ignore[no-untyped-def]
+    """What a call did: "ok", or the error's type and status code (LLMException) or type (others)."""
+    try:
+        call()
+    except LLMException as exc:
+        return ("LLMException", exc.status_code)
+    except Exception as exc:
+        return (type(exc).__name__,)
+    return "ok"
+
+
+def _block_index(rng: random.Random) -> object:
+    """A block index a caller might pass: in range for the local cache (4 blocks) or the remote one (8),
+    just out of them, negative, past uint64, or of another type."""
+    if rng.random() < 0.7:
+        return rng.randint(0, 3)
+    return rng.choice([rng.randint(-2, 9), 2**64 - 1, 2**64, True, 1.0])
+
+
+def test_a_checked_plan_checks_every_new_block_table_as_the_full_way(seed: int) -> None:
+    """A one-sided `pull_blocks` whose plan (key, local cache) was checked before checks only its new block
+    lists: any lists, good or bad, give what the full checks give with no plan kept (the same error, or
+    the same bytes), by a blocks key and by a cache id alike."""
+    extra = _v2_options(remote_access=True)
+    with PromptPeer(P, next(_ports), seed, extra=extra) as peer, _Decoder(remote_access=True) as dd:
+        blocks = peer.call("v2_alloc", (2, [8, 64], [], 0))  # 8 remote blocks of 128 bytes
+        continuous = peer.call("v2_alloc", (2, [2, 128], [], None))  # 2 slots of 256 bytes
+        _link_one_sided(dd, peer)
+        cm = dd.cache_manager
+        local, arrays = _numpy_blocks_cache(dd, 2, [4, 64])  # 4 local blocks of 128 bytes
+        keys = {
+            "blocks": lambda: BlocksCacheKey(P, 0),
+            "slot": lambda: CacheKeyByIdAndIndex(P, continuous, 1),
+        }
+        for name, key in keys.items():  # a plan of each kind checked and kept
+            cm.pull_blocks(key(), local, [1, 2] if name == "blocks" else [], [0, 1])
+        rng = random.Random(seed)
+        tables = [  # each check the full way makes of the lists, and lists that pass them all
+            ([1, 2], [3, 3], "blocks"),
+            ([], [], "blocks"),
+            ([7], [0, 1], "blocks"),
+            ([1], [-1], "blocks"),
+            ([-1], [0], "blocks"),
+            ([8], [0], "blocks"),
+            ([0], [4], "blocks"),
+            ([2**64], [0], "blocks"),
+            ([0], [2**64 - 1], "blocks"),
+            ([True], [0], "blocks"),
+            ([1.0], [0], "blocks"),
+            ([7, 0], [2, 1], "blocks"),
+            ([], [0, 1], "slot"),
+            ([], [-1, 0], "slot"),
+            ([], [0], "slot"),
+            ([1], [0, 1], "slot"),
+            ([], [3, 0, 1], "slot"),
+        ]
+        for _ in range(120):
+            name = rng.choice(["blocks", "slot"])
+            src = [_block_index(rng) for _ in range(rng.randint(0, 4))]
+            dst = [_block_index(rng) for _ in range(rng.randint(0, 4))]
+            tables.append((src if name == "blocks" or rng.random() < 0.2 else [], dst, name))
+        for src, dst, name in tables:
+            for array in arrays:
+                array[:] = 0
+            pull = functools.partial(cm.pull_blocks, keys[name](), local, list(src), list(dst))
+            prepared = _outcome(pull)
+            after_prepared = [array.copy() for array in arrays]
+            kept = dict(cm._prepared)
+            cm._prepared.clear()
+            for array in arrays:
+                array[:] = 0
+            full = _outcome(pull)
+            assert prepared == full, (src, dst, name)
+            for got, want in zip(after_prepared, arrays, strict=True):
+                np.testing.assert_array_equal(got, want)
+            cm._prepared.update(kept)
+        assert blocks > 0 and len(tables) == 137
