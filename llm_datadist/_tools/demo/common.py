@@ -31,6 +31,12 @@ U64_MAX = 2**64 - 1
 # copies (numpy.copyto stores through the cache, the copy kernel streams around it, and which one wins
 # depends on the machine), the best copy one process makes here.
 NUMPY_COPY = "numpy.copyto, 2 threads"
+# The serving rows: requests as a serving framework pulls them, each by a key object of its own, pulled
+# once and consumed, timed one by one (p50, p99, the Decoder's CPU per pull). The Prompt binds SMALL_PULLS
+# requests of 1 x 4 KiB (req ids from SMALL_REQ) and REQUEST_PULLS requests of every tensor x 32 KiB (from
+# REQUEST_REQ).
+SMALL_PULLS, SMALL_REQ, SMALL_NBYTES = 200, 1000, 4096
+REQUEST_PULLS, REQUEST_REQ, REQUEST_NBYTES = 20, 2000, 32 << 10
 KERNEL_COPY = "copy kernel, streaming stores, 2 threads"
 
 

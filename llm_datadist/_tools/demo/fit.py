@@ -2,10 +2,12 @@
 free: the one asked for, a smaller one (when the user asked for no size), or none (then it says so, and how
 to make /dev/shm larger). Nothing here starts a process; the parent checks once, before it starts any.
 
-The peak, measured with statvfs every 50 ms: the Prompt holds 4 requests and a paged pool of 2 requests
-while the Decoder measures memcpy between two shared-memory segments of a request each; the Decoder's own
+The peak, measured with statvfs every 50 ms: the Prompt holds 4 requests, a paged pool of 2 requests and
+the serving rows' small requests while the Decoder measures memcpy between two shared-memory segments of a
+request each; the Decoder's own
 cache and paged pool come later and fit in those 2. The v2 half registers numpy memory: no /dev/shm.
-Measured: 34 MiB for --small, 258 MiB for 8 layers x 1,024 tokens, 4,099 MiB for the default size.
+Measured: 34 MiB for --small, 258 MiB for 8 layers x 1,024 tokens, 4,099 MiB for the default size, before
+the serving rows' requests were added (6 MiB for --small, 41 MiB for the default size, by `need`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 from llm_datadist._shm.space import ShmSpace, format_nbytes, raise_hint
 
-from .common import Shape
+from .common import REQUEST_NBYTES, REQUEST_PULLS, SMALL_NBYTES, SMALL_PULLS, Shape
 
 SMALL = Shape(layers=4, tokens=256, kv_heads=8, head_dim=128)
 DEFAULT = Shape(layers=32, tokens=4096, kv_heads=8, head_dim=128)
@@ -41,7 +43,10 @@ class Need:
 def need(shape: Shape) -> Need:
     request_nbytes = shape.slot_nbytes * shape.num_tensors
     paged_nbytes = shape.pool_blocks * shape.block_nbytes * shape.num_tensors
-    return Need(prompt_nbytes=4 * request_nbytes + paged_nbytes, decoder_nbytes=2 * request_nbytes)
+    serving_nbytes = SMALL_PULLS * SMALL_NBYTES + REQUEST_PULLS * REQUEST_NBYTES * shape.num_tensors
+    return Need(
+        prompt_nbytes=4 * request_nbytes + paged_nbytes + serving_nbytes, decoder_nbytes=2 * request_nbytes
+    )
 
 
 def fits(shape: Shape, space: ShmSpace) -> bool:

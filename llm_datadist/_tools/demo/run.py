@@ -34,6 +34,8 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
     header = f"{'transfer':<48} {'bytes':>10} {'time ms':>9} {'GB/s':>7} {'x best copy':>12}"
     lines = [header, "-" * len(header)]
     for row in rows:
+        if "serving" in row:
+            continue
         seconds = row.get("seconds")
         time_text = f"{seconds * 1e3:9.2f}" if seconds is not None else f"{'':>9}"
         ratio = f"{row['gbps'] / reference:12.2f}" if reference else f"{'':>12}"
@@ -42,12 +44,32 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
         )
     for line in lines:
         say(line, out)
+    serving = [row for row in rows if "serving" in row]
+    if not serving:
+        return
+    say("", out)
+    header = (
+        f"{'serving: a new key object per request, consumed':<48} {'bytes':>10} {'pulls':>6} {'p50 us':>9} "
+        f"{'p99 us':>9} {'CPU us':>8} {'x best copy':>12}"
+    )
+    say(header, out)
+    say("-" * len(header), out)
+    for row in serving:
+        stats = row["serving"]
+        ratio = f"{row['gbps'] / reference:12.2f}" if reference else f"{'':>12}"
+        say(
+            f"{row['name']:<48} {format_nbytes(row['nbytes']):>10} {stats['pulls']:>6} "
+            f"{stats['p50'] * 1e6:9.1f} {stats['p99'] * 1e6:9.1f} {stats['cpu'] * 1e6:8.1f} {ratio}",
+            out,
+        )
 
 
 RATIO_NOTE = f"""
 x best copy: each row's rate divided by the faster of this run's two 2-thread copies between private
 buffers ("{NUMPY_COPY}" and, where the C kernel was built, "{KERNEL_COPY}"
-of the same bytes). Near 1 means the pull costs about what copying the bytes costs.
+of the same bytes). Near 1 means the pull costs about what copying the bytes costs. The serving rows time
+each pull alone (p50, p99 over the pulls; CPU: the Decoder's, all its threads, per pull, p50), their
+rate at the p50.
 Absolute GB/s vary from run to run (often by 30% or more on a shared or virtual machine: other load,
 frequency scaling, where the pages landed), so compare rows of one run; the ratios move much less.
 A full run with NIXL and Mooncake beside us: `llm-datadist bench` (figures in bench/README.md)."""

@@ -44,6 +44,12 @@ from .common import (
     PAGED_SLOT,
     PROMPT_CLUSTER,
     PUSHED_SLOT,
+    REQUEST_NBYTES,
+    REQUEST_PULLS,
+    REQUEST_REQ,
+    SMALL_NBYTES,
+    SMALL_PULLS,
+    SMALL_REQ,
     U64_MAX,
     Rows,
     Setup,
@@ -97,6 +103,21 @@ def prompt(pipe: Connection, peer: Connection, shape: Shape, setup: Setup) -> No
             view.view(np.uint8).reshape(-1)[:] = expected_slot(
                 t, PAGED_SLOT, shape.block_nbytes * shape.pool_blocks
             )
+        serving = []
+        for pulls, first_req, nbytes, tensors in (
+            (SMALL_PULLS, SMALL_REQ, SMALL_NBYTES, 1),
+            (REQUEST_PULLS, REQUEST_REQ, REQUEST_NBYTES, n),
+        ):
+            step(pipe, f"allocating {pulls} serving requests of {tensors} x {format_nbytes(nbytes)}")
+            requests = manager.allocate_cache(
+                CacheDesc(tensors, [pulls, nbytes // 2], DataType.DT_FLOAT16),
+                [CacheKey(PROMPT_CLUSTER, first_req + i) for i in range(pulls)],
+            )
+            for t, view in enumerate(tensor_views(requests)):
+                raw = view.view(np.uint8).reshape(pulls, -1)
+                for i in range(pulls):
+                    raw[i] = expected_slot(t, first_req + i, nbytes)
+            serving.append(requests)
         pipe.send(("ready", None))
         # Serve push requests from the Decoder until the parent says stop.
         while True:
@@ -118,6 +139,8 @@ def prompt(pipe: Connection, peer: Connection, shape: Shape, setup: Setup) -> No
             manager.remove_cache_key(key)
         manager.deallocate_cache(cache)
         manager.deallocate_cache(paged)
+        for requests in serving:  # their keys were consumed by the Decoder's pulls
+            manager.deallocate_cache(requests)
         pipe.send(("done", None))
     except Exception:
         pipe.send(("error", traceback.format_exc()))
@@ -358,9 +381,60 @@ def decoder(pipe: Connection, peer: Connection, shape: Shape, setup: Setup) -> N
         paged_views.clear()
         manager.deallocate_cache(paged)
 
+        mismatches += _serving(manager, rows, shape)
         datadist.unlink_clusters([info])
         pipe.send(("done", {"rows": list(rows), "mismatches": mismatches}))
     except Exception:
         pipe.send(("error", traceback.format_exc()))
     finally:
         datadist.finalize()
+
+
+def _serving(manager: Any, rows: Rows, shape: Shape) -> int:
+    """The serving rows: every request the Prompt bound for them pulled once by a key object of its own,
+    as a serving framework pulls (consumed), each pull timed alone with the Decoder's CPU for it; the last
+    pull of each kind checked byte by byte. The number of bytes that differ."""
+    mismatches = 0
+    for pulls, first_req, nbytes, tensors in (
+        (SMALL_PULLS, SMALL_REQ, SMALL_NBYTES, 1),
+        (REQUEST_PULLS, REQUEST_REQ, REQUEST_NBYTES, shape.num_tensors),
+    ):
+        name = f"fresh request, {tensors} x {format_nbytes(nbytes)} by CacheKey(req_id)"
+        rows.step(f"serving: {pulls} x {name}")
+        dst = manager.allocate_cache(CacheDesc(tensors, [1, nbytes // 2], DataType.DT_FLOAT16))
+        views = [view.view(np.uint8).reshape(-1) for view in tensor_views(dst)]
+        for raw in views:
+            raw[:] = 0  # touched: the pulls time the copy, not the first touch of our pages
+        keys = [CacheKey(PROMPT_CLUSTER, first_req + i) for i in range(pulls)]
+        samples, cpu = [], []
+        for key in keys:
+            cpu_started, started = time.process_time(), time.perf_counter()
+            manager.pull_cache(key, dst)
+            samples.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - cpu_started)
+        for t, raw in enumerate(views):
+            mismatches += int(np.count_nonzero(raw != expected_slot(t, first_req + pulls - 1, nbytes)))
+        try:
+            manager.pull_cache(CacheKey(PROMPT_CLUSTER, first_req), dst)
+            mismatches += 1  # the key should have been consumed by its pull
+        except LLMException as exc:
+            if exc.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
+                raise
+        views.clear()
+        manager.deallocate_cache(dst)
+        total = tensors * nbytes
+        p50 = float(np.median(samples))
+        rows.append(
+            {
+                "name": name,
+                "nbytes": total,
+                "serving": {
+                    "pulls": pulls,
+                    "p50": p50,
+                    "p99": float(np.percentile(samples, 99)),
+                    "cpu": float(np.median(cpu)),
+                },
+                "gbps": total / p50 / 1e9,
+            }
+        )
+    return mismatches
