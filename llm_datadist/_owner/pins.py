@@ -51,7 +51,12 @@ class LocalPins:
         lock is busy (a transfer's end never waits for it)."""
         with self._table.lock:
             record.pins -= 1
-            if not record.referenced and self._table.caches.get(record.cache_id) is record:
+            # (`external` first: a cache its user still holds is the common case, and is never freed here)
+            if (
+                not record.external
+                and not record.referenced
+                and self._table.caches.get(record.cache_id) is record
+            ):
                 self._table.mirror.now_or_later(lambda: self._table.maybe_free(record))
             self._table.changed.notify()
 

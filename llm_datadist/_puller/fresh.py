@@ -229,6 +229,9 @@ class FreshPulls:
             sources = bytearray(8 * count)
             one_call = 0 if _faults.hook is not None else self._copier.one_call(total)
         outcome = kernel.index_pull_key(mapping, fd, plan, addrs, source.table, sources, one_call)
+        if outcome == DONE:  # the common case: looked up, copied and unpinned in that one call
+            self.done += 1
+            return DONE
         pause = _LOCK_RETRY_MIN_S
         if outcome == BUSY:
             count_lock_wait()

@@ -211,8 +211,7 @@ class Links:
         """Our link to `remote_cluster_id`; StatusError(LLM_NOT_YET_LINK) if there is none."""
         if self._server.failure is not None:
             self._server.check_alive()
-        with self.lock:
-            link = self._links.get(remote_cluster_id)
+        link = self._links.get(remote_cluster_id)  # one look: writers change the registry under `lock`
         if link is None:
             raise StatusError(LLMStatusCode.LLM_NOT_YET_LINK, f"no link to cluster {remote_cluster_id}")
         return link

@@ -85,7 +85,7 @@ class Transfers:
         (`FreshPulls`), else the full way, which maps what the kernel's way then reads."""
         deadline = time.monotonic() + self._timeout_s
         peer = self._links.get(spec.remote_cluster_id)
-        marks = [time.perf_counter()]
+        started = time.perf_counter()
         ref = spec.ref
         with peer.link.exclusive(deadline):
             fresh = self.fresh.pull(
@@ -93,12 +93,12 @@ class Transfers:
             )
         if fresh == FRESH_DONE:
             ended = time.perf_counter()  # one call: its time is the copy's
-            marks.extend((marks[0], marks[0], ended, ended))
-            self._last_marks = marks
+            self._last_marks = [started, started, started, ended, ended]
             self._stats.transfer(
-                GEN_V1, PULL, SHM, ref.nbytes * ref.tensor_count, ref.tensor_count, ended - marks[0]
+                GEN_V1, PULL, SHM, ref.nbytes * ref.tensor_count, ref.tensor_count, ended - started
             )
             return
+        marks = [started]
         with peer.exclusive(deadline), self._acquirer.acquire(peer, ref, deadline) as location:
             marks.append(time.perf_counter())
             dst_offsets = [
