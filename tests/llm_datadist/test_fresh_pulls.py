@@ -237,3 +237,46 @@ def test_a_request_split_over_the_copy_threads_is_copied_and_consumed(linked, th
     for slot, req in ((0, 40), (1, 41)):
         _pull_slot_once(peer, manager, req, dst, cache_id, slot)
     assert _fresh(dd) == before + (2 if FAST else 0)
+
+
+class _Recording:
+    """The C kernel with `index_pull_key`'s outcomes recorded (the rest passed through)."""
+
+    def __init__(self, kernel: object) -> None:
+        self._kernel = kernel
+        self.outcomes: list[int] = []
+
+    def index_pull_key(self, *args: object) -> int:
+        outcome = int(self._kernel.index_pull_key(*args))  # type: ignore[attr-defined]
+        self.outcomes.append(outcome)
+        return outcome
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._kernel, name)
+
+
+@pytest.mark.skipif(not FAST, reason="the kernel's hang-up poll needs the C kernel built")
+@SIZES
+def test_a_killed_owner_is_a_link_failure_before_its_index_is_read(
+    linked, elements: int, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """The owner killed between two pulls of the kernel's way: the next pull's one call finds the link's
+    socket hung up before it reads the dead owner's index (outcome 7), and the pull fails as the link's
+    failure (LLM_LINK_FAILED), the link broken; nothing of the owner's memory is read."""
+    peer, dd = linked
+    manager = dd.kv_cache_manager
+    _map_segment(peer, manager)
+    cache_id = peer.alloc(2, [2, elements], [(P, 10), (P, 11)])
+    dst = manager.allocate_cache(CacheDesc(2, [1, elements], DataType.DT_FLOAT16))
+    recording = _Recording(indexkernel.kernel)
+    monkeypatch.setattr(indexkernel, "kernel", recording)
+    _pull_slot_once(peer, manager, 10, dst, cache_id, 0)
+    assert recording.outcomes and recording.outcomes[0] in (0, 4)  # done, or pinned for the copy threads
+    for raw in _raw(dst):
+        raw[:] = 0
+    peer.kill()
+    with pytest.raises(LLMException) as caught:
+        manager.pull_cache(CacheKey(P, 11), dst)
+    assert caught.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+    assert recording.outcomes[-1] == 7  # the kernel's hang-up poll, before the index
+    assert not any(raw.any() for raw in _raw(dst))
