@@ -19,7 +19,7 @@ from llm_datadist._protocol.messages import Location as LocationMessage
 from llm_datadist._shm.index_layout import CacheEntry
 
 from .._errors import StatusError
-from .._keys import KEY_BLOCKS, KEY_CACHE_ID, KEY_REQ
+from .._keys import KEY_BLOCKS
 from ..status import LLMStatusCode
 
 # Which rules name the source: v1 (`pull_cache`/`pull_blocks`: keys on pool memory, a blocks cache only
@@ -49,16 +49,14 @@ class SourceRef(NamedTuple):
     rules: int = V1
 
     @property
-    def repeatable(self) -> bool:
-        """A pull of it never consumes: every pull of it pins the same cache while the owner keeps it
-        (a req key's pull, or a pull by cache id that a req key may name later, may consume; a push only
-        reaches a cache its user still holds)."""
-        return not self.for_write and not (self.consume and self.key_kind in (KEY_REQ, KEY_CACHE_ID))
+    def v1_key_pull(self) -> bool:
+        """A v1 pull of a key (or a cache by id): it names `nbytes` of its slot from `src_offset`."""
+        return self.rules == V1 and self.key_kind != KEY_BLOCKS
 
     def to_message(self, seq: int) -> PinRequest:
         """The request that asks the owner for it (when its index cannot serve it); a `Location` grants
         it."""
-        v1_key_pull = self.rules == V1 and self.key_kind != KEY_BLOCKS
+        v1_key_pull = self.v1_key_pull
         return PinRequest(
             seq,
             self.key_kind,
@@ -94,19 +92,15 @@ class Location:
     def from_pin(cls, pid: int, cache: CacheEntry, batch_slot: int, ref: SourceRef) -> Location:
         """A cache pinned through our row of the owner's index (`dataplane.pin`)."""
         bases = cache.tensor_bases(ref.tensor_start, ref.tensor_count)
-        if ref.rules == V1 and ref.key_kind != KEY_BLOCKS:
-            shift = batch_slot * cache.slot_nbytes + ref.src_offset
-            return cls(
-                pid,
-                cache.segment,
-                cache.segment_nbytes,
-                tuple(base + shift for base in bases),
-                cache.slot_nbytes,
-                cache.batch_size,
-                0,
-            )
-        return cls(
-            pid, cache.segment, cache.segment_nbytes, bases, cache.slot_nbytes, cache.batch_size, batch_slot
+        return cls._named(
+            ref,
+            pid,
+            cache.segment,
+            cache.segment_nbytes,
+            bases,
+            cache.slot_nbytes,
+            cache.batch_size,
+            batch_slot,
         )
 
     @classmethod
@@ -115,21 +109,12 @@ class Location:
         `ref.nbytes` from `ref.src_offset` of the granted slot, which must hold them."""
         if len(msg.tensor_bases) != ref.tensor_count:
             raise _other_range()
-        if ref.rules == V1 and ref.key_kind != KEY_BLOCKS:
-            if msg.pid != pid or not msg.segment or ref.src_offset + ref.nbytes > msg.unit_nbytes:
-                raise _other_range()
-            shift = msg.slot * msg.unit_nbytes + ref.src_offset
-            return cls(
-                pid,
-                msg.segment,
-                msg.segment_nbytes,
-                tuple(base + shift for base in msg.tensor_bases),
-                msg.unit_nbytes,
-                msg.num_units,
-                0,
-                msg.lease_id,
-            )
-        return cls(
+        if ref.v1_key_pull and (
+            msg.pid != pid or not msg.segment or ref.src_offset + ref.nbytes > msg.unit_nbytes
+        ):
+            raise _other_range()
+        return cls._named(
+            ref,
             msg.pid,
             msg.segment,
             msg.segment_nbytes,
@@ -139,6 +124,27 @@ class Location:
             msg.slot,
             msg.lease_id,
         )
+
+    @classmethod
+    def _named(
+        cls,
+        ref: SourceRef,
+        pid: int,
+        segment: str,
+        segment_nbytes: int,
+        bases: tuple[int, ...],
+        unit_nbytes: int,
+        num_units: int,
+        slot: int,
+        lease_id: int = 0,
+    ) -> Location:
+        """Where `ref` reads in tensors at `bases` of `num_units` units, `slot` the unit its key names: for a
+        v1 pull of a key, each tensor's bytes in that slot from `ref.src_offset` (`slot` then 0); else the
+        tensors' first units."""
+        if ref.v1_key_pull:
+            shift = slot * unit_nbytes + ref.src_offset
+            bases, slot = tuple(base + shift for base in bases), 0
+        return cls(pid, segment, segment_nbytes, bases, unit_nbytes, num_units, slot, lease_id)
 
 
 @dataclass(frozen=True)
