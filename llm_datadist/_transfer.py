@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._errors import api_errors
-from ._keys import KEY_CACHE_ID, KEY_PREFIX, KEY_REQ, KeyId
+from ._keys import KEY_PREFIX, KEY_REQ, KeyId
 from ._owner.records import CacheRecord
 from ._puller.pushplan import TensorPush, blocks_push, slot_push, slot_to_blocks_push
 from ._stats import GEN_V1, PUSH
@@ -146,16 +146,12 @@ def owner_key(api: str, key: CacheKey) -> KeyId | None:
 def key_fields(api: str, key: CacheKey | CacheKeyByIdAndIndex) -> tuple[int, int, int, int, int]:
     """(remote cluster id, key kind, key id, model id, batch index) of what a pull key names, as the
     owner knows it (`SourceRef`); LLM_PARAM_INVALID unless exactly one of req_id and prefix_id is set."""
+    names = key._names  # what the key names, worked out as it was made
+    if names is not None:
+        return names
     if isinstance(key, CacheKeyByIdAndIndex):
-        if key.cache_id < 0:
-            raise make_error(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key.cache_id}")
-        return key.cluster_id, KEY_CACHE_ID, key.cache_id, 0, key.batch_index
-    req_valid, prefix_valid = key.req_id != U64_MAX, key.prefix_id != U64_MAX
-    if req_valid == prefix_valid:
-        _param_invalid(api, "exactly one of req_id and prefix_id must be set in the cache key")
-    if req_valid:
-        return key.prompt_cluster_id, KEY_REQ, key.req_id, key.model_id, 0
-    return key.prompt_cluster_id, KEY_PREFIX, key.prefix_id, key.model_id, 0
+        raise make_error(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache id {key.cache_id}")
+    _param_invalid(api, "exactly one of req_id and prefix_id must be set in the cache key")
 
 
 def check_transfer_args(
