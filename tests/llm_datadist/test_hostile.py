@@ -183,12 +183,13 @@ def _offsets_within(draw: st.DrawFn, extent_nbytes: int) -> tuple[list[int], int
 
 
 @st.composite
-def _pull_location(draw: st.DrawFn, v: _View) -> Location:
-    """A Location shaped as the grant of a v1 pull of a key: each tensor's slots (a few, of any size up to
-    2**40 bytes) anywhere up to 2**40 in a named segment that holds them, the key's slot among them."""
-    offsets, slot_nbytes = draw(_offsets_within(2**40))
-    batch_size = draw(st.integers(1, 4))
-    segment_nbytes = max(offsets) + slot_nbytes * batch_size + draw(st.integers(0, 4096))
+def _segment_location(draw: st.DrawFn, v: _View, max_units: int, any_slot: bool) -> Location:
+    """A Location shaped as a v1 grant: each tensor's units (1 to `max_units`, of any size up to 2**40
+    bytes) anywhere up to 2**40 in a named segment that holds them; the key's slot any of them
+    (`any_slot`: a pull of a key's slots) or 0 (a blocks pull's blocks)."""
+    offsets, unit_nbytes = draw(_offsets_within(2**40))
+    num_units = draw(st.integers(1, max_units))
+    segment_nbytes = max(offsets) + unit_nbytes * num_units + draw(st.integers(0, 4096))
     return Location(
         draw(_U32),
         draw(_plausible(v.lease_ids, _U64)),
@@ -196,29 +197,9 @@ def _pull_location(draw: st.DrawFn, v: _View) -> Location:
         draw(_plausible_name(v)),
         segment_nbytes,
         offsets,
-        slot_nbytes,
-        batch_size,
-        draw(st.integers(0, batch_size - 1)),
-    )
-
-
-@st.composite
-def _blocks_location(draw: st.DrawFn, v: _View) -> Location:
-    """A Location shaped as the grant of a v1 blocks pull: up to 1024 blocks per tensor in a named segment
-    that holds them."""
-    offsets, block_nbytes = draw(_offsets_within(2**40))
-    num_blocks = draw(st.integers(1, 1024))
-    segment_nbytes = max(offsets) + block_nbytes * num_blocks + draw(st.integers(0, 4096))
-    return Location(
-        draw(_U32),
-        draw(_plausible(v.lease_ids, _U64)),
-        draw(_plausible([v.pid], _U32)),
-        draw(_plausible_name(v)),
-        segment_nbytes,
-        offsets,
-        block_nbytes,
-        num_blocks,
-        0,
+        unit_nbytes,
+        num_units,
+        draw(st.integers(0, num_units - 1)) if any_slot else 0,
     )
 
 
@@ -523,7 +504,7 @@ def _every_message(v: _View) -> dict[type[Message], st.SearchStrategy[Message]]:
         Bye: st.builds(Bye, _TEXT),
         Welcome: st.builds(Welcome, _U32, _U64, _ROLE, _plausible([v.pid], _U32), _U64),
         WriteGrant: _write_grant(v),
-        Location: st.one_of(_location(v), _pull_location(v), _blocks_location(v)),
+        Location: st.one_of(_location(v), _segment_location(v, 4, True), _segment_location(v, 1024, False)),
         Table: _table(v),
         Ack: st.builds(Ack, _U32),
         Pong: st.builds(Pong, _U32),
