@@ -90,8 +90,9 @@ def cpu_ns(pid: int) -> int | None:
     return total if read else None
 
 
-# The C copy kernel's entry point (`llm_datadist._shm._copykernel.copy_runs`).
-KernelCopy = Callable[[int, int, Any, Any, Any, bool], None]
+# The C copy kernel's entry point (`llm_datadist._shm._copykernel.copy_runs`: src_base, dst_base, the
+# src offsets, dst offsets and lengths, nontemporal, and optionally helper).
+KernelCopy = Callable[..., None]
 
 
 def copy_kernel() -> KernelCopy | None:
@@ -106,11 +107,20 @@ def copy_kernel() -> KernelCopy | None:
     return copy_runs
 
 
-def copy_samples(nbytes: int, threads: int, repeats: int, *, kernel: KernelCopy | None = None) -> list[float]:
+def copy_samples(
+    nbytes: int,
+    threads: int,
+    repeats: int,
+    *,
+    kernel: KernelCopy | None = None,
+    shared: bool = False,
+) -> list[float]:
     """`timed` copies of `nbytes` between two warm private buffers, split over `threads`: numpy.copyto
-    (memcpy), or with `kernel` the copy kernel's streaming stores (one call per thread, GIL released)."""
-    src = np.full(nbytes, 7, dtype=np.uint8)
-    dst = np.zeros(nbytes, dtype=np.uint8)
+    (memcpy), or with `kernel` the copy kernel's streaming stores (one call per thread, GIL released).
+    `shared`: between two segments of shared memory (`ext.shared_arrays`) instead, as every pull between
+    caches of the library copies."""
+    src, dst = _buffers(nbytes, shared)
+    src.fill(7)
     np.copyto(dst, src)  # warm: both buffers faulted in
     bounds = np.linspace(0, nbytes, threads + 1, dtype=np.int64)
     src_base, dst_base = src.ctypes.data, dst.ctypes.data
@@ -138,6 +148,45 @@ def copy_samples(nbytes: int, threads: int, repeats: int, *, kernel: KernelCopy 
             worker.join()
 
     return timed(once, repeats)
+
+
+def _buffers(nbytes: int, shared: bool) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Two buffers of `nbytes`: private numpy memory, or each in a segment of shared memory of its own."""
+    if not shared:
+        return np.empty(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+    from llm_datadist.ext import shared_arrays
+
+    return shared_arrays(1, nbytes, np.uint8)[0], shared_arrays(1, nbytes, np.uint8)[0]
+
+
+# The serving rows' paged caches (serving.py): 64 tensors of 128 blocks of 32 KiB.
+PAGED_TENSORS, PAGED_BLOCKS, PAGED_BLOCK = 64, 128, 32 << 10
+
+
+def scattered_samples(count: int, repeats: int, kernel: KernelCopy) -> list[float]:
+    """The copy of a paged pull with nothing of the library around it: `count` random blocks of each of
+    PAGED_TENSORS tensors (PAGED_BLOCKS blocks of PAGED_BLOCK bytes) into random blocks of as many, drawn
+    anew for each copy (only the copy is timed), between two segments of shared memory, with one call of
+    the kernel that shares the copy with its helper thread, as the library's pulls copy."""
+    tensor_nbytes = PAGED_BLOCKS * PAGED_BLOCK
+    src, dst = _buffers(PAGED_TENSORS * tensor_nbytes, True)
+    src.fill(7)
+    np.copyto(dst, src)
+    rng = np.random.default_rng(0)
+    starts = np.repeat(np.arange(PAGED_TENSORS, dtype=np.uint64) * tensor_nbytes, count)
+    lengths = np.full(PAGED_TENSORS * count, PAGED_BLOCK, dtype=np.uint64)
+
+    def table() -> np.ndarray[Any, Any]:
+        blocks = [rng.choice(PAGED_BLOCKS, count, replace=False) for _ in range(PAGED_TENSORS)]
+        return starts + np.concatenate(blocks).astype(np.uint64) * PAGED_BLOCK
+
+    samples = []
+    for _ in range(repeats):
+        src_at, dst_at = table(), table()
+        started = time.perf_counter()
+        kernel(src.ctypes.data, dst.ctypes.data, src_at, dst_at, lengths, True, True)
+        samples.append(time.perf_counter() - started)
+    return samples
 
 
 class Child:

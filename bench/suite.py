@@ -33,7 +33,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from llm_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType
+from llm_datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMException
 from llm_datadist._runtime import ensure_runtime_dir
 from llm_datadist._shm.reaper import reap
 from llm_datadist._tools.names import free_ports
@@ -41,6 +41,8 @@ from llm_datadist._tools.names import free_ports
 from . import peers, serving
 from .ours import IP, OWNER, PREFIX, U64_MAX, Owner, link, measurer
 from .proc import (
+    PAGED_BLOCK,
+    PAGED_TENSORS,
     BlockPattern,
     Results,
     block_patterns,
@@ -48,6 +50,7 @@ from .proc import (
     copy_samples,
     cpu_ns,
     fmt_nbytes,
+    scattered_samples,
     timed,
 )
 from .report import KERNEL_COPY, judge_targets, plot, print_report, write_json
@@ -98,6 +101,33 @@ def _kernel_copy_step(results: Results, name: str, nbytes: int, threads: int, qu
         )
         return
     results.add("memcpy", name, nbytes, copy_samples(nbytes, threads, _repeats(nbytes, quick), kernel=kernel))
+
+
+PAGED_COUNTS = (1, 8, 64)  # blocks per tensor of the serving rows' paged pulls
+
+
+def _ceiling_step(results: Results, nbytes: int, quick: bool) -> None:
+    """What the copy kernel does with what pulls copy, nothing of the library around it: `nbytes` on 2
+    threads between two segments of shared memory (the pages the system gives `/dev/shm`), and the paged
+    pulls' random 32 KiB blocks (`scattered_samples`). The targets name them as what limits a row."""
+    rows = [(f"{KERNEL_COPY}, 2 threads, shared memory", "memcpy.shared")] + [
+        (f"{KERNEL_COPY}, {count} random 32 KiB blocks x 64, shared memory", f"memcpy.scattered.{count}")
+        for count in PAGED_COUNTS
+    ]
+    kernel = copy_kernel()
+    try:
+        if kernel is None:
+            raise RuntimeError("the C copy kernel is not built here (or LLM_DATADIST_NO_EXTENSION is set)")
+        samples = copy_samples(nbytes, 2, _repeats(nbytes, quick), kernel=kernel, shared=True)
+        results.add("memcpy", rows[0][0], nbytes, samples, id=rows[0][1])
+        for (name, row_id), count in zip(rows[1:], PAGED_COUNTS, strict=True):
+            samples = scattered_samples(count, _repeats(count << 21, quick), kernel)
+            results.add("memcpy", name, count * PAGED_TENSORS * PAGED_BLOCK, samples, id=row_id)
+    except (RuntimeError, LLMException) as exc:  # no kernel; or /dev/shm too small for the buffers
+        measured = {row["id"] for row in results.rows if "id" in row}
+        for name, row_id in rows:
+            if row_id not in measured:
+                results.skip("memcpy", name, str(exc), id=row_id)
 
 
 def _socket_server(path: str, mode: str, nbytes: int) -> None:
@@ -471,6 +501,8 @@ def run(args: argparse.Namespace) -> int:
             steps.append(
                 (name, functools.partial(_kernel_copy_step, results, name, nbytes, threads, args.quick))
             )
+    largest = 128 << 20 if args.quick else 512 << 20
+    steps.append(("copy kernel ceilings", functools.partial(_ceiling_step, results, largest, args.quick)))
     rtt_repeats = 300 if args.quick else 3000
     steps.append(
         (

@@ -123,6 +123,12 @@ def test_quick_bench_reports_every_group_and_leaves_nothing(tmp_path: Path) -> N
         assert "copy kernel, streaming stores, 2 threads" in copies
     else:
         assert any(row.get("skipped") for row in rows if row["name"].startswith("copy kernel"))
+    # The copies alone that the targets name as what limits a row: shared memory, the paged blocks.
+    for row_id in ("memcpy.shared", *(f"memcpy.scattered.{count}" for count in (1, 8, 64))):
+        row = by_id[row_id]
+        assert row["group"] == "memcpy" and (row.get("skipped") or _number(row["x_memcpy"])), row
+        assert bool(row.get("skipped")) == (copy_kernel() is None), row
+    assert by_id["memcpy.scattered.8"].get("skipped") or by_id["memcpy.scattered.8"]["nbytes"] == 16 << 20
     summary = result.stdout.split("performance targets (the table in bench/README.md), ratios from this run")[
         1
     ]
@@ -238,6 +244,9 @@ def test_the_serving_targets_are_judged_on_the_serving_rows() -> None:
     _row(results, "serving", "serving.layers.cache_key", 16 << 20, 0.004, vs_whole=0.5)
     _row(results, "serving", "serving.layers.by_id", 16 << 20, 0.0021, vs_whole=0.95)
     results.skip("serving", "library", "no allocator", id="serving.v2_paged.library.8")
+    _row(results, "serving", "serving.v2_paged.library.64", 128 << 20, (128 << 20) / 7.5e9)  # 0.7 x
+    _row(results, "memcpy", "memcpy.shared", 1 << 30, 0.125)  # 0.8 x
+    _row(results, "memcpy", "memcpy.scattered.64", 128 << 20, (128 << 20) / 8.0e9)  # 0.75 x
     _row(results, "serving", "serving.v2_paged.private.8", 16 << 20, (16 << 20) / 6.4e9)  # 0.6 x
     # A row with a long tail: p99 / p50 = 4.
     results.add("serving", "tail", 2 << 20, [1e-3] * 90 + [4e-3] * 10, id="serving.v1_blocks.1")
@@ -254,6 +263,13 @@ def test_the_serving_targets_are_judged_on_the_serving_rows() -> None:
     assert targets["serving.v2_paged.library.8"]["result"] == "n/a"
     assert targets["serving.v2_paged.library.8"]["detail"] == "no allocator"
     assert targets["serving.v2_paged.private.8"]["result"] == "PASS"
+    # A miss names the copy alone of what its row copies, from the same run.
+    assert targets[f"serving.request.{2 << 20}"]["detail"].endswith(
+        "(the copy alone: 0.80, 2 threads between two segments of shared memory)"
+    )
+    library = targets["serving.v2_paged.library.64"]
+    assert library["result"] == "MISS"
+    assert "(the copy alone: 0.75, the same random blocks" in library["detail"]
     assert targets["serving.p99"]["result"] == "MISS" and targets["serving.p99"]["measured"] == 4.0
 
 
