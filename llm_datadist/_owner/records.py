@@ -4,6 +4,7 @@ lock."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from llm_datadist._library import SharedSpan
@@ -58,7 +59,9 @@ class CacheRecord:
     external: bool = True
     keys: set[KeyId] = field(default_factory=set)
     leases: int = 0
-    pins: int = 0
+    # One item per local pin (`LocalPins`): appended and popped without the table's lock (each is one
+    # atomic step), so that a transfer's pin costs no lock in the common case.
+    pin_holds: deque[None] = field(default_factory=deque)
     # In the index: the cache entry (at gen_slot) and its KIND_CACHE name; `pending` once nothing but a
     # puller's row keeps it (its free waits for that row).
     published: bool = False
@@ -106,6 +109,11 @@ class CacheRecord:
             return list(self.addrs)
         base = self.block.address
         return [base + t * self.pitch_nbytes for t in range(self.num_tensors)]
+
+    @property
+    def pins(self) -> int:
+        """Local pins held now."""
+        return len(self.pin_holds)
 
     @property
     def referenced(self) -> bool:

@@ -13,10 +13,11 @@ depends on it, and at housekeeping (`sync`, twice a second on the server thread)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from llm_datadist._library import SharedSpan
 from llm_datadist._shm.errors import OutOfPoolMemory, ShmError
@@ -34,11 +35,14 @@ from .records import TENSOR_ALIGN_NBYTES, CacheRecord, KeyRecord, align_up
 class Changes:
     """The ends of references to a table's caches (a lease, a local pin), for those who wait for one: each
     waits under the table's lock (`wait`) and re-checks what it waits for. An end nobody waits for costs a
-    counter's look (`notify`): a pull's end is on the serving path."""
+    counter's look (`notify`): a pull's end is on the serving path. A local pin of a cache its user holds
+    ends without the lock (`LocalPins.unpin`) unless someone `watches`: who waits for such an end watches
+    from before its first look."""
 
     def __init__(self, lock: threading.RLock) -> None:
         self._condition = threading.Condition(lock)
         self._waiting = 0  # threads in `wait` (under the lock)
+        self.watchers = 0  # threads inside `watching` (changed under the lock, read without it)
 
     def wait(self, timeout_s: float) -> None:
         """Wait (holding the lock) until a reference ends or `timeout_s` passed."""
@@ -47,6 +51,16 @@ class Changes:
             self._condition.wait(timeout_s)
         finally:
             self._waiting -= 1
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Around a loop that looks for local pins' ends and `wait`s (holding the lock): every pin that ends
+        meanwhile takes the lock and notifies, so that none ends between a look and the wait unseen."""
+        self.watchers += 1
+        try:
+            yield
+        finally:
+            self.watchers -= 1
 
     def notify(self) -> None:
         """A reference ended (the caller holds the lock): wake who waits, if anyone does."""

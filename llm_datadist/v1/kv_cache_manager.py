@@ -82,26 +82,15 @@ def _pull_plan_key(
 
 
 def _spec_for(fields: tuple[int, int, int, int, int], plan: PullSpec) -> PullSpec:
-    """`plan` (a checked pull of the same plan key) for the key whose `fields` `_pull_plan_key` gave."""
+    """`plan` (a checked pull of the same plan key) for the key whose `fields` `_pull_plan_key` gave: the
+    key's fields, then the plan's. Built with `tuple.__new__`, as the tuples they are: a named tuple's own
+    `__new__` is a Python function, and every pull builds these two."""
     cluster, kind, key_id, model_id, batch = fields
-    ref = plan.ref
-    return PullSpec(
-        cluster,
-        SourceRef(
-            kind,
-            key_id,
-            model_id,
-            batch,
-            ref.tensor_start,
-            ref.tensor_count,
-            ref.whole,
-            ref.nbytes,
-            ref.src_offset,
-            ref.consume,
-        ),
-        plan.dst_tensor_start,
-        plan.dst_base_offset,
-    )
+    ref = _new_tuple(SourceRef, (kind, key_id, model_id, batch, *plan.ref[4:]))
+    return _new_tuple(PullSpec, (cluster, ref, *plan[2:]))
+
+
+_new_tuple = tuple.__new__
 
 
 def _param_invalid(api: str, context: str) -> NoReturn:
@@ -121,12 +110,25 @@ _PULL_ERRORS = {api: api_errors(api) for api in ("pull_cache", "pull_blocks")}
 def _run_pull(
     api: str, core: Core, transfer: Callable[[_Spec, CacheRecord], None], spec: _Spec, record: CacheRecord
 ) -> None:
-    """`transfer` (`Transfers.pull`, `pull_blocks`) of `spec` into `record`, pinned; failures counted."""
+    """`transfer` (`Transfers.pull`, `pull_blocks`) of `spec` into `record`, pinned; failures translated
+    (`api_errors`) and counted. Written out rather than as two with-blocks: every pull runs it."""
+    pins = core.pins
     try:
-        with _PULL_ERRORS[api], core.pins.pinned(record.cache_id) as pinned:
+        pinned = pins.enter(record.cache_id)
+        try:
             transfer(spec, pinned)
-    except LLMException as exc:
-        core.stats.failed(GEN_V1, PULL, exc.status_code)
+        except BaseException as exc:
+            pins.leave(pinned, exc)
+            raise
+        pins.leave(pinned, None)
+    except BaseException as exc:
+        try:
+            _PULL_ERRORS[api].__exit__(type(exc), exc, exc.__traceback__)  # raises what exc means
+        except LLMException as error:
+            core.stats.failed(GEN_V1, PULL, error.status_code)
+            raise
+        if isinstance(exc, LLMException):
+            core.stats.failed(GEN_V1, PULL, exc.status_code)
         raise
 
 
