@@ -87,10 +87,14 @@ class Transfers:
         peer = self._links.get(spec.remote_cluster_id)
         started = time.perf_counter()
         ref = spec.ref
-        with peer.link.exclusive(deadline):
+        link = peer.link
+        link.hold(deadline)
+        try:
             fresh = self.fresh.pull(
                 peer, ref, dst, spec.dst_tensor_start, spec.dst_base_offset, deadline, check_busy=True
             )
+        finally:
+            link.let_go()
         if fresh == FRESH_DONE:
             ended = time.perf_counter()  # one call: its time is the copy's
             self._last_marks = [started, started, started, ended, ended]

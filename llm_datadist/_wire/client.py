@@ -199,6 +199,43 @@ class ClientLink:
         """Hold the link for one transfer; waits until `deadline` (or fails at once with `busy_fails`)."""
         return _Exclusive(self, deadline, busy_fails)
 
+    def hold(self, deadline: float, *, busy_fails: bool = False) -> None:
+        """Hold the link for one transfer until `let_go` (what `exclusive` does around a with-block, for
+        a caller that runs on every pull): waits until `deadline`, or fails at once with `busy_fails`."""
+        lock = self._lock
+        acquired = lock.acquire(blocking=False) or (
+            not busy_fails and lock.acquire(timeout=max(deadline - time.monotonic(), 0.0))
+        )
+        if not acquired:
+            if busy_fails:
+                raise StatusError(LLMStatusCode.LLM_LINK_BUSY, "another operation is using this link")
+            raise TransferTimeout(
+                LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT, "timed out waiting for another transfer on this link"
+            )
+        if self._close_pending is not None or self.broken is not None:
+            try:
+                self.check_usable()
+            except BaseException:
+                lock.release()
+                raise
+
+    def let_go(self) -> None:
+        """End a `hold`; a close that came meanwhile, and found the link held, is done now."""
+        if self._close_pending is None:  # the common case, without the mutex
+            self._lock.release()
+            if self._close_pending is None:
+                return
+            # A close came between the look and the release, found the link held and left it to us.
+            self.close(say_bye=self._close_pending)
+            return
+        with self._close_mutex:
+            say_bye, self._close_pending = self._close_pending, None
+            try:
+                if say_bye is not None:
+                    self._close_now(say_bye=say_bye)
+            finally:
+                self._lock.release()
+
     def check_usable(self) -> None:
         if self._close_pending is not None:
             raise StatusError(
@@ -326,7 +363,7 @@ class ClientLink:
 
 
 class _Exclusive:
-    """`ClientLink.exclusive`: a class, not @contextmanager, since every transfer enters one."""
+    """`ClientLink.exclusive`: `hold` on entry, `let_go` on exit."""
 
     __slots__ = ("_busy_fails", "_deadline", "_link")
 
@@ -336,38 +373,10 @@ class _Exclusive:
         self._busy_fails = busy_fails
 
     def __enter__(self) -> None:
-        lock = self._link._lock
-        acquired = lock.acquire(blocking=False) or (
-            not self._busy_fails and lock.acquire(timeout=max(self._deadline - time.monotonic(), 0.0))
-        )
-        if not acquired:
-            if self._busy_fails:
-                raise StatusError(LLMStatusCode.LLM_LINK_BUSY, "another operation is using this link")
-            raise TransferTimeout(
-                LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT, "timed out waiting for another transfer on this link"
-            )
-        try:
-            self._link.check_usable()
-        except BaseException:
-            lock.release()
-            raise
+        self._link.hold(self._deadline, busy_fails=self._busy_fails)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        link = self._link
-        if link._close_pending is None:  # the common case, without the mutex
-            link._lock.release()
-            if link._close_pending is None:
-                return
-            # A close came between the look and the release, found the link held and left it to us.
-            link.close(say_bye=link._close_pending)
-            return
-        with link._close_mutex:
-            say_bye, link._close_pending = link._close_pending, None
-            try:
-                if say_bye is not None:
-                    link._close_now(say_bye=say_bye)
-            finally:
-                link._lock.release()
+        self._link.let_go()
 
 
 @contextlib.contextmanager
