@@ -81,11 +81,7 @@ class LocalPins:
         if record.external and not table.changed.watchers:
             return
         with table.lock:
-            if (
-                not record.external
-                and not record.referenced
-                and table.caches.get(record.cache_id) is record
-            ):
+            if not record.external and not record.referenced and table.caches.get(record.cache_id) is record:
                 table.mirror.now_or_later(lambda: table.maybe_free(record))
             table.changed.notify()
 
