@@ -63,13 +63,15 @@ _PER_UNIT_MIN_NBYTES = 128 << 10
 #   64 tensors x 8 x 16 KiB (8 MiB)        0.48 / 0.47    1.27 / 1.45   1.95 / 1.91
 #   64 x 4 MiB slices, strided             0.74 / 0.71    (numpy)       1.35 / 1.37
 #   2 runs x 256 MiB                       0.88 / 0.86    0.89 / 0.60   0.95 / 1.27
-# (glibc's memcpy streams only single copies far larger than a block.) Below 1 MiB plain stores leave the
+# (glibc's memcpy streams only single copies far larger than a block.) Below 512 KiB plain stores leave the
 # destination in cache for whoever reads it next, and one small run stays a numpy call (the latency of a
-# small pull by key). From 1 MiB up streaming pays even on one thread: one layer of a 32-layer request of
+# small pull by key). From there up streaming pays even on one thread: one layer of a 32-layer request of
 # 1 MiB tensors (2 runs x 1 MiB, cold) copied in 111 us streaming against 213 us with memcpy (numpy on two
 # threads: 156 us, the hand-off to the second thread alone costing about 25 us), and 32 such layer pulls
-# took 5.9-6.1 ms against 7.6-7.9 ms with a 4 MiB threshold.
-_STREAMING_MIN_NBYTES = 1 << 20
+# took 5.9-6.1 ms against 7.6-7.9 ms with a 4 MiB threshold. Since the kernel streams four spans at once
+# (its lanes), a layer of 2 x 256 KiB (cold) streams in a median 43-50 us against 58-77 us with plain
+# stores (three pairs of runs of 32 layer pulls, alternating): streaming from 512 KiB.
+_STREAMING_MIN_NBYTES = 512 << 10
 
 
 # Module-level so that tests can swap it (None: the pure-Python path).

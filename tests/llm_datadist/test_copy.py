@@ -265,7 +265,7 @@ def test_the_c_kernel_takes_every_copy_between_two_arrays(
     for unit in (16 << 10, 64 << 10, 256 << 10):
         calls.clear()
         copier.run_blocks(_plan(rng, 1, 16, 4, unit, runs=False), src, dst)
-        assert calls == [(4 * unit, 4 * unit >= _copy._STREAMING_MIN_NBYTES, True)]  # streaming from 1 MiB
+        assert calls == [(4 * unit, 4 * unit >= _copy._STREAMING_MIN_NBYTES, True)]  # streaming from 512 KiB
     calls.clear()
     copier.run_blocks(_plan(rng, 4, 16, 16, 256 << 10, runs=False), src, dst)  # 16 MiB: both threads
     assert calls == [(16 << 20, True, True)]
