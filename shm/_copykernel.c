@@ -28,6 +28,19 @@
 #endif
 
 #if HAVE_STREAMING
+/* One 64-byte line into a 16-byte-aligned destination, with streaming stores. */
+static inline void stream_line(char *dst, const char *src)
+{
+    __m128i a = _mm_loadu_si128((const __m128i *)src);
+    __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+    __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+    _mm_stream_si128((__m128i *)dst, a);
+    _mm_stream_si128((__m128i *)(dst + 16), b);
+    _mm_stream_si128((__m128i *)(dst + 32), c);
+    _mm_stream_si128((__m128i *)(dst + 48), d);
+}
+
 /* Stream 64 bytes per iteration into 16-byte-aligned destinations; memcpy the unaligned head and tail. */
 static void copy_streaming(char *dst, const char *src, size_t nbytes)
 {
@@ -36,16 +49,8 @@ static void copy_streaming(char *dst, const char *src, size_t nbytes)
         head = nbytes;
     memcpy(dst, src, head);
     dst += head, src += head, nbytes -= head;
-    for (; nbytes >= 64; nbytes -= 64, src += 64, dst += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)src);
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-        _mm_stream_si128((__m128i *)dst, a);
-        _mm_stream_si128((__m128i *)(dst + 16), b);
-        _mm_stream_si128((__m128i *)(dst + 32), c);
-        _mm_stream_si128((__m128i *)(dst + 48), d);
-    }
+    for (; nbytes >= 64; nbytes -= 64, src += 64, dst += 64)
+        stream_line(dst, src);
     memcpy(dst, src, nbytes);
 }
 #endif
@@ -61,18 +66,6 @@ static void copy_streaming(char *dst, const char *src, size_t nbytes)
 #define LANES 4
 #define LANE_PIECE ((size_t)64 << 10)
 #define LANE_MIN ((size_t)4 << 10)
-
-static inline void stream_line(char *dst, const char *src)
-{
-    __m128i a = _mm_loadu_si128((const __m128i *)src);
-    __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-    __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-    __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-    _mm_stream_si128((__m128i *)dst, a);
-    _mm_stream_si128((__m128i *)(dst + 16), b);
-    _mm_stream_si128((__m128i *)(dst + 32), c);
-    _mm_stream_si128((__m128i *)(dst + 48), d);
-}
 
 struct lanes {
     char *dst[LANES];

@@ -32,7 +32,13 @@ def reference(
     return want
 
 
-def copy(src: np.ndarray, dst: np.ndarray, runs: list[tuple[int, int, int]], nontemporal: bool) -> None:
+def copy(
+    src: np.ndarray,
+    dst: np.ndarray,
+    runs: list[tuple[int, int, int]],
+    nontemporal: bool,
+    helper: bool = False,
+) -> None:
     columns = np.array(runs, dtype=np.uint64).reshape(-1, 3)
     copykernel.copy_runs(
         src.ctypes.data,
@@ -41,6 +47,7 @@ def copy(src: np.ndarray, dst: np.ndarray, runs: list[tuple[int, int, int]], non
         np.ascontiguousarray(columns[:, 1]),
         np.ascontiguousarray(columns[:, 2]),
         nontemporal,
+        helper,
     )
 
 
@@ -64,6 +71,10 @@ def run_lists(draw: st.DrawFn) -> tuple[int, list[tuple[int, int, int]]]:
 def test_runs_match_a_numpy_reference(
     case: tuple[int, list[tuple[int, int, int]]], nontemporal: bool, seed: int
 ) -> None:
+    _between_two_arrays(case, nontemporal, seed)
+
+
+def _between_two_arrays(case: tuple[int, list[tuple[int, int, int]]], nontemporal: bool, seed: int) -> None:
     nbytes, runs = case
     rng = np.random.default_rng(seed)
     src = rng.integers(0, 256, nbytes, dtype=np.uint8)
@@ -109,16 +120,12 @@ def test_runs_through_the_lanes_end_as_if_copied_one_by_one(
 ) -> None:
     """Between two arrays, and within one (a run may then read what an earlier one wrote: the lanes wait
     for it), with streaming stores."""
+    _between_two_arrays(case, True, seed)
     nbytes, runs = case
-    rng = np.random.default_rng(seed)
-    src = rng.integers(0, 256, nbytes, dtype=np.uint8)
-    dst = rng.integers(0, 256, nbytes, dtype=np.uint8)
-    want = reference(src, dst, runs)
-    copy(src, dst, runs, True)
-    np.testing.assert_array_equal(dst, want)
-    want = reference(src, src, runs, same=True)
-    copy(src, src, runs, True)
-    np.testing.assert_array_equal(src, want)
+    array = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    want = reference(array, array, runs, same=True)
+    copy(array, array, runs, True)
+    np.testing.assert_array_equal(array, want)
 
 
 @settings(max_examples=60, deadline=None)
@@ -136,16 +143,7 @@ def test_scattered_blocks_with_the_helper_match_a_numpy_reference(count: int, bl
         )
     ]
     want = reference(src, dst, runs)
-    columns = np.array(runs, dtype=np.uint64)
-    copykernel.copy_runs(
-        src.ctypes.data,
-        dst.ctypes.data,
-        np.ascontiguousarray(columns[:, 0]),
-        np.ascontiguousarray(columns[:, 1]),
-        np.ascontiguousarray(columns[:, 2]),
-        True,
-        True,
-    )
+    copy(src, dst, runs, True, helper=True)
     np.testing.assert_array_equal(dst, want)
 
 
