@@ -975,10 +975,11 @@ static void work_on_job(void)
         chunk_done(); /* the rest, not copied */
 }
 
+/* `arg`: the job word as its creator read it, before it posts the job it was started for: read here, the
+ * word may already count that job, which the helper would then leave to the caller alone. */
 static void *helper_main(void *arg)
 {
-    (void)arg;
-    uint32_t seen = atomic_load(&helper_word);
+    uint32_t seen = (uint32_t)(uintptr_t)arg;
     for (;;) {
         uint64_t until = monotonic_ns() + HELPER_SPIN_NS;
         while (atomic_load_explicit(&helper_word, memory_order_acquire) == seen) {
@@ -1017,7 +1018,8 @@ static int helper_ready(void)
     sigdelset(&all, SIGBUS);
     sigdelset(&all, SIGSEGV);
     pthread_sigmask(SIG_BLOCK, &all, &previous);
-    int started = pthread_create(&thread, &attr, helper_main, NULL) == 0;
+    uint32_t seen = atomic_load(&helper_word);
+    int started = pthread_create(&thread, &attr, helper_main, (void *)(uintptr_t)seen) == 0;
     pthread_sigmask(SIG_SETMASK, &previous, NULL);
     pthread_attr_destroy(&attr);
     if (started)
