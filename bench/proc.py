@@ -159,26 +159,24 @@ def _buffers(nbytes: int, shared: bool) -> tuple[np.ndarray[Any, Any], np.ndarra
     return shared_arrays(1, nbytes, np.uint8)[0], shared_arrays(1, nbytes, np.uint8)[0]
 
 
-# The serving rows' paged caches (serving.py): 64 tensors of 128 blocks of 32 KiB.
-PAGED_TENSORS, PAGED_BLOCKS, PAGED_BLOCK = 64, 128, 32 << 10
-
-
-def scattered_samples(count: int, repeats: int, kernel: KernelCopy) -> list[float]:
+def scattered_samples(
+    tensors: int, tensor_blocks: int, block_nbytes: int, count: int, repeats: int, kernel: KernelCopy
+) -> list[float]:
     """The copy of a paged pull with nothing of the library around it: `count` random blocks of each of
-    PAGED_TENSORS tensors (PAGED_BLOCKS blocks of PAGED_BLOCK bytes) into random blocks of as many, drawn
+    `tensors` tensors (`tensor_blocks` blocks of `block_nbytes` each) into random blocks of as many, drawn
     anew for each copy (only the copy is timed), between two segments of shared memory, with one call of
     the kernel that shares the copy with its helper thread, as the library's pulls copy."""
-    tensor_nbytes = PAGED_BLOCKS * PAGED_BLOCK
-    src, dst = _buffers(PAGED_TENSORS * tensor_nbytes, True)
+    tensor_nbytes = tensor_blocks * block_nbytes
+    src, dst = _buffers(tensors * tensor_nbytes, True)
     src.fill(7)
     np.copyto(dst, src)
     rng = np.random.default_rng(0)
-    starts = np.repeat(np.arange(PAGED_TENSORS, dtype=np.uint64) * tensor_nbytes, count)
-    lengths = np.full(PAGED_TENSORS * count, PAGED_BLOCK, dtype=np.uint64)
+    starts = np.repeat(np.arange(tensors, dtype=np.uint64) * tensor_nbytes, count)
+    lengths = np.full(tensors * count, block_nbytes, dtype=np.uint64)
 
     def table() -> np.ndarray[Any, Any]:
-        blocks = [rng.choice(PAGED_BLOCKS, count, replace=False) for _ in range(PAGED_TENSORS)]
-        return starts + np.concatenate(blocks).astype(np.uint64) * PAGED_BLOCK
+        blocks = [rng.choice(tensor_blocks, count, replace=False) for _ in range(tensors)]
+        return starts + np.concatenate(blocks).astype(np.uint64) * block_nbytes
 
     samples = []
     for _ in range(repeats):

@@ -131,11 +131,12 @@ _COMPARE: dict[str, Callable[[float, float], bool]] = {
 }
 
 
-# What each ceiling row copies (`suite._ceiling_step`), as a target's detail names it.
-_CEILINGS = {
-    "memcpy.shared": "2 threads between two segments of shared memory",
-    **{f"memcpy.scattered.{n}": "the same random blocks between two segments" for n in (1, 8, 64)},
-}
+def _copied_alone(row_id: str) -> str:
+    """What a copy-alone row (`suite._ceiling_step`: "memcpy.shared", "memcpy.scattered.N") copies, as a
+    target's detail names it."""
+    if row_id == "memcpy.shared":
+        return "2 threads between two segments of shared memory"
+    return "the same random blocks between two segments"
 
 
 def judge_targets(results: Results, layer_slices: Sequence[int]) -> list[dict[str, Any]]:
@@ -175,7 +176,7 @@ def judge_targets(results: Results, layer_slices: Sequence[int]) -> list[dict[st
             detail = f"{row['group']} {row['name']}, {fmt_nbytes(row['nbytes'])}"
             alone = rows.get(ceiling, {}).get("x_memcpy")
             if alone is not None:
-                detail += f" (the copy alone: {alone:.2f}, {_CEILINGS[ceiling]})"
+                detail += f" (the copy alone: {alone:.2f}, {_copied_alone(ceiling)})"
         target(key, text, ">=", limit, measured, detail)
 
     _serving_targets(rows, skipped, target, x_memcpy)
@@ -298,7 +299,7 @@ def _serving_targets(
     detail = "one-sided, a new BlocksCacheKey" if library else missing("serving.v2_paged.library.1")
     alone = rows.get("memcpy.scattered.1")
     if library and alone:
-        detail += f" (the copy alone: {alone['p50_us']:.0f} us, {_CEILINGS['memcpy.scattered.1']})"
+        detail += f" (the copy alone: {alone['p50_us']:.0f} us, {_copied_alone('memcpy.scattered.1')})"
     target("serving.v2_paged.library.1", text, "<=", 150, library["p50_us"] if library else None, detail)
     for memory, table, ratio in (("library", 8, 0.7), ("library", 64, 0.8), ("private", 8, 0.5)):
         row_id = f"serving.v2_paged.{memory}.{table}"

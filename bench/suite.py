@@ -41,8 +41,6 @@ from llm_datadist._tools.names import free_ports
 from . import peers, serving
 from .ours import IP, OWNER, PREFIX, U64_MAX, Owner, link, measurer
 from .proc import (
-    PAGED_BLOCK,
-    PAGED_TENSORS,
     BlockPattern,
     Results,
     block_patterns,
@@ -103,27 +101,31 @@ def _kernel_copy_step(results: Results, name: str, nbytes: int, threads: int, qu
     results.add("memcpy", name, nbytes, copy_samples(nbytes, threads, _repeats(nbytes, quick), kernel=kernel))
 
 
-PAGED_COUNTS = (1, 8, 64)  # blocks per tensor of the serving rows' paged pulls
-
-
 def _ceiling_step(results: Results, nbytes: int, quick: bool) -> None:
     """What the copy kernel does with what pulls copy, nothing of the library around it: `nbytes` on 2
-    threads between two segments of shared memory (the pages the system gives `/dev/shm`), and the paged
-    pulls' random 32 KiB blocks (`scattered_samples`). The targets name them as what limits a row."""
+    threads between two segments of shared memory (the pages the system gives `/dev/shm`), and the serving
+    rows' paged pulls (`scattered_samples` of their tables). The targets name them as what limits a row."""
     rows = [(f"{KERNEL_COPY}, 2 threads, shared memory", "memcpy.shared")] + [
         (f"{KERNEL_COPY}, {count} random 32 KiB blocks x 64, shared memory", f"memcpy.scattered.{count}")
-        for count in PAGED_COUNTS
+        for count in serving.PAGED_TABLES
     ]
     kernel = copy_kernel()
+    if kernel is None:
+        reason = "the C copy kernel is not built here (or LLM_DATADIST_NO_EXTENSION is set)"
+        for name, row_id in rows:
+            results.skip("memcpy", name, reason, id=row_id)
+        return
+    block = serving.PAGED_BLOCK
     try:
-        if kernel is None:
-            raise RuntimeError("the C copy kernel is not built here (or LLM_DATADIST_NO_EXTENSION is set)")
         samples = copy_samples(nbytes, 2, _repeats(nbytes, quick), kernel=kernel, shared=True)
         results.add("memcpy", rows[0][0], nbytes, samples, id=rows[0][1])
-        for (name, row_id), count in zip(rows[1:], PAGED_COUNTS, strict=True):
-            samples = scattered_samples(count, _repeats(count << 21, quick), kernel)
-            results.add("memcpy", name, count * PAGED_TENSORS * PAGED_BLOCK, samples, id=row_id)
-    except (RuntimeError, LLMException) as exc:  # no kernel; or /dev/shm too small for the buffers
+        for (name, row_id), count in zip(rows[1:], serving.PAGED_TABLES, strict=True):
+            repeats = _repeats(serving.TENSORS * count * block, quick)
+            samples = scattered_samples(
+                serving.TENSORS, serving.PAGED_POOL_BLOCKS, block, count, repeats, kernel
+            )
+            results.add("memcpy", name, serving.TENSORS * count * block, samples, id=row_id)
+    except LLMException as exc:  # /dev/shm too small for the buffers
         measured = {row["id"] for row in results.rows if "id" in row}
         for name, row_id in rows:
             if row_id not in measured:
