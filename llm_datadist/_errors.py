@@ -78,7 +78,13 @@ class api_errors:
         return None
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        if exc is None or isinstance(exc, LLMException):
+        if exc is not None:
+            self.raise_for(exc)
+
+    def raise_for(self, exc: BaseException) -> None:
+        """Raise what `exc`, raised inside the method, means to its caller; return when it goes out as it
+        is (an LLMException, an argument error, RuntimeError, or what is not an Exception)."""
+        if isinstance(exc, LLMException):
             return
         api = self.api
         # A StatusError's detail is the whole story, told for the user: the internal chain behind it would

@@ -123,13 +123,11 @@ def _run_pull(
         pins.leave(pinned, None)
     except BaseException as exc:
         try:
-            _PULL_ERRORS[api].__exit__(type(exc), exc, exc.__traceback__)  # raises what exc means
-        except LLMException as error:
+            _PULL_ERRORS[api].raise_for(exc)
+            raise
+        except LLMException as error:  # exc, or what it means
             core.stats.failed(GEN_V1, PULL, error.status_code)
             raise
-        if isinstance(exc, LLMException):
-            core.stats.failed(GEN_V1, PULL, exc.status_code)
-        raise
 
 
 class KvCacheManager:
